@@ -1,0 +1,1 @@
+"""Checkpoints: storage (local / S3), commit manifest, async save, resume, consolidation."""

@@ -1,0 +1,52 @@
+"""`bigclip` console script: dispatches subcommands to their modules.
+
+Each subcommand lives in the module that owns its responsibility and exposes
+`main(argv: list[str]) -> int`; modules are imported lazily so `bigclip --help` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from bigclip.errors import BigclipError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("bigclip.train", "Train a CLIP model (same flags as `python -m bigclip.train`)."),
+    "demo": ("bigclip.demo", "End-to-end demo on CPU: data, S3, 2-rank training, resume, retrieval."),
+    "make-demo-data": ("bigclip.data.demo_data", "Write synthetic captioned-image webdataset shards."),
+    "models": ("bigclip.models.registry", "List model configs with their parameter counts."),
+    "doctor": ("bigclip.checkpoint.doctor", "Check S3 credentials, permissions and throughput."),
+    "consolidate": ("bigclip.checkpoint.consolidate", "Stream a sharded checkpoint into safetensors."),
+    "publish": ("bigclip.checkpoint.registry", "Publish an immutable named checkpoint."),
+    "checkpoints": ("bigclip.checkpoint.registry_cli", "List, show, verify or remove published checkpoints."),
+    "plan": ("bigclip.plan", "Per-GPU memory, FLOPs and checkpoint plan for a run."),
+    "slurm": ("bigclip.slurm", "Render an sbatch script for a multi-node run."),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: bigclip COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<16}{text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"bigclip: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return int(module.main(rest) or 0)
+    except BigclipError as e:
+        print(f"bigclip {name}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

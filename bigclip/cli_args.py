@@ -1,0 +1,118 @@
+"""Build the training argument parser from the config dataclasses, and parse into a TrainConfig.
+
+Precedence: dataclass defaults < `--config FILE.yaml` < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bigclip.config import TrainConfig, section_of
+from bigclip.errors import ConfigError
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(f: dataclasses.Field, owner: type) -> type:
+    hint = typing.get_type_hints(owner)[f.name]
+    if isinstance(hint, types.UnionType):  # e.g. `int | None`
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type) -> None:
+    meta = f.metadata
+    kind = _scalar_type(f, owner)
+    names = [_flag(f.name)]
+    if kind is bool:
+        group.add_argument(
+            *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=meta.get("help")
+        )
+    else:
+        group.add_argument(
+            *names, dest=f.name, type=kind, default=None, choices=meta.get("choices"), help=meta.get("help")
+        )
+    for alias in meta.get("aliases", ()):
+        # Aliases take their own spelling of the value and convert it (OpenCLIP compatibility).
+        group.add_argument(alias, dest=f"_alias_{f.name}", default=None, help=f"alias of {names[0]}")
+
+
+def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Train a CLIP model with bigclip.")
+    parser.add_argument("--config", default=None, help="YAML file of options (flat or by section).")
+    for section in dataclasses.fields(TrainConfig):
+        cls = section.default_factory
+        group = parser.add_argument_group(section.name)
+        for f in dataclasses.fields(cls):
+            _add_field(group, f, cls)
+    return parser
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError as e:
+        raise ConfigError(f"--config {path}: file not found") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option names to values")
+    flat: dict[str, Any] = {}
+    sections = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key, value in data.items():
+        if key in sections and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key.replace("-", "_")] = value
+    return flat
+
+
+def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
+    try:
+        section = getattr(cfg, section_of(name))
+    except KeyError:
+        raise ConfigError(f"unknown option {name!r} (see `bigclip train --help`)") from None
+    setattr(section, name, value)
+
+
+def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse flags (and an optional YAML file) into a validated TrainConfig."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = TrainConfig()
+    if args.config:
+        for name, value in _load_yaml(args.config).items():
+            _assign(cfg, name, value)
+    for section in cfg.sections().values():
+        for f in dataclasses.fields(section):
+            alias_value = getattr(args, f"_alias_{f.name}", None)
+            if alias_value is not None:
+                setattr(section, f.name, f.metadata["convert"](alias_value))
+            value = getattr(args, f.name)
+            if value is not None:
+                setattr(section, f.name, value)
+    return cfg.validate()
+
+
+def to_argv(cfg: TrainConfig) -> list[str]:
+    """The flags that reproduce `cfg` (non-default values only); used by script renderers."""
+    default = TrainConfig()
+    argv: list[str] = []
+    for name, section in cfg.sections().items():
+        base = getattr(default, name)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if value == getattr(base, f.name):
+                continue
+            if isinstance(value, bool):
+                argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+            else:
+                argv += [_flag(f.name), str(value)]
+    return argv

@@ -1,0 +1,1 @@
+"""Sharding engines behind one interface: torch FSDP2 and DeepSpeed ZeRO."""

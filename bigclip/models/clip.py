@@ -1,0 +1,216 @@
+"""CLIP: an image tower and a text tower projected into a shared embedding space.
+
+The module is plain PyTorch: it knows nothing of sharding or precision policies. Weights
+are initialised by `init_weights`, parameter by parameter, from a generator seeded by the
+parameter's name, so a sharded engine can initialise its shard of each tensor and obtain
+exactly the values an unsharded model would have (see `param_initializers`).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigclip.models.text import build_text_modules, pool_end_of_text
+from bigclip.models.transformer import QuickGELU
+from bigclip.models.vision import VisionTransformer
+
+InitFn = Callable[[torch.Tensor, torch.Generator], None]
+
+
+@dataclass
+class VisionConfig:
+    image_size: int = 224
+    layers: int = 12
+    width: int = 768
+    head_width: int = 64
+    mlp_ratio: float = 4.0
+    patch_size: int = 16
+
+
+@dataclass
+class TextConfig:
+    context_length: int = 77
+    vocab_size: int = 49408
+    width: int = 512
+    heads: int = 8
+    layers: int = 12
+    mlp_ratio: float = 4.0
+
+
+@dataclass
+class CLIPConfig:
+    """OpenCLIP's model-config schema (the subset that describes ViT CLIP models)."""
+
+    embed_dim: int
+    vision_cfg: VisionConfig = field(default_factory=VisionConfig)
+    text_cfg: TextConfig = field(default_factory=TextConfig)
+    quick_gelu: bool = False
+    init_logit_scale: float = math.log(1 / 0.07)
+    init_logit_bias: float | None = None
+
+
+class CLIP(nn.Module):
+    def __init__(
+        self, cfg: CLIPConfig, *, patch_dropout: float = 0.0, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        act = QuickGELU if cfg.quick_gelu else nn.GELU
+        v, t = cfg.vision_cfg, cfg.text_cfg
+        self.visual = VisionTransformer(
+            image_size=v.image_size,
+            patch_size=v.patch_size,
+            width=v.width,
+            layers=v.layers,
+            heads=v.width // v.head_width,
+            mlp_ratio=v.mlp_ratio,
+            output_dim=cfg.embed_dim,
+            patch_dropout=patch_dropout,
+            act_layer=act,
+            device=device,
+        )
+        text = build_text_modules(
+            context_length=t.context_length,
+            vocab_size=t.vocab_size,
+            width=t.width,
+            heads=t.heads,
+            layers=t.layers,
+            mlp_ratio=t.mlp_ratio,
+            output_dim=cfg.embed_dim,
+            act_layer=act,
+            device=device,
+        )
+        for name, module in text.items():
+            setattr(self, name, module)
+        self.logit_scale = nn.Parameter(torch.empty((), device=device))
+        self.logit_bias = (
+            nn.Parameter(torch.empty((), device=device)) if cfg.init_logit_bias is not None else None
+        )
+
+    @property
+    def context_length(self) -> int:
+        return self.cfg.text_cfg.context_length
+
+    @property
+    def image_size(self) -> int:
+        return self.cfg.vision_cfg.image_size
+
+    def blocks(self) -> list[nn.Module]:
+        """Residual blocks of both towers: the units engines shard, checkpoint and compile."""
+        return [*self.visual.transformer.resblocks, *self.transformer.resblocks]
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.visual.transformer.grad_checkpointing = enable
+        self.transformer.grad_checkpointing = enable
+
+    def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        features = self.visual(image)
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        x = self.token_embedding(text) + self.positional_embedding[: text.shape[1]]
+        x = self.transformer(x, causal=True)
+        pooled = self.ln_final(pool_end_of_text(x, text))
+        features = pooled.to(self.text_projection.dtype) @ self.text_projection
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def forward(self, image: torch.Tensor | None = None, text: torch.Tensor | None = None) -> dict:
+        """Normalised features and the (exponentiated) logit scale, as OpenCLIP's output_dict."""
+        out = {
+            "image_features": self.encode_image(image, normalize=True) if image is not None else None,
+            "text_features": self.encode_text(text, normalize=True) if text is not None else None,
+            "logit_scale": self.logit_scale.exp(),
+        }
+        if self.logit_bias is not None:
+            out["logit_bias"] = self.logit_bias
+        return out
+
+
+def _normal(std: float) -> InitFn:
+    return lambda t, g: t.normal_(0.0, std, generator=g)
+
+
+def _constant(value: float) -> InitFn:
+    return lambda t, g: t.fill_(value)
+
+
+def _uniform_fan_in(fan_in: int) -> InitFn:
+    # nn.Linear / nn.Conv2d default: kaiming_uniform(a=sqrt(5)) == U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    bound = 1.0 / math.sqrt(fan_in)
+    return lambda t, g: t.uniform_(-bound, bound, generator=g)
+
+
+def _block_rules(prefix: str, width: int, layers: int) -> dict[str, InitFn]:
+    """OpenCLIP's text-tower init, used for both towers (its vision init is torch's defaults)."""
+    attn_std = width**-0.5
+    proj_std = attn_std * (2 * layers) ** -0.5
+    fc_std = (2 * width) ** -0.5
+    rules: dict[str, InitFn] = {}
+    for i in range(layers):
+        p = f"{prefix}.resblocks.{i}."
+        rules |= {
+            p + "ln_1.weight": _constant(1.0),
+            p + "ln_1.bias": _constant(0.0),
+            p + "ln_2.weight": _constant(1.0),
+            p + "ln_2.bias": _constant(0.0),
+            p + "attn.in_proj_weight": _normal(attn_std),
+            p + "attn.in_proj_bias": _constant(0.0),
+            p + "attn.out_proj.weight": _normal(proj_std),
+            p + "attn.out_proj.bias": _constant(0.0),
+            p + "mlp.c_fc.weight": _normal(fc_std),
+            p + "mlp.c_fc.bias": _constant(0.0),
+            p + "mlp.c_proj.weight": _normal(proj_std),
+            p + "mlp.c_proj.bias": _constant(0.0),
+        }
+    return rules
+
+
+def param_initializers(model: CLIP) -> dict[str, InitFn]:
+    """For every parameter name, a function that fills a full-size tensor with its initial values."""
+    cfg = model.cfg
+    v, t = cfg.vision_cfg, cfg.text_cfg
+    scale = v.width**-0.5
+    rules: dict[str, InitFn] = {
+        "visual.conv1.weight": _uniform_fan_in(3 * v.patch_size**2),
+        "visual.class_embedding": _normal(scale),
+        "visual.positional_embedding": _normal(scale),
+        "visual.ln_pre.weight": _constant(1.0),
+        "visual.ln_pre.bias": _constant(0.0),
+        "visual.ln_post.weight": _constant(1.0),
+        "visual.ln_post.bias": _constant(0.0),
+        "visual.proj": _normal(scale),
+        "token_embedding.weight": _normal(0.02),
+        "positional_embedding": _normal(0.01),
+        "ln_final.weight": _constant(1.0),
+        "ln_final.bias": _constant(0.0),
+        "text_projection": _normal(t.width**-0.5),
+        "logit_scale": _constant(cfg.init_logit_scale),
+    }
+    if cfg.init_logit_bias is not None:
+        rules["logit_bias"] = _constant(cfg.init_logit_bias)
+    rules |= _block_rules("visual.transformer", v.width, v.layers)
+    rules |= _block_rules("transformer", t.width, t.layers)
+    return rules
+
+
+def param_generator(name: str, seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator whose stream depends only on (seed, parameter name): same values at any world size."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+@torch.no_grad()
+def init_weights(model: CLIP, *, seed: int = 0) -> CLIP:
+    """Initialise an unsharded, materialised model in place."""
+    rules = param_initializers(model)
+    for name, param in model.named_parameters():
+        full = torch.empty(param.shape, dtype=torch.float32)
+        rules[name](full, param_generator(name, seed))
+        param.copy_(full)
+    return model

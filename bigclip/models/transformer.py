@@ -1,0 +1,116 @@
+"""The residual attention block: the unit of sharding, activation checkpointing and compile.
+
+Parameter names and shapes follow OpenCLIP (`ln_1`, `attn.in_proj_weight`, `attn.in_proj_bias`,
+`attn.out_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`) so OpenCLIP state dicts load unchanged, but
+attention runs through `scaled_dot_product_attention` instead of `nn.MultiheadAttention`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm that follows its input's dtype, so fp32 gains can serve bf16 activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(x.dtype) if self.weight is not None else None
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class QuickGELU(nn.Module):
+    """OpenAI CLIP's activation, used by the `-quickgelu` model variants."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with nn.MultiheadAttention's parameter layout.
+
+    `in_proj` is the function that applies the fused QKV projection; int8 layers replace it
+    (see bigclip.ops.switchback) while the parameters keep their names.
+    """
+
+    def __init__(self, width: int, heads: int, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not divisible by {heads} heads")
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width, device=device))
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * width, device=device))
+        self.out_proj = nn.Linear(width, width, device=device)
+        self.in_proj: Callable[..., torch.Tensor] = F.linear
+
+    def forward(self, x: torch.Tensor, *, causal: bool = False) -> torch.Tensor:
+        batch, seq, width = x.shape
+        qkv = self.in_proj(x, self.in_proj_weight, self.in_proj_bias)
+        # [B, S, 3, H, D] -> 3 x [B, H, S, D]
+        q, k, v = qkv.view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq, width))
+
+
+class ResidualAttentionBlock(nn.Module):
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp_ratio: float,
+        *,
+        act_layer: type[nn.Module] = nn.GELU,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        mlp_width = int(width * mlp_ratio)
+        self.ln_1 = LayerNorm(width, device=device)
+        self.attn = Attention(width, heads, device=device)
+        self.ln_2 = LayerNorm(width, device=device)
+        self.mlp = nn.Sequential(
+            OrderedDict(
+                c_fc=nn.Linear(width, mlp_width, device=device),
+                gelu=act_layer(),
+                c_proj=nn.Linear(mlp_width, width, device=device),
+            )
+        )
+
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), causal=causal)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(
+        self,
+        width: int,
+        layers: int,
+        heads: int,
+        mlp_ratio: float = 4.0,
+        *,
+        act_layer: type[nn.Module] = nn.GELU,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.width = width
+        self.layers = layers
+        self.grad_checkpointing = False
+        self.resblocks = nn.ModuleList(
+            ResidualAttentionBlock(width, heads, mlp_ratio, act_layer=act_layer, device=device)
+            for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor, *, causal: bool = False) -> torch.Tensor:
+        for block in self.resblocks:
+            if self.grad_checkpointing and self.training:
+                # Non-reentrant checkpointing composes with FSDP2 and ZeRO-3 parameter hooks.
+                x = checkpoint(block, x, causal, use_reentrant=False)
+            else:
+                x = block(x, causal)
+        return x

@@ -1,0 +1,1 @@
+"""Numerical building blocks: contrastive losses and int8 linears."""

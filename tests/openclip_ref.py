@@ -1,0 +1,72 @@
+"""Import OpenCLIP's real model code as a reference for equivalence tests.
+
+`open_clip_torch` is installed without its dependencies (its torchvision would need a CUDA
+torch). Only `open_clip/utils.py` imports torchvision, for a ResNet-only BatchNorm, so when
+torchvision cannot be imported we load the package with a placeholder for that one class;
+every module that builds ViT CLIP models is OpenCLIP's own, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+
+def _torchvision_importable() -> bool:
+    try:
+        import torchvision.ops.misc  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _placeholder_torchvision() -> None:
+    from torch import nn
+
+    class FrozenBatchNorm2d(nn.Module):  # used by OpenCLIP for ResNet towers only
+        pass
+
+    for name in ("torchvision", "torchvision.ops", "torchvision.ops.misc"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["torchvision.ops.misc"].FrozenBatchNorm2d = FrozenBatchNorm2d
+
+
+def open_clip_model_module():
+    """OpenCLIP's `open_clip.model` module, or skip the test when open_clip is not installed."""
+    if "open_clip.model" in sys.modules:
+        return sys.modules["open_clip.model"]
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None:
+        pytest.skip("open_clip_torch is not installed (make test installs it)")
+    if not _torchvision_importable():
+        _placeholder_torchvision()
+    # Register the package without running its __init__ (which imports the torchvision transforms).
+    package = types.ModuleType("open_clip")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["open_clip"] = package
+    return importlib.import_module("open_clip.model")
+
+
+def open_clip_config(name: str) -> dict:
+    module = open_clip_model_module()
+    path = Path(module.__file__).parent / "model_configs" / f"{name}.json"
+    return json.loads(path.read_text())
+
+
+def open_clip_clip(name: str, **overrides):
+    """OpenCLIP's CLIP for a named config (or bigclip's tiny config, which uses the same schema)."""
+    module = open_clip_model_module()
+    if name == "tiny":
+        from importlib import resources
+
+        cfg = json.loads((resources.files("bigclip.models") / "configs" / "tiny.json").read_text())
+    else:
+        cfg = open_clip_config(name)
+    cfg.update(overrides)
+    return module.CLIP(**cfg)

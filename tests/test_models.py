@@ -1,0 +1,122 @@
+"""Model layout, sizes and numerics against OpenCLIP's own code."""
+
+import time
+import tracemalloc
+
+import pytest
+import torch
+from openclip_ref import open_clip_clip
+
+from bigclip.errors import ConfigError
+from bigclip.models import count_parameters, create_model, init_weights, list_models
+from bigclip.models.vision import PatchDropout
+
+# OpenCLIP's parameter counts in millions: total, image tower, text tower.
+OPENCLIP_SIZES = {
+    "ViT-B-32": (151.28, 87.85, 63.43),
+    "ViT-B-16": (149.62, 86.19, 63.43),
+    "ViT-L-14": (427.62, 303.97, 123.65),
+    "ViT-H-14": (986.11, 632.08, 354.03),
+    "ViT-g-14": (1366.68, 1012.65, 354.03),
+    "ViT-bigG-14": (2539.57, 1844.91, 694.66),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPENCLIP_SIZES))
+def test_parameter_counts_match_openclip(name):
+    counts = count_parameters(create_model(name, device="meta"))
+    got = tuple(round(counts[k] / 1e6, 2) for k in ("total", "image", "text"))
+    assert got == pytest.approx(OPENCLIP_SIZES[name], abs=0.01)
+
+
+def test_all_openclip_configs_listed():
+    assert set(OPENCLIP_SIZES) | {"tiny"} <= set(list_models())
+
+
+@pytest.mark.parametrize("name", ["tiny", "ViT-B-32", "ViT-bigG-14"])
+def test_state_dict_layout_matches_openclip(name):
+    ours = create_model(name, device="meta").state_dict()
+    with torch.device("meta"):
+        ref = open_clip_clip(name).state_dict()
+    assert list(ours) == list(ref)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in ref.items()}
+
+
+@pytest.mark.parametrize("name", ["tiny", "ViT-B-32"])
+def test_openclip_weights_give_same_features(name):
+    torch.manual_seed(0)
+    ref = open_clip_clip(name).eval()
+    ours = create_model(name, device="cpu").eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    image = torch.randn(2, 3, ours.image_size, ours.image_size)
+    text = torch.randint(1, 40000, (2, ours.context_length))
+    text[:, 7], text[:, 8:] = 49407, 0  # end-of-text then padding, as OpenCLIP's tokenizer writes
+    with torch.no_grad():
+        torch.testing.assert_close(ours.encode_image(image), ref.encode_image(image), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.encode_text(text), ref.encode_text(text), rtol=1e-5, atol=1e-5)
+        assert ours.logit_scale.exp().item() == pytest.approx(ref.logit_scale.exp().item())
+
+
+def test_bigG_builds_on_meta_quickly_without_memory():
+    tracemalloc.start()
+    start = time.perf_counter()
+    model = create_model("ViT-bigG-14", device="meta")
+    elapsed = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert all(p.is_meta for p in model.parameters())
+    assert elapsed < 10
+    assert peak < 200 * 2**20  # 2.5 B parameters would be 10 GB in fp32
+
+
+def test_init_is_deterministic_and_meta_init_matches_direct():
+    a = create_model("tiny", device="cpu", seed=3)
+    b = create_model("tiny", device="meta").to_empty(device="cpu")
+    init_weights(b, seed=3)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    c = create_model("tiny", device="cpu", seed=4)
+    assert not torch.equal(a.visual.proj, c.visual.proj)
+
+
+def test_unknown_model_lists_valid_names():
+    with pytest.raises(ConfigError, match="ViT-bigG-14"):
+        create_model("ViT-Huge-99")
+
+
+def test_patch_dropout_keeps_class_token_and_fraction():
+    torch.manual_seed(0)
+    x = torch.randn(4, 1 + 64, 8)
+    drop = PatchDropout(0.75).train()
+    y = drop(x)
+    assert y.shape == (4, 1 + 16, 8)
+    assert torch.equal(y[:, 0], x[:, 0])
+    # every kept token is one of that image's own patches, without repeats
+    for i in range(4):
+        kept = {tuple(t.tolist()) for t in y[i, 1:]}
+        assert len(kept) == 16 and kept <= {tuple(t.tolist()) for t in x[i, 1:]}
+    assert torch.equal(drop.eval()(x), x)
+
+
+def test_patch_dropout_only_while_training():
+    model = create_model("tiny", device="cpu", patch_dropout=0.5)
+    image = torch.randn(2, 3, 64, 64)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(image), model.encode_image(image))
+        model.train()
+        assert not torch.equal(model.encode_image(image), model.encode_image(image))
+
+
+def test_grad_checkpointing_gives_same_gradients():
+    torch.manual_seed(0)
+    image, text = torch.randn(2, 3, 64, 64), torch.randint(0, 49408, (2, 32))
+    grads = []
+    for ckpt in (False, True):
+        model = create_model("tiny", device="cpu")
+        model.set_grad_checkpointing(ckpt)
+        out = model(image, text)
+        (out["logit_scale"] * out["image_features"] @ out["text_features"].T).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
