@@ -44,7 +44,9 @@ class S3Settings:
     @classmethod
     def resolve(cls, *, endpoint: str = "", region: str = "") -> S3Settings:
         """Explicit values win, then AWS_ENDPOINT_URL(_S3) / AWS_REGION / AWS_DEFAULT_REGION."""
-        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        endpoint = (
+            endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        )
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or ""
         if not region:
             region = _region_from_aws_config() or "us-east-1"
