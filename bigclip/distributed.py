@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -88,7 +89,9 @@ def _spawn_entry(rank: int, world_size: int, init_file: str, fn: Callable, args:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle bytes: the queue's own pickler would pass tensors as shared-memory
+        # handles that die with this process.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -125,7 +128,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
                 p.join()
     if failure:
         raise RuntimeError("a spawned rank failed:\n" + failure)
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
 def _collect(procs: list, results: Any, outcomes: dict, deadline: float) -> str | None:

@@ -1,0 +1,82 @@
+"""The Engine interface: the only thing the training loop talks to about parameters.
+
+An engine takes a meta-device CLIP, shards and materialises it, owns the optimizer, and
+exposes a handful of verbs. The loop never branches on which engine it has:
+
+    engine.build(model)                         # shard, materialise, init, optimizer
+    out = engine.forward(images, texts)         # features in the engine's precision
+    with engine.no_sync(): engine.backward(l)   # accumulate without gradient sync
+    stats = engine.step(lr=...)                 # clip, step, zero grads, clamp logit scale
+    engine.checkpoint_state()                   # DCP Stateful model + optimizer state
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigclip.config import TrainConfig
+from bigclip.distributed import Runtime
+from bigclip.models import CLIP
+
+
+@dataclass
+class StepStats:
+    grad_norm: torch.Tensor  # before clipping; a tensor so reading it (a device sync) is the caller's choice
+    skipped: bool = False  # fp16 overflow: the optimizer step was skipped and the loss scale lowered
+    loss_scale: float = 1.0
+
+
+class Engine(ABC):
+    name: str = "engine"
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.module: nn.Module | None = None  # the wrapped model; call `forward`, not this, in the loop
+
+    @abstractmethod
+    def build(self, model: CLIP) -> None:
+        """Shard a meta-device model, materialise it on the device, initialise weights, make the optimizer."""
+
+    @abstractmethod
+    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The model's output dict (normalised features, exponentiated logit scale, optional bias)."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def step(self, *, lr: float) -> StepStats:
+        """Finish gradient reduction, clip, take an optimizer step at `lr`, zero gradients."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without cross-rank reduction."""
+        yield
+
+    @abstractmethod
+    def checkpoint_state(self) -> dict[str, Any]:
+        """{'model': ..., 'optim': ...} as `Stateful` objects that torch.distributed.checkpoint
+        saves and loads in place, resharding to the current world size."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter gathered whole, on CPU, under its OpenCLIP name.
+        For tests and small models; large models are consolidated offline, tensor by tensor."""
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def eval(self) -> None:
+        self.train(False)
+
+    def unwrapped(self) -> CLIP:
+        """The CLIP module itself (parameters may be sharded)."""
+        return self.module
