@@ -15,3 +15,7 @@ class DataError(BigclipError):
 
 class StorageError(BigclipError):
     """A checkpoint location or S3 endpoint that cannot be used."""
+
+
+class NonFiniteLossError(BigclipError):
+    """The loss (or the logits behind it) stopped being finite; the step is named by the loop."""
