@@ -76,6 +76,9 @@ class ModelConfig:
             raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
+        from bigclip.models.registry import get_model_config  # raises, listing valid names
+
+        get_model_config(self.model)
 
 
 @dataclass
