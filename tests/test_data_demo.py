@@ -1,8 +1,8 @@
 """`bigclip make-demo-data`: shards, counts, captions that describe the pixels, distinct held-out captions."""
 
 import json
-import re
 import os
+import re
 import tarfile
 
 import numpy as np
