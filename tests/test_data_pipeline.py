@@ -1,5 +1,6 @@
 """The training pipeline on one rank: local shards, corrupt data, bad patterns, eval order, S3."""
 
+import multiprocessing
 import os
 import random
 from collections import Counter
@@ -16,7 +17,7 @@ from test_data_common import (
     write_shard,
 )
 
-from bigclip.data import build_train_loader, iter_eval_samples, load_eval_set, validate_shards
+from bigclip.data import build_train_loader, iter_eval_samples, load_eval_set, validate_data, validate_shards
 from bigclip.data.shards import expand_pattern
 from bigclip.errors import DataError
 
@@ -156,3 +157,27 @@ def test_all_samples_corrupt_is_a_clear_error_not_an_empty_epoch(tmp_path):
     loader = loader_for(data_config(f"{tmp_path}/0.tar", train_num_samples=8))
     with pytest.raises(DataError, match="bad_image: 8"):
         consume(loader)
+
+
+def test_validate_data_checks_val_shards_and_epoch_size_up_front(tmp_path):
+    pattern = write_dataset(str(tmp_path), [3, 3])
+    assert len(validate_data(data_config(pattern), world_size=1)) == 2
+    with pytest.raises(DataError, match="--val-data"):
+        validate_data(data_config(pattern, val_data=f"{tmp_path}/val-{{0..3}}.tar"), world_size=1)
+    with pytest.raises(DataError, match="less than one global batch"):
+        validate_data(data_config(pattern), world_size=2 * 6)
+
+
+def test_close_stops_the_workers_after_leaving_the_loop_early(tmp_path):
+    pattern = write_dataset(str(tmp_path), [20, 20])
+    loader = loader_for(data_config(pattern, workers=2))
+    assert len(consume(loader, steps=1)) == 4
+    assert len(multiprocessing.active_children()) == 2
+    loader.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_malformed_position_is_a_clear_error(tmp_path):
+    pattern = write_dataset(str(tmp_path), [4])
+    with pytest.raises(DataError, match="malformed data position"):
+        loader_for(data_config(pattern), position={"format": "bigclip.data.position/1", "epoch": 0})

@@ -112,6 +112,7 @@ def test_resume_in_one_process_with_other_workers(dataset):
 def test_resampled_resume_continues_the_step_budget(dataset):
     first = run_phase(0, 1, dataset, workers=1, batch_size=BATCH, steps=4, position=None, resampled=True)
     assert first["state"]["mode"] == "resampled" and first["state"]["samples"] == 4 * BATCH
+    assert first["state"]["cursors"] == {}  # no per-shard position: exactness is impossible here
     rest = run_phase(
         0, 1, dataset, workers=0, batch_size=BATCH, steps=0, position=first["state"], resampled=True
     )
@@ -128,3 +129,9 @@ def test_position_from_other_data_or_epoch_is_refused(dataset, tmp_path):
         run_phase(0, 1, dataset, workers=0, batch_size=BATCH, steps=0, position=state, resampled=True)
     with pytest.raises(DataError, match="not a bigclip data position"):
         run_phase(0, 1, dataset, workers=0, batch_size=BATCH, steps=0, position={"epoch": 0})
+
+
+def test_resampled_stream_of_unreadable_shards_stops_with_a_clear_error(tmp_path):
+    pattern = write_dataset(str(tmp_path), [4, 4], bad_every=1)  # every sample corrupt
+    with pytest.raises(DataError, match="bad_image"):
+        run_phase(0, 1, pattern, workers=0, batch_size=2, steps=0, position=None, resampled=True)

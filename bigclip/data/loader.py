@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections import Counter
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,10 +84,10 @@ def cpu_group() -> Any:
         return None
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    if _gloo_group is None:
+    if _gloo_group is None or _gloo_group[0] is not dist.group.WORLD:  # new default group: new gloo group
         # An NCCL flag all-reduce would need a device tensor and a GPU sync every step.
-        _gloo_group = dist.new_group(backend="gloo")
-    return _gloo_group
+        _gloo_group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _gloo_group[1]
 
 
 def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
@@ -98,6 +99,23 @@ def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
         f"cannot tell how many samples {cfg.train_data!r} holds: pass --train-num-samples N, or put a "
         'sizes.json ({"00000.tar": count, ...}) beside the shards'
     )
+
+
+def validate_data(cfg: DataConfig, *, world_size: int, s3: S3Settings | None = None) -> ShardList:
+    """Every data error that can be found before a model is built: shards (train and val) and epoch size.
+
+    Returns the training shards, to pass to `build_train_loader(shards=...)` so they are listed once.
+    """
+    shards = validate_shards(cfg.train_data, s3=s3)
+    if cfg.val_data:
+        validate_shards(cfg.val_data, s3=s3, what="--val-data")
+    samples = epoch_samples(cfg, shards)
+    if samples < cfg.batch_size * world_size:
+        raise DataError(
+            f"an epoch of {samples} samples is less than one global batch "
+            f"(--batch-size {cfg.batch_size} x {world_size} ranks); lower --batch-size or add data"
+        )
+    return shards
 
 
 class TrainLoader:
@@ -119,15 +137,10 @@ class TrainLoader:
         shards: ShardList | None = None,
     ) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.shards = shards or validate_shards(cfg.train_data, s3=s3)
+        self.shards = shards or validate_data(cfg, world_size=world_size, s3=s3)
         self.num_samples = epoch_samples(cfg, self.shards)
         self.global_batch = cfg.batch_size * world_size
         self.steps_per_epoch = self.num_samples // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise DataError(
-                f"an epoch of {self.num_samples} samples is less than one global batch "
-                f"(--batch-size {cfg.batch_size} x {world_size} ranks); lower --batch-size or add data"
-            )
         self.start = self._start_position(position, epoch)
         self.device = torch.device(device) if device is not None else None
         self.group = cpu_group()
@@ -135,11 +148,16 @@ class TrainLoader:
             raise RuntimeError(
                 "world_size > 1 needs torch.distributed initialised before building the loader"
             )
+        if self.group is not None and dist.get_world_size(self.group) != world_size:
+            raise ValueError(
+                f"world_size={world_size} but the default process group has {dist.get_world_size()}"
+            )
         self.progress = RankProgress()
         self.stats = DataStats()
         self.steps = 0  # steps taken by this loader (the same on every rank)
         self._dataset = self._reader_stream(seed=seed, image_size=image_size, tokenizer=tokenizer, s3=s3)
         self._iterated = False
+        self._batches: Generator[TrainBatch, None, None] | None = None
 
     def _start_position(self, position: dict[str, Any] | None, epoch: int) -> DataPosition:
         resampled = self.cfg.dataset_resampled
@@ -149,7 +167,9 @@ class TrainLoader:
         start.check_compatible(self.shards, epoch=epoch, resampled=resampled)
         return start
 
-    def _reader_stream(self, *, seed: int, image_size: int, tokenizer: Tokenizer, s3: S3Settings | None):
+    def _reader_stream(
+        self, *, seed: int, image_size: int, tokenizer: Tokenizer, s3: S3Settings | None
+    ) -> ReaderStream:
         start = self.start
         if start.resampled:
             plan, draw = [], functools.partial(draw_shard, self.shards)
@@ -182,10 +202,19 @@ class TrainLoader:
     def __len__(self) -> int:
         return self.steps_remaining
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[TrainBatch]:
         if self._iterated:
             raise RuntimeError("a TrainLoader is iterated once; build a new one for the next epoch")
         self._iterated = True
+        self._batches = self._generate()
+        return self._batches
+
+    def close(self) -> None:
+        """Stop the worker processes now (e.g. after leaving the loop early at --max-steps)."""
+        if self._batches is not None:
+            self._batches.close()
+
+    def _generate(self) -> Iterator[TrainBatch]:
         started_empty = self.start.samples == 0
         source = iter(self._dataloader())
         rebatcher = Rebatcher(self.cfg.batch_size, on_chunk=self._learn)
@@ -270,8 +299,9 @@ def build_train_loader(
     position: dict[str, Any] | None = None,
     device: torch.device | str | None = None,
     s3: S3Settings | None = None,
+    shards: ShardList | None = None,
 ) -> TrainLoader:
-    """Validate the shards (DataError in seconds if none exists) and build this rank's loader."""
+    """Build this rank's loader; validates the shards first (DataError in seconds) unless `shards` is given."""
     return TrainLoader(
         cfg,
         rank=rank,
@@ -283,4 +313,5 @@ def build_train_loader(
         position=position,
         device=device,
         s3=s3,
+        shards=shards,
     )

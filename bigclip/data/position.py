@@ -82,6 +82,8 @@ class DataPosition:
             done=set(self.done),
             cursors=dict(self.cursors),
         )
+        if self.resampled:  # shards drawn with replacement: only the sample count means anything
+            return merged
         for p in progress:
             merged.cursors.update(p.cursors)
             for shard, end in p.ends.items():
@@ -106,16 +108,21 @@ class DataPosition:
     def from_json(cls, state: dict[str, Any]) -> DataPosition:
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise DataError(f"not a bigclip data position (expected format {FORMAT!r}): {str(state)[:200]}")
-        count = int(state["shards"]["count"])
-        return cls(
-            epoch=int(state["epoch"]),
-            num_shards=count,
-            fingerprint=str(state["shards"]["fingerprint"]),
-            resampled=state["mode"] == "resampled",
-            samples=int(state["samples"]),
-            done=decode_bitmap(state["done"], count),
-            cursors={int(s): Cursor.from_json(c) for s, c in state["cursors"].items()},
-        )
+        try:
+            count = int(state["shards"]["count"])
+            return cls(
+                epoch=int(state["epoch"]),
+                num_shards=count,
+                fingerprint=str(state["shards"]["fingerprint"]),
+                resampled=state["mode"] == "resampled",
+                samples=int(state["samples"]),
+                done=decode_bitmap(state["done"], count),
+                cursors={int(s): Cursor.from_json(c) for s, c in state["cursors"].items()},
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise DataError(
+                f"malformed data position ({type(e).__name__}: {e}); was the checkpoint edited?"
+            ) from e
 
     def check_compatible(self, shards: ShardList, *, epoch: int, resampled: bool) -> None:
         """Raise `DataError` unless this position can continue `epoch` over `shards`."""

@@ -32,6 +32,7 @@ from bigclip.s3 import S3Settings
 log = logging.getLogger("bigclip.data")
 
 LOGGED_SKIPS_PER_WORKER = 5  # then counts only: the training loop logs totals
+MAX_FRUITLESS_DRAWS = 100  # --dataset-resampled: give up after this many useless shards in a row
 
 
 @dataclass
@@ -88,6 +89,7 @@ class ReaderStream(IterableDataset):
         worker = info.id if info is not None else 0
         rng = random.Random(f"{self.seed}-worker-{worker}")
         self._logged_skips = 0
+        self._fruitless = 0  # shards in a row closed without one valid sample
         for pending in self._batches(self._tasks(worker, rng), rng):
             yield self._emit(pending)
 
@@ -95,8 +97,11 @@ class ReaderStream(IterableDataset):
         if self.draw is None:
             yield from self.plan[worker] if worker < len(self.plan) else ()
             return
-        while True:
+        while self._fruitless < MAX_FRUITLESS_DRAWS:
             yield self.draw(rng)
+        # An endless stream of unreadable shards would hang the run; ending it lets the loader
+        # stop every rank and report the skip counts instead.
+        log.error("%d drawn shards in a row held no valid sample; stopping this data worker", self._fruitless)
 
     def _open(self, task: ShardTask) -> _OpenShard:
         reader = ShardSamples(task.url, start=task.start, s3=self.s3)
@@ -127,6 +132,7 @@ class ReaderStream(IterableDataset):
 
     def _close(self, shard: _OpenShard, pending: _Pending) -> None:
         pending.ends[shard.task.shard] = shard.last_valid.to_json()
+        self._fruitless = self._fruitless + 1 if shard.last_valid == shard.task.start else 0
         if shard.reader.error:
             pending.broken.append(shard.task.url)
             log.warning("shard %s ends early, keeping what was read: %s", shard.task.url, shard.reader.error)
