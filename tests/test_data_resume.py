@@ -7,10 +7,13 @@ sample must appear exactly once: nothing seen twice, nothing lost, and what phas
 rule dropped is exactly what its final position still lists as unconsumed.
 """
 
+import os
+import shutil
+
 import pytest
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, valid_keys, write_dataset
 
-from bigclip.data import build_train_loader
+from bigclip.data import build_train_loader, validate_data
 from bigclip.distributed import spawn
 from bigclip.errors import DataError
 
@@ -135,3 +138,28 @@ def test_resampled_stream_of_unreadable_shards_stops_with_a_clear_error(tmp_path
     pattern = write_dataset(str(tmp_path), [4, 4], bad_every=1)  # every sample corrupt
     with pytest.raises(DataError, match="bad_image"):
         run_phase(0, 1, pattern, workers=0, batch_size=2, steps=0, position=None, resampled=True)
+
+
+def validate_on_ranks(rank, world_size, good, bad):
+    shards = validate_data(data_config(good), world_size=world_size)
+    try:
+        validate_data(data_config(bad), world_size=world_size)
+    except DataError as e:
+        return shards, str(e)
+    return shards, ""
+
+
+@pytest.mark.dist
+def test_validation_runs_once_and_every_rank_gets_the_result_or_the_error(dataset, tmp_path):
+    results = spawn(validate_on_ranks, 2, dataset, f"{tmp_path}/none-{{0..9}}.tar", timeout_s=120)
+    assert results[0] == results[1]
+    assert len(results[0][0]) == len(SIZES) and "matches no shard" in results[0][1]
+
+
+def test_a_moved_dataset_keeps_its_position(dataset, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(os.path.dirname(dataset.split("::")[0]), moved)
+    state = run_phase(0, 1, dataset, workers=0, batch_size=BATCH, steps=2, position=None)["state"]
+    pattern = "::".join(str(moved / os.path.basename(p)) for p in dataset.split("::"))
+    rest = run_phase(0, 1, pattern, workers=0, batch_size=BATCH, steps=0, position=state)
+    assert rest["state"]["samples"] > state["samples"]

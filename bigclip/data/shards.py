@@ -54,8 +54,14 @@ class ShardList:
 
     @property
     def fingerprint(self) -> str:
-        """Identifies the shard list; a resumed position must have been saved over the same list."""
-        return hashlib.sha256("\n".join(self.urls).encode()).hexdigest()[:16]
+        """Identifies the shard list; a resumed position must have been saved over the same list.
+
+        Paths are taken relative to the shards' common folder, so a dataset moved (say from S3
+        to a local cache) between save and resume still matches.
+        """
+        root = os.path.commonprefix(list(self.urls)).rpartition("/")[0]
+        relative = [u[len(root) :] for u in self.urls]
+        return hashlib.sha256("\n".join(relative).encode()).hexdigest()[:16]
 
 
 def expand_pattern(pattern: str) -> list[str]:
