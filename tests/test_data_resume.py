@@ -69,6 +69,7 @@ def dataset(tmp_path_factory):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "n, workers_n, m, workers_m",
     [(1, 2, 4, 0), (2, 0, 3, 2), (3, 1, 2, 1), (4, 2, 1, 0)],  # every world size on each side
