@@ -97,8 +97,15 @@ class DataConfig:
         "Text tokenizer: built-in 'simple' (no download) or 'open_clip'.",
         choices=("simple", "open_clip"),
     )
+    shard_interleave: int = _opt(
+        4,
+        "Shards each data worker reads at once, taking samples from them in random order "
+        "(mixing without a shuffle buffer, which keeps resume exact).",
+    )
 
     def validate(self) -> None:
+        if self.shard_interleave < 1:
+            raise ConfigError(f"--shard-interleave must be at least 1, got {self.shard_interleave}")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1 (samples per rank), got {self.batch_size}")
         if self.workers < 0:

@@ -1,1 +1,41 @@
-"""Data: webdataset pipeline (local or S3), transforms, tokenizer, demo-data generator."""
+"""Data: webdataset pipeline (local or S3), transforms, tokenizer, demo-data generator.
+
+    shards = validate_data(cfg.data, world_size=n)   # before building the model: DataError in seconds
+    tokenizer = build_tokenizer(cfg.data.tokenizer, context_length=L, vocab_size=V)
+    loader = build_train_loader(cfg.data, rank=r, world_size=n, seed=s, epoch=e, image_size=S,
+                                tokenizer=tokenizer, position=saved, shards=shards)
+    for batch in loader: ...            # TrainBatch(images, texts, keys)
+    saved = loader.state_dict()          # collective; JSON-able; resumes at any world size
+    held_out = load_eval_set(cfg.data.val_data, image_size=S, tokenizer=tokenizer)
+
+Module map: shards (patterns, existence, sizes) -> streams (local / S3 bytes) ->
+tar_samples (samples + cursors) -> decode -> worker (read, transform, batch) ->
+batching + loader (consumer side: re-batching, epoch end, position) with plan + position
+(who reads what; what has been consumed). eval, transforms, tokenizer, demo_data stand alone.
+"""
+
+from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set
+from bigclip.data.loader import DataStats, TrainBatch, TrainLoader, build_train_loader, validate_data
+from bigclip.data.shards import ShardList, expand_pattern, validate_shards
+from bigclip.data.tokenizer import HashingTokenizer, Tokenizer, build_tokenizer
+from bigclip.data.transforms import eval_transform, train_transform
+
+__all__ = [
+    "DataStats",
+    "EvalSample",
+    "EvalSet",
+    "HashingTokenizer",
+    "ShardList",
+    "Tokenizer",
+    "TrainBatch",
+    "TrainLoader",
+    "build_tokenizer",
+    "build_train_loader",
+    "eval_transform",
+    "expand_pattern",
+    "iter_eval_samples",
+    "load_eval_set",
+    "train_transform",
+    "validate_data",
+    "validate_shards",
+]

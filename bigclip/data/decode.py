@@ -1,0 +1,69 @@
+"""Decoding a raw webdataset sample into (image, caption), or the reason it is skipped.
+
+Samples come from the open internet and are untrusted: any failure to decode is a skip
+with a reason, counted by the caller, never an exception. Images: jpg/jpeg/png/webp (the
+first present, in that order); caption: txt, UTF-8.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image
+
+from bigclip.data.tar_samples import RawSample
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+TEXT_EXTENSIONS = ("txt",)
+
+# Why a sample was skipped (keys of the skip counters reported to the training loop).
+NO_IMAGE = "no_image"  # no file with an image extension (unknown or missing)
+NO_TEXT = "no_text"
+BAD_IMAGE = "bad_image"  # image bytes PIL cannot decode
+BAD_TEXT = "bad_text"  # caption that is not UTF-8
+SKIP_REASONS = (NO_IMAGE, NO_TEXT, BAD_IMAGE, BAD_TEXT)
+
+
+@dataclass
+class Decoded:
+    key: str
+    image: Image.Image
+    caption: str
+
+
+def _first(files: dict[str, bytes], extensions: tuple[str, ...]) -> bytes | None:
+    for ext in extensions:
+        if ext in files:
+            return files[ext]
+    return None
+
+
+def decode_image(data: bytes) -> Image.Image | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # EXIF / decompression-bomb warnings: we decide below
+            image = Image.open(io.BytesIO(data))
+            image.load()  # decoding is lazy; force it so damage is found here
+        return image
+    except Exception:  # PIL raises many types (OSError, ValueError, SyntaxError, DecompressionBombError...)
+        return None
+
+
+def decode_sample(raw: RawSample) -> Decoded | str:
+    """A `Decoded` sample, or one of SKIP_REASONS."""
+    image_bytes = _first(raw.files, IMAGE_EXTENSIONS)
+    if image_bytes is None:
+        return NO_IMAGE
+    text_bytes = _first(raw.files, TEXT_EXTENSIONS)
+    if text_bytes is None:
+        return NO_TEXT
+    try:
+        caption = text_bytes.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return BAD_TEXT
+    image = decode_image(image_bytes)
+    if image is None:
+        return BAD_IMAGE
+    return Decoded(key=raw.key, image=image, caption=caption)

@@ -1,0 +1,337 @@
+"""The per-rank training loader: batches for the training loop, and an exact, resumable position.
+
+    loader = build_train_loader(cfg.data, rank=r, world_size=n, seed=s, epoch=e,
+                                image_size=224, tokenizer=tok, position=saved_or_None)
+    for batch in loader:            # TrainBatch: images [B,3,H,W], texts [B,L], keys
+        ...
+        state = loader.state_dict()  # collective: every rank calls it; JSON-able, world-size free
+
+Where consumption is tracked: here, in the main process, when a batch is handed to the
+training loop. Workers prefetch, so what they have read says nothing about what was used.
+
+How an epoch ends: every step, the ranks all-reduce (MIN, on a CPU gloo group, so no GPU
+sync) one "I have a full batch" flag; the epoch ends for everyone at the first step some
+rank cannot fill, or when the epoch's sample budget (`--train-num-samples`, else the
+sizes.json total) has no room for another global batch. Samples not consumed by then (the
+rest of other ranks' shards, and a short remainder per rank) are not seen in this epoch;
+the next epoch reshuffles all shards. The plan balances remaining samples across ranks, so
+this is typically under one shard per rank. `state_dict()` at that point still lists them
+as unconsumed: nothing is lost silently.
+
+Resume: `position=` takes a `state_dict()` from any world size and worker count; the
+unfinished shards are re-planned over this run's readers and continue at their cursors,
+so no sample of the epoch is seen twice or skipped. With --dataset-resampled, shards are
+drawn with replacement and exactness is impossible by construction: the position keeps only
+the epoch and samples consumed, and resume starts a fresh stream seeded from
+(seed, epoch, samples consumed), with the same remaining step budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import Counter
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from bigclip.config import DataConfig
+from bigclip.data.batching import Chunk, Rebatcher
+from bigclip.data.plan import assign, draw_shard, remaining_tasks
+from bigclip.data.position import DataPosition, RankProgress
+from bigclip.data.shards import ShardList, validate_shards
+from bigclip.data.tar_samples import Cursor
+from bigclip.data.tokenizer import Tokenizer
+from bigclip.data.transforms import train_transform
+from bigclip.data.worker import ReaderStream
+from bigclip.errors import DataError
+from bigclip.s3 import S3Settings
+
+_gloo_group: Any = None
+
+
+@dataclass
+class TrainBatch:
+    images: torch.Tensor  # float [B, 3, H, W], CLIP-normalised
+    texts: torch.Tensor  # long [B, context_length]
+    keys: list[str]  # the samples' webdataset keys
+
+
+@dataclass
+class DataStats:
+    """This rank's counters since the loader started (for logging; the loop may all-reduce them)."""
+
+    samples: int = 0  # handed to the training loop
+    skipped: Counter = field(default_factory=Counter)  # corrupt samples by reason (see decode.py)
+    broken_shards: list[str] = field(default_factory=list)  # truncated / unreadable shards
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+
+def cpu_group() -> Any:
+    """A gloo group for the loader's tiny collectives: the default group when it is gloo, else a new one.
+
+    Must first be called by all ranks together (it may create a group). None outside torch.distributed.
+    """
+    global _gloo_group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    if _gloo_group is None or _gloo_group[0] is not dist.group.WORLD:  # new default group: new gloo group
+        # An NCCL flag all-reduce would need a device tensor and a GPU sync every step.
+        _gloo_group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _gloo_group[1]
+
+
+def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
+    if cfg.train_num_samples:
+        return cfg.train_num_samples
+    if shards.total_samples is not None:
+        return shards.total_samples
+    raise DataError(
+        f"cannot tell how many samples {cfg.train_data!r} holds: pass --train-num-samples N, or put a "
+        'sizes.json ({"00000.tar": count, ...}) beside the shards'
+    )
+
+
+def validate_data(cfg: DataConfig, *, world_size: int, s3: S3Settings | None = None) -> ShardList:
+    """Every data error that can be found before a model is built: shards (train and val) and epoch size.
+
+    Returns the training shards, to pass to `build_train_loader(shards=...)` so they are listed once.
+    Under torch.distributed this is collective: rank 0 lists and broadcasts the result (or its
+    error), so 1024 ranks cost one listing of the bucket, not 1024 bursts that S3 would throttle.
+    """
+    group = cpu_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return _validate_data_here(cfg, world_size=world_size, s3=s3)
+    result: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            result[0] = _validate_data_here(cfg, world_size=world_size, s3=s3)
+        except Exception as e:  # sent to every rank, so all of them stop with the same message
+            result[0] = (
+                e if isinstance(e, DataError) else DataError(f"rank 0 could not check the data: {e!r}")
+            )
+    dist.broadcast_object_list(result, src=0, group=group)
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return result[0]
+
+
+def _validate_data_here(cfg: DataConfig, *, world_size: int, s3: S3Settings | None) -> ShardList:
+    shards = validate_shards(cfg.train_data, s3=s3)
+    if cfg.val_data:
+        validate_shards(cfg.val_data, s3=s3, what="--val-data")
+    samples = epoch_samples(cfg, shards)
+    if samples < cfg.batch_size * world_size:
+        raise DataError(
+            f"an epoch of {samples} samples is less than one global batch "
+            f"(--batch-size {cfg.batch_size} x {world_size} ranks); lower --batch-size or add data"
+        )
+    return shards
+
+
+class TrainLoader:
+    """One rank's loader for one epoch (or the rest of one). Iterate it once; build a new one per epoch."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        *,
+        rank: int,
+        world_size: int,
+        seed: int,
+        epoch: int,
+        image_size: int,
+        tokenizer: Tokenizer,
+        position: dict[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        s3: S3Settings | None = None,
+        shards: ShardList | None = None,
+    ) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.shards = shards or validate_data(cfg, world_size=world_size, s3=s3)
+        self.num_samples = epoch_samples(cfg, self.shards)
+        self.global_batch = cfg.batch_size * world_size
+        self.steps_per_epoch = self.num_samples // self.global_batch
+        self.start = self._start_position(position, epoch)
+        self.device = torch.device(device) if device is not None else None
+        self.group = cpu_group()
+        if world_size > 1 and self.group is None:
+            raise RuntimeError(
+                "world_size > 1 needs torch.distributed initialised before building the loader"
+            )
+        if self.group is not None and dist.get_world_size(self.group) != world_size:
+            raise ValueError(
+                f"world_size={world_size} but the default process group has {dist.get_world_size()}"
+            )
+        self.progress = RankProgress()
+        self.stats = DataStats()
+        self.steps = 0  # steps taken by this loader (the same on every rank)
+        self._dataset = self._reader_stream(seed=seed, image_size=image_size, tokenizer=tokenizer, s3=s3)
+        self._iterated = False
+        self._batches: Generator[TrainBatch, None, None] | None = None
+
+    def _start_position(self, position: dict[str, Any] | None, epoch: int) -> DataPosition:
+        resampled = self.cfg.dataset_resampled
+        if position is None:
+            return DataPosition.start_of(epoch, self.shards, resampled=resampled)
+        start = DataPosition.from_json(position)
+        start.check_compatible(self.shards, epoch=epoch, resampled=resampled)
+        return start
+
+    def _reader_stream(
+        self, *, seed: int, image_size: int, tokenizer: Tokenizer, s3: S3Settings | None
+    ) -> ReaderStream:
+        start = self.start
+        if start.resampled:
+            plan, draw = [], functools.partial(draw_shard, self.shards)
+        else:
+            tasks = remaining_tasks(self.shards, start, seed=seed)
+            plan = assign(tasks, self.shards, world_size=self.world_size, workers=self.cfg.workers)[self.rank]
+            draw = None
+        return ReaderStream(
+            plan=plan,
+            draw=draw,
+            batch_size=self.cfg.batch_size,
+            interleave=self.cfg.shard_interleave,
+            transform=train_transform(image_size),
+            tokenizer=tokenizer,
+            # Resampled resume: a fresh stream seeded from (seed, epoch, samples consumed).
+            seed=f"{seed}-{start.epoch}-{self.rank}-{start.samples}",
+            s3=s3,
+        )
+
+    @property
+    def samples_consumed(self) -> int:
+        """Samples of this epoch consumed by all ranks together, including before a resume."""
+        return self.start.samples + self.steps * self.global_batch
+
+    @property
+    def steps_remaining(self) -> int:
+        """Planned steps left in the epoch (the data may run out a little earlier; see the module doc)."""
+        return max(0, (self.num_samples - self.samples_consumed) // self.global_batch)
+
+    def __len__(self) -> int:
+        return self.steps_remaining
+
+    def __iter__(self) -> Iterator[TrainBatch]:
+        if self._iterated:
+            raise RuntimeError("a TrainLoader is iterated once; build a new one for the next epoch")
+        self._iterated = True
+        self._batches = self._generate()
+        return self._batches
+
+    def close(self) -> None:
+        """Stop the worker processes now (e.g. after leaving the loop early at --max-steps)."""
+        if self._batches is not None:
+            self._batches.close()
+
+    def _generate(self) -> Iterator[TrainBatch]:
+        started_empty = self.start.samples == 0
+        source = iter(self._dataloader())
+        rebatcher = Rebatcher(self.cfg.batch_size, on_chunk=self._learn)
+        try:
+            while self.steps_remaining > 0:
+                chunk = rebatcher.next_batch(source)
+                if not self._all_ranks_have(chunk is not None):
+                    break
+                yield self._consume(chunk)
+        finally:
+            del source  # shuts the worker processes down
+        if self.steps == 0 and started_empty:
+            self._raise_no_batch()
+
+    def _dataloader(self) -> DataLoader:
+        pin = self.device is not None and self.device.type == "cuda"
+        # Fork on Linux even when this process was itself started by multiprocessing 'spawn'
+        # (bigclip.distributed.spawn), which would otherwise be inherited and make every worker
+        # re-import torch: seconds per worker per epoch. Workers never touch CUDA, so fork is safe.
+        context = "fork" if sys.platform.startswith("linux") and self.cfg.workers > 0 else None
+        return DataLoader(
+            self._dataset,
+            batch_size=None,
+            num_workers=self.cfg.workers,
+            pin_memory=pin,
+            multiprocessing_context=context,
+        )
+
+    def _all_ranks_have(self, has_batch: bool) -> bool:
+        if self.group is None:
+            return has_batch
+        flag = torch.tensor([int(has_batch)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def _learn(self, worker_batch: dict[str, Any]) -> None:
+        """Bookkeeping that arrives with a worker batch, whether or not its samples are consumed yet."""
+        for shard, end in worker_batch["ends"].items():
+            self.progress.ends[int(shard)] = Cursor.from_json(end)
+        self.stats.skipped.update(worker_batch["skipped"])
+        self.stats.broken_shards.extend(worker_batch["broken"])
+
+    def _consume(self, chunk: Chunk) -> TrainBatch:
+        for shard, after in zip(chunk.shards.tolist(), chunk.after.tolist()):
+            self.progress.consume(shard, Cursor.from_json(after))
+        self.steps += 1
+        self.stats.samples += len(chunk.keys)
+        images, texts = chunk.images, chunk.texts
+        if self.device is not None:
+            images = images.to(self.device, non_blocking=True)
+            texts = texts.to(self.device, non_blocking=True)
+        return TrainBatch(images=images, texts=texts, keys=chunk.keys)
+
+    def _raise_no_batch(self) -> None:
+        skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.skipped.items())) or "none"
+        raise DataError(
+            f"epoch {self.start.epoch}: not every rank could fill one batch of {self.cfg.batch_size} samples "
+            f"from {self.cfg.train_data!r} (rank {self.rank} skipped {self.stats.skipped_total} corrupt "
+            f"samples: {skipped}; broken shards: {len(self.stats.broken_shards)}). Check the shards, or use "
+            "fewer ranks or a smaller --batch-size"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch's position, merged over all ranks (collective: call it on every rank). JSON-able."""
+        if self.group is None:
+            gathered = [self.progress]
+        else:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, self.progress, group=self.group)
+        return self.start.merge(gathered).to_json()
+
+
+def build_train_loader(
+    cfg: DataConfig,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    epoch: int,
+    image_size: int,
+    tokenizer: Tokenizer,
+    position: dict[str, Any] | None = None,
+    device: torch.device | str | None = None,
+    s3: S3Settings | None = None,
+    shards: ShardList | None = None,
+) -> TrainLoader:
+    """Build this rank's loader; validates the shards first (DataError in seconds) unless `shards` is given."""
+    return TrainLoader(
+        cfg,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        epoch=epoch,
+        image_size=image_size,
+        tokenizer=tokenizer,
+        position=position,
+        device=device,
+        s3=s3,
+        shards=shards,
+    )

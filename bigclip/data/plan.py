@@ -1,0 +1,78 @@
+"""Which reader (rank x data worker) reads which shards, for an epoch or the rest of one.
+
+Every rank computes the same plan from (shards, position, seed, world size, workers), so
+no communication is needed. The epoch's shard order is a seeded shuffle of all shards;
+the remaining shards (partial ones first, so in-progress work finishes early, then the
+untouched ones in epoch order) are dealt greedily to the least-loaded rank, then within a
+rank to its least-loaded worker. Load is the remaining sample count (sizes.json; the mean
+size where unknown), so ranks end the epoch close together even after a resume has left
+partial shards of very different lengths. With equal shards this is round robin.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass
+
+from bigclip.data.position import DataPosition
+from bigclip.data.shards import ShardList
+from bigclip.data.tar_samples import Cursor
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    shard: int  # index into ShardList.urls
+    url: str
+    start: Cursor
+
+
+def epoch_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
+    order = list(range(num_shards))
+    # A str seed is hashed with SHA-512: the same shuffle in every process and Python version.
+    random.Random(f"bigclip-shards-{seed}-{epoch}").shuffle(order)
+    return order
+
+
+def remaining_tasks(shards: ShardList, position: DataPosition, *, seed: int) -> list[ShardTask]:
+    order = epoch_order(len(shards), seed=seed, epoch=position.epoch)
+    partial = [s for s in order if s in position.cursors and s not in position.done]
+    untouched = [s for s in order if s not in position.cursors and s not in position.done]
+    return [ShardTask(s, shards.urls[s], position.cursor(s)) for s in partial + untouched]
+
+
+def _remaining_samples(task: ShardTask, shards: ShardList, mean_size: float) -> float:
+    size = shards.sizes[task.shard]
+    total = float(size) if size is not None else mean_size
+    return max(total - task.start.index, 1.0)
+
+
+def _deal(loads: list[float], items: list[tuple[float, ShardTask]]) -> list[list[ShardTask]]:
+    """Greedy: each item, in order, to the least-loaded bin (lowest index on ties)."""
+    bins: list[list[ShardTask]] = [[] for _ in loads]
+    heap = [(load, i) for i, load in enumerate(loads)]
+    heapq.heapify(heap)
+    for weight, task in items:
+        load, i = heapq.heappop(heap)
+        bins[i].append(task)
+        heapq.heappush(heap, (load + weight, i))
+    return bins
+
+
+def assign(
+    tasks: list[ShardTask], shards: ShardList, *, world_size: int, workers: int
+) -> list[list[list[ShardTask]]]:
+    """tasks -> plan[rank][worker] = shards that reader reads, in order."""
+    known = [s for s in shards.sizes if s is not None]
+    mean_size = sum(known) / len(known) if known else 1.0
+    weighted = [(_remaining_samples(t, shards, mean_size), t) for t in tasks]
+    weight_of = {t.shard: w for w, t in weighted}
+    per_rank = _deal([0.0] * world_size, weighted)
+    readers = max(1, workers)
+    return [_deal([0.0] * readers, [(weight_of[t.shard], t) for t in rank_tasks]) for rank_tasks in per_rank]
+
+
+def draw_shard(shards: ShardList, rng: random.Random) -> ShardTask:
+    """One shard drawn with replacement, read from its start (--dataset-resampled)."""
+    shard = rng.randrange(len(shards))
+    return ShardTask(shard, shards.urls[shard], Cursor(0, 0))

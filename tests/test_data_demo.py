@@ -1,0 +1,107 @@
+"""`bigclip make-demo-data`: shards, counts, captions that describe the pixels, distinct held-out captions."""
+
+import json
+import os
+import re
+import tarfile
+
+import numpy as np
+import pytest
+
+from bigclip.cli import main as bigclip_main
+from bigclip.data.decode import decode_sample
+from bigclip.data.demo_data import BACKGROUNDS, COLOURS, POSITIONS, all_attributes, write_demo_data
+from bigclip.data.shards import validate_shards
+from bigclip.data.tar_samples import ShardSamples
+from bigclip.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("demo"))
+    return out, write_demo_data(out, samples=90, shards=4, val_samples=60, image_size=64, seed=1)
+
+
+def decoded(pattern):
+    return [decode_sample(raw) for url in validate_shards(pattern).urls for raw in ShardSamples(url)]
+
+
+def nearest(pixel, palette: dict) -> str:
+    return min(palette, key=lambda name: np.abs(np.asarray(palette[name]) - pixel).sum())
+
+
+def shape_of(mask: np.ndarray) -> tuple[str, str]:
+    """(size, shape) read back from the pixels of one colour: bounding box, fill, top vs bottom width."""
+    rows, cols = np.nonzero(mask)
+    height, width = rows.max() - rows.min() + 1, cols.max() - cols.min() + 1
+    size = "large" if max(height, width) >= 22 else "small"
+    fill = mask.sum() / (height * width)
+    if fill >= 0.9:
+        return size, "square"
+    if fill >= 0.7:
+        return size, "circle"
+    band = mask[rows.min() : rows.max() + 1]
+    top, bottom = band[height // 5].sum(), band[4 * height // 5].sum()
+    return size, "triangle" if top < 0.6 * bottom else "cross"
+
+
+def test_shard_and_sample_counts(demo):
+    out, data = demo
+    shards = validate_shards(data.train_pattern)
+    assert len(shards) == 4 and shards.total_samples == 90
+    assert sorted(os.listdir(os.path.join(out, "train"))) == [f"0000{i}.tar" for i in range(4)] + [
+        "sizes.json"
+    ]
+    assert validate_shards(data.val_pattern).total_samples == 60
+    with tarfile.open(shards.urls[0]) as tar:  # plain webdataset layout: KEY.EXT members
+        assert {n.rsplit(".", 1)[1] for n in tar.getnames()} >= {"txt", "json", "jpg"}
+
+
+def test_captions_describe_the_drawn_pixels(demo):
+    _, data = demo
+    samples = decoded(data.train_pattern) + decoded(data.val_pattern)
+    assert len(samples) == 150 and all(not isinstance(s, str) for s in samples)
+    formats = set()
+    for sample in samples:
+        pixels = np.asarray(sample.image.convert("RGB"), dtype=np.int32)
+        match = re.fullmatch(
+            r"a (small|large) (\w+) (\w+) at the ([\w ]+) on a (\w+) background", sample.caption
+        )
+        size, colour, shape, position, background = match.groups()
+        fx, fy = POSITIONS[position]
+        centre = pixels[int(fy * 64), int(fx * 64)]
+        far_corner = pixels[63 if fy <= 0.5 else 0, 63 if fx <= 0.5 else 0]
+        palette = COLOURS | {f"bg-{k}": v for k, v in BACKGROUNDS.items()}
+        assert nearest(centre, palette) == colour, sample.caption
+        assert nearest(far_corner, palette) == f"bg-{background}", sample.caption
+        names = list(palette)
+        distance = np.stack([np.abs(pixels - np.asarray(palette[n])).sum(-1) for n in names])
+        assert shape_of(distance.argmin(0) == names.index(colour)) == (size, shape), sample.caption
+        formats.add(sample.image.format)
+    assert formats == {"JPEG", "PNG", "WEBP"}
+
+
+def test_held_out_captions_are_distinct(demo):
+    _, data = demo
+    captions = [s.caption for s in decoded(data.val_pattern)]
+    assert len(captions) == len(set(captions)) == 60
+
+
+def test_too_many_held_out_samples_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="distinct captions"):
+        write_demo_data(str(tmp_path), samples=10, shards=1, val_samples=len(all_attributes()) + 1)
+
+
+def test_cli_writes_data_and_prints_the_flags(tmp_path, capsys):
+    assert (
+        bigclip_main(
+            ["make-demo-data", str(tmp_path), "--samples", "12", "--shards", "2", "--val-samples", "5"]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert f"--train-data '{tmp_path}/train/{{00000..00001}}.tar'" in printed
+    assert json.loads((tmp_path / "train" / "sizes.json").read_text()) == {"00000.tar": 6, "00001.tar": 6}
+    assert (
+        bigclip_main(["make-demo-data", str(tmp_path), "--samples", "2", "--shards", "3"]) == 2
+    )  # clean error

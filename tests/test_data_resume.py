@@ -1,0 +1,166 @@
+"""Exact resume of the data stream across world sizes and worker counts, with real processes over gloo.
+
+Phase 1 consumes a few steps at N ranks and gathers the position; phase 2 resumes it at M
+ranks (other worker counts) and runs to the end of the epoch; phase 3 drains, on one rank
+with batch size 1, whatever the end-of-epoch rule left. Across the three phases every valid
+sample must appear exactly once: nothing seen twice, nothing lost, and what phase 2's end
+rule dropped is exactly what its final position still lists as unconsumed.
+"""
+
+import os
+import shutil
+
+import pytest
+from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, valid_keys, write_dataset
+
+from bigclip.data import build_train_loader, validate_data
+from bigclip.distributed import spawn
+from bigclip.errors import DataError
+
+SIZES = [13, 7, 22, 9, 16, 11, 5, 18, 10]  # unequal shards; one compressed, every 6th sample corrupt
+BAD_EVERY = 6
+BATCH = 4
+
+
+def run_phase(rank, world_size, pattern, *, workers, batch_size, steps, position, resampled=False):
+    cfg = data_config(pattern, workers=workers, batch_size=batch_size, dataset_resampled=resampled)
+    loader = build_train_loader(
+        cfg,
+        rank=rank,
+        world_size=world_size,
+        seed=5,
+        epoch=0,
+        image_size=IMAGE_SIZE,
+        tokenizer=TOKENIZER,
+        position=position,
+    )
+    keys = []
+    for batch in loader:
+        keys += batch.keys
+        if steps and loader.steps == steps:
+            break
+    return {
+        "keys": keys,
+        "state": loader.state_dict(),
+        "steps": loader.steps,
+        "skipped": loader.stats.skipped_total,
+    }
+
+
+def spawned_phase(rank, world_size, pattern, options):
+    return run_phase(rank, world_size, pattern, **options)
+
+
+def run_ranks(world_size, pattern, **options):
+    """All ranks' keys, the gathered position and the step count; a world of one runs in this process."""
+    if world_size == 1:
+        results = [run_phase(0, 1, pattern, **options)]
+    else:
+        results = spawn(spawned_phase, world_size, pattern, options, timeout_s=240)
+    assert all(r["state"] == results[0]["state"] for r in results), "ranks disagree on the gathered position"
+    assert len({r["steps"] for r in results}) == 1, "ranks took different numbers of steps"
+    return [k for r in results for k in r["keys"]], results[0]["state"], results[0]["steps"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("resume"))
+    return write_dataset(root, SIZES, compressed=(3,), bad_every=BAD_EVERY)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "n, workers_n, m, workers_m",
+    [(1, 2, 4, 0), (2, 0, 3, 2), (3, 1, 2, 1), (4, 2, 1, 0)],  # every world size on each side
+)
+def test_resume_at_another_world_size_sees_every_sample_once(dataset, n, workers_n, m, workers_m):
+    first, position, steps = run_ranks(
+        n, dataset, workers=workers_n, batch_size=BATCH, steps=3, position=None
+    )
+    assert steps == 3 and len(first) == 3 * BATCH * n and position["samples"] == len(first)
+    second, final, _ = run_ranks(m, dataset, workers=workers_m, batch_size=BATCH, steps=0, position=position)
+    assert final["samples"] == len(first) + len(second)
+    drained = run_phase(0, 1, dataset, workers=0, batch_size=1, steps=0, position=final)
+    seen = first + second + drained["keys"]
+    assert len(seen) == len(set(seen)), "a sample was seen twice"
+    assert set(seen) == valid_keys(SIZES, bad_every=BAD_EVERY), "a sample was skipped"
+    # The documented end-of-epoch bound: the greedy plan leaves ranks within one shard of each
+    # other, plus one short batch per rank.
+    assert len(drained["keys"]) <= m * (max(SIZES) + BATCH)
+    assert drained["state"]["cursors"] == {} and drained["state"]["samples"] == len(seen)
+
+
+@pytest.mark.dist
+def test_ranks_stop_together_and_explain_when_one_rank_has_no_data(tmp_path):
+    pattern = write_dataset(str(tmp_path), [10])  # one shard: rank 1 has nothing to read
+    with pytest.raises(RuntimeError, match="not every rank could fill one batch"):
+        spawn(
+            spawned_phase,
+            2,
+            pattern,
+            {"workers": 0, "batch_size": 2, "steps": 0, "position": None},
+            timeout_s=120,
+        )
+
+
+def test_resume_in_one_process_with_other_workers(dataset):
+    first = run_phase(0, 1, dataset, workers=2, batch_size=BATCH, steps=5, position=None)
+    rest = run_phase(0, 1, dataset, workers=1, batch_size=BATCH, steps=0, position=first["state"])
+    seen = first["keys"] + rest["keys"]
+    assert len(seen) == len(set(seen))
+    left = run_phase(0, 1, dataset, workers=0, batch_size=1, steps=0, position=rest["state"])["keys"]
+    assert len(left) < BATCH and set(seen + left) == valid_keys(SIZES, bad_every=BAD_EVERY)
+
+
+def test_resampled_resume_continues_the_step_budget(dataset):
+    first = run_phase(0, 1, dataset, workers=1, batch_size=BATCH, steps=4, position=None, resampled=True)
+    assert first["state"]["mode"] == "resampled" and first["state"]["samples"] == 4 * BATCH
+    assert first["state"]["cursors"] == {}  # no per-shard position: exactness is impossible here
+    rest = run_phase(
+        0, 1, dataset, workers=0, batch_size=BATCH, steps=0, position=first["state"], resampled=True
+    )
+    assert 4 + rest["steps"] == sum(SIZES) // BATCH  # the epoch's planned steps, resume included
+    assert rest["keys"] and set(rest["keys"]) <= valid_keys(SIZES, bad_every=BAD_EVERY)
+
+
+def test_position_from_other_data_or_epoch_is_refused(dataset, tmp_path):
+    state = run_phase(0, 1, dataset, workers=0, batch_size=BATCH, steps=1, position=None)["state"]
+    other = write_dataset(str(tmp_path), [5, 5])
+    with pytest.raises(DataError, match="shards changed"):
+        run_phase(0, 1, other, workers=0, batch_size=BATCH, steps=0, position=state)
+    with pytest.raises(DataError, match="dataset-resampled"):
+        run_phase(0, 1, dataset, workers=0, batch_size=BATCH, steps=0, position=state, resampled=True)
+    with pytest.raises(DataError, match="not a bigclip data position"):
+        run_phase(0, 1, dataset, workers=0, batch_size=BATCH, steps=0, position={"epoch": 0})
+
+
+def test_resampled_stream_of_unreadable_shards_stops_with_a_clear_error(tmp_path):
+    pattern = write_dataset(str(tmp_path), [4, 4], bad_every=1)  # every sample corrupt
+    with pytest.raises(DataError, match="bad_image"):
+        run_phase(0, 1, pattern, workers=0, batch_size=2, steps=0, position=None, resampled=True)
+
+
+def validate_on_ranks(rank, world_size, good, bad):
+    shards = validate_data(data_config(good), world_size=world_size)
+    try:
+        validate_data(data_config(bad), world_size=world_size)
+    except DataError as e:
+        return shards, str(e)
+    return shards, ""
+
+
+@pytest.mark.dist
+def test_validation_runs_once_and_every_rank_gets_the_result_or_the_error(dataset, tmp_path):
+    results = spawn(validate_on_ranks, 2, dataset, f"{tmp_path}/none-{{0..9}}.tar", timeout_s=120)
+    assert results[0] == results[1]
+    assert len(results[0][0]) == len(SIZES) and "matches no shard" in results[0][1]
+
+
+def test_a_moved_dataset_keeps_its_position(dataset, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(os.path.dirname(dataset.split("::")[0]), moved)
+    state = run_phase(0, 1, dataset, workers=0, batch_size=BATCH, steps=2, position=None)["state"]
+    pattern = "::".join(str(moved / os.path.basename(p)) for p in dataset.split("::"))
+    rest = run_phase(0, 1, pattern, workers=0, batch_size=BATCH, steps=0, position=state)
+    assert rest["state"]["samples"] > state["samples"]
