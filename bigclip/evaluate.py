@@ -1,19 +1,21 @@
 """Zero-shot retrieval on held-out image-caption pairs: top-1 image->text and text->image.
 
 Sample i's image matches caption i. Every rank embeds the samples with index = rank (mod world
-size); ranks pad to the same number of batches because a sharded model needs every rank in
+size); ranks pad to the same number of samples because a sharded model needs every rank in
 every forward. Features are gathered and scored on all ranks (identical results).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from bigclip.data import EvalSample
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
+from bigclip.errors import DataError
 
 
 def retrieval_top1(image_features: torch.Tensor, text_features: torch.Tensor) -> dict[str, float]:
@@ -28,12 +30,6 @@ def retrieval_top1(image_features: torch.Tensor, text_features: torch.Tensor) ->
     }
 
 
-def _my_share(samples: list[tuple[torch.Tensor, torch.Tensor]], rank: int, world: int) -> list:
-    mine = samples[rank::world]
-    per_rank = -(-len(samples) // world)
-    return mine + [samples[0]] * (per_rank - len(mine))  # padding, dropped after the gather
-
-
 @torch.no_grad()
 def _embed(
     engine: Engine, share: list, *, batch_size: int, device: torch.device
@@ -42,7 +38,8 @@ def _embed(
     for start in range(0, len(share), batch_size):
         chunk = share[start : start + batch_size]
         out = engine.forward(
-            torch.stack([s[0] for s in chunk]).to(device), torch.stack([s[1] for s in chunk]).to(device)
+            torch.stack([s.image for s in chunk]).to(device),
+            torch.stack([s.tokens for s in chunk]).to(device),
         )
         images.append(out["image_features"].float())
         texts.append(out["text_features"].float())
@@ -60,19 +57,31 @@ def _gather_in_order(local: torch.Tensor, *, world: int, total: int) -> torch.Te
 
 
 def evaluate_retrieval(
-    engine: Engine,
-    samples: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    runtime: Runtime,
-    *,
-    batch_size: int = 64,
+    engine: Engine, my_samples: Sequence[EvalSample], runtime: Runtime, *, batch_size: int = 64
 ) -> dict[str, float]:
-    """`samples`: (image, token ids) pairs in a fixed order, identical on every rank."""
-    samples = list(samples)
+    """`my_samples`: this rank's share of the held-out set, indices rank, rank + world, ... in order
+    (as `bigclip.data.iter_eval_samples(..., rank=, world_size=)` yields them)."""
+    share, total = _padded_share(list(my_samples), runtime)
     was_training = engine.module.training
     engine.eval()
-    share = _my_share(samples, runtime.rank, runtime.world_size)
     image_local, text_local = _embed(engine, share, batch_size=batch_size, device=runtime.device)
     engine.train(was_training)
-    image = _gather_in_order(image_local, world=runtime.world_size, total=len(samples))
-    text = _gather_in_order(text_local, world=runtime.world_size, total=len(samples))
+    image = _gather_in_order(image_local, world=runtime.world_size, total=total)
+    text = _gather_in_order(text_local, world=runtime.world_size, total=total)
     return retrieval_top1(image, text)
+
+
+def _padded_share(mine: list[EvalSample], runtime: Runtime) -> tuple[list[EvalSample], int]:
+    """Pad every rank to the same count (a sharded model needs all ranks in every forward)."""
+    counts = torch.tensor([len(mine)], dtype=torch.long)
+    if runtime.world_size > 1:
+        gathered = [torch.zeros_like(counts) for _ in range(runtime.world_size)]
+        dist.all_gather(gathered, counts)
+        counts = torch.cat(gathered)
+    if int(counts.min()) == 0:  # decided on gathered counts, so every rank raises together
+        raise DataError(
+            f"--val-data yielded {int(counts.sum())} readable samples for {runtime.world_size} ranks; "
+            "evaluation needs at least one per rank"
+        )
+    per_rank, total = int(counts.max()), int(counts.sum())
+    return mine + [mine[0]] * (per_rank - len(mine)), total

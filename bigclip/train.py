@@ -37,6 +37,7 @@ from bigclip.metrics import (
 from bigclip.models import get_model_config
 from bigclip.ops.contrastive import build_loss
 from bigclip.run_setup import build_model, prepare_run_dir, seed_everything
+from bigclip.s3 import S3Settings
 from bigclip.train_step import train_step
 
 
@@ -58,6 +59,8 @@ class Run:
     loss_fn: torch.nn.Module
     tokenizer: Any
     tensorboard: TensorBoard
+    shards: data.ShardList
+    s3: S3Settings
     state: TrainState = field(default_factory=TrainState)
     total_steps: int = 0
 
@@ -76,14 +79,15 @@ def setup(cfg: TrainConfig) -> Run:
     tokenizer = data.build_tokenizer(
         cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
     )
-    data.validate_shards(cfg.data.train_data)  # fail in seconds, before any model is built
+    s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
+    shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)  # DataError in seconds
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
     )
     engine = build_engine(cfg, runtime)
     engine.build(build_model(cfg))
     tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
-    return Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard)
+    return Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3)
 
 
 def micro_batches(loader: Any, *, k: int, device: torch.device):
@@ -164,50 +168,55 @@ def _log_step(run: Run, out: Any, timer: StepTimer, loss_avg: Average, lr: float
 def evaluate(run: Run) -> dict[str, float] | None:
     if not run.cfg.data.val_data:
         return None
-    samples = data.eval_samples(
+    mine = data.iter_eval_samples(
         run.cfg.data.val_data,
         image_size=run.engine.unwrapped().image_size,
         tokenizer=run.tokenizer,
         limit=run.cfg.data.val_num_samples,
+        rank=run.runtime.rank,
+        world_size=run.runtime.world_size,
+        s3=run.s3,
     )
-    metrics = evaluate_retrieval(run.engine, samples, run.runtime, batch_size=run.cfg.data.batch_size)
+    metrics = evaluate_retrieval(run.engine, list(mine), run.runtime, batch_size=run.cfg.data.batch_size)
     metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
     if run.runtime.is_main:
-        get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4f}" for k, v in metrics.items()))
+        get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
         run.tensorboard.scalars({f"val/{k}": v for k, v in metrics.items()}, step=run.state.step)
         with open(run.run_dir / "results.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
     return metrics
 
 
-def fit(run: Run) -> dict[str, Any]:
-    cfg, state = run.cfg, run.state
-    loader = data.build_train_loader(
-        cfg.data,
+def build_loader(run: Run, *, position: dict | None = None) -> data.TrainLoader:
+    return data.build_train_loader(
+        run.cfg.data,
         rank=run.runtime.rank,
         world_size=run.runtime.world_size,
-        seed=cfg.optim.seed,
-        epoch=state.epoch,
+        seed=run.cfg.optim.seed,
+        epoch=run.state.epoch,
         image_size=run.engine.unwrapped().image_size,
         tokenizer=run.tokenizer,
+        position=position,
+        device=run.runtime.device,
+        s3=run.s3,
+        shards=run.shards,
     )
-    steps_per_epoch = loader.steps_per_epoch // cfg.optim.accum_freq
+
+
+def fit(run: Run) -> dict[str, Any]:
+    cfg, state = run.cfg, run.state
+    loader = build_loader(run)
+    steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
     run.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
     metrics = None
     while state.step < run.total_steps and state.epoch < cfg.optim.epochs:
         run.engine.train()
         train_one_epoch(run, loader)
+        loader.close()
         state.epoch += 1
         metrics = evaluate(run)
-        loader = data.build_train_loader(
-            cfg.data,
-            rank=run.runtime.rank,
-            world_size=run.runtime.world_size,
-            seed=cfg.optim.seed,
-            epoch=state.epoch,
-            image_size=run.engine.unwrapped().image_size,
-            tokenizer=run.tokenizer,
-        )
+        if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
+            loader = build_loader(run)
     run.tensorboard.close()
     return {"step": state.step, "epoch": state.epoch, "samples_seen": state.samples_seen, "eval": metrics}
 
