@@ -217,11 +217,13 @@ def _swap_linear(parent: nn.Module, attr: str, cls: type[SwitchBackLinear], name
 
 
 def _swap_attention(attn: nn.Module, quantization: str, cls: type, name: str, skipped: list) -> None:
-    width = attn.in_proj_weight.shape[1]
-    if int8_shape_supported(width, attn.in_proj_weight.shape[0]):
+    # Sizes from out_proj, not in_proj_weight.shape: under deepspeed.zero.Init parameters are
+    # already partitioned (empty) when this runs.
+    width = attn.out_proj.in_features
+    if int8_shape_supported(width, 3 * width):
         attn.in_proj = SwitchBackProjection(quantization)
     else:
-        skipped.append(f"{name}.in_proj ({width}->{attn.in_proj_weight.shape[0]})")
+        skipped.append(f"{name}.in_proj ({width}->{3 * width})")
     _swap_linear(attn, "out_proj", cls, f"{name}.out_proj", skipped)
 
 
