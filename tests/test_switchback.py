@@ -203,6 +203,15 @@ def test_apply_int8_skips_unsupported_layers_with_one_warning():
     assert isinstance(text_block.attn.in_proj, SwitchBackProjection)
 
 
+def test_config_modes_and_openclip_names_match_the_layers():
+    from bigclip.config import _BNB_LINEAR_ALIASES
+    from bigclip.config import INT8_MODES as CONFIG_MODES
+
+    assert set(CONFIG_MODES) - {"none"} == set(INT8_MODES)
+    for openclip_name, mode in _BNB_LINEAR_ALIASES.items():  # --use-bnb-linear SwitchBackLinearGlobal
+        assert LINEAR_CLASSES[INT8_MODES[mode]].__name__ == openclip_name
+
+
 def test_bad_mode_and_backend_are_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match="switchback-global"):
         apply_int8(create_model("tiny"), "int8")

@@ -28,7 +28,7 @@ garbage) and are counted on the device; `report_nonfinite_inputs` reads the coun
 from __future__ import annotations
 
 import warnings
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ QUANTIZATIONS = ("global", "vectorwise", "memefficient")
 INT8_MODES = {f"switchback-{q}": q for q in QUANTIZATIONS}
 _ALIGNMENT = 16  # kernel tiles and cuBLASLt int8 need sizes in multiples of 16 (resp. 8)
 _MAX_FEATURES = 65536  # the row-wise quantiser holds one row per program
+Model = TypeVar("Model", bound=nn.Module)
 
 
 def int8_shape_supported(in_features: int, out_features: int) -> bool:
@@ -135,7 +136,14 @@ class SwitchBackLinear(nn.Linear):
 
     quantization: ClassVar[str] = "global"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_int8()
         if not self.int8_supported:
@@ -227,13 +235,15 @@ def _swap_attention(attn: nn.Module, quantization: str, cls: type, name: str, sk
     _swap_linear(attn, "out_proj", cls, f"{name}.out_proj", skipped)
 
 
-def apply_int8(model: nn.Module, mode: str, *, include_attention: bool = False) -> nn.Module:
+def apply_int8(model: Model, mode: str, *, include_attention: bool = False) -> Model:
     """Swap the MLP linears (`mlp.c_fc`, `mlp.c_proj`) of every residual block of both towers
-    (`model.blocks()`) for SwitchBack layers, and with `include_attention` the attention's QKV
-    (`attn.in_proj`) and output (`attn.out_proj`) projections. In place; returns the model.
+    (`model.blocks()`: a CLIP, or any model with that method) for SwitchBack layers, and with
+    `include_attention` the attention's QKV (`attn.in_proj`) and output (`attn.out_proj`)
+    projections. In place; returns the model.
 
-    Works on meta-device models (no memory is touched) and keeps every parameter's name,
-    shape and identity, so call it before sharding. `mode`: one of INT8_MODES.
+    Works on meta-device models (no memory is touched) and inside `deepspeed.zero.Init`, and
+    keeps every parameter's name, shape and identity: call it before sharding. `mode`: one of
+    INT8_MODES.
     """
     if mode not in INT8_MODES:
         raise ConfigError(f"--int8 {mode!r} is not a SwitchBack mode; use one of {', '.join(INT8_MODES)}")
@@ -278,7 +288,8 @@ def report_nonfinite_inputs(model: nn.Module, *, reset: bool = True) -> dict[str
     bad = {name: rows for name, rows in counts.items() if rows}
     if bad:
         warnings.warn(
-            f"SwitchBack int8 layers received NaN/inf inputs (rows per layer: {bad}); those rows' "
+            f"SwitchBack int8 layers received NaN/inf inputs (rows per layer: {bad}; the first "
+            f"in model order, {next(iter(bad))}, is nearest to where they arose); those rows' "
             "outputs are NaN. Training is diverging or the data holds non-finite values: check "
             "the inputs, lower --lr or set --grad-clip-norm.",
             stacklevel=2,

@@ -32,8 +32,9 @@ INV127 = 1.0 / 127.0
 
 def group_absmax(x: torch.Tensor, dim: int | None) -> torch.Tensor:
     """fp32 absmax over `dim` (None: the whole tensor); NaN for groups holding NaN or +-inf."""
-    absmax = x.abs().amax() if dim is None else x.abs().amax(dim=dim)
-    absmax = absmax.float()  # max of |x| is exact in any float dtype
+    # One pass, no |x| temporary; min/max are exact in any float dtype and propagate NaN.
+    low, high = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    absmax = torch.maximum(-low, high).float()
     return torch.where(torch.isfinite(absmax), absmax.clamp_min(TINY), torch.nan)
 
 
@@ -41,8 +42,8 @@ def _quantize(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
     """q = clamp(round(x * (127 / absmax))) with `absmax` already broadcastable against `x`."""
     # Tensor / tensor is IEEE division; `127.0 / t` would be reciprocal(t) * 127, rounded twice.
     scale = absmax.new_full((), 127.0) / absmax
-    scaled = torch.round(x.float() * scale)  # round half to even, as the kernels do
-    return torch.nan_to_num(scaled, nan=0.0).clamp_(-127.0, 127.0).to(torch.int8)
+    scaled = (x.float() * scale).round_()  # round half to even, as the kernels do
+    return scaled.nan_to_num_(nan=0.0).clamp_(-127.0, 127.0).to(torch.int8)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
