@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -193,3 +194,62 @@ def test_dequantize_rows_bit_identical(results, case):
 def test_layer_on_triton_backend_equals_torch_backend(results, case):
     got, expected = results[case]
     assert len(got) == 4 and all(_same(a, b) for a, b in zip(got, expected))
+
+
+# Kernel signatures as the JIT sees them at launch: 16-byte aligned pointers, and sizes and
+# strides divisible by 16 (what SwitchBack's shape rule guarantees), so loads vectorise.
+_GEMM_SIGNATURE = {
+    **dict.fromkeys(["a_ptr", "b_ptr"], "*i8"),
+    **dict.fromkeys(["out_ptr", "bias_ptr"], "*bf16"),
+    **dict.fromkeys(["a_absmax_ptr", "b_absmax_ptr"], "*fp32"),
+    **dict.fromkeys(["M", "N", "K", "stride_am", "stride_bn", "stride_om"], "i32"),
+}
+_ROWS_SIGNATURE = {
+    "x_ptr": "*bf16",
+    "q_ptr": "*i8",
+    "absmax_ptr": "*fp32",
+    "n_cols": "i32",
+    "stride_x": "i32",
+}
+_TILES_SIGNATURE = {"w_ptr": "*bf16", "q_ptr": "*i8", "absmax_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32"}
+
+
+def _compile(fn, signature: dict, constexprs: dict, arch: int, **options):
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature}
+    signature = signature | dict.fromkeys(constexprs, "constexpr")
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton_compile(
+        source, target=GPUTarget("cuda", arch, 32), options=options | {"enable_fp_fusion": False}
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile_for_nvidia_gpus(arch):
+    """Compiled for A100 (sm_80) and H100/H200 (sm_90) with Triton's bundled ptxas, no GPU needed:
+    the GEMM must use int8 tensor-core instructions and a multi-stage pipeline of async copies."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("kernels are interpreted in this process")
+    from bigclip.ops import switchback_kernels as kernels
+
+    _compile(kernels._quantize_rows_kernel, _ROWS_SIGNATURE, {"BLOCK": 8192}, arch, num_warps=8)
+    for per_column, transpose in [(False, False), (False, True), (True, True)]:
+        flags = {"PER_COLUMN": per_column, "TRANSPOSE": transpose, "BLOCK_R": 64, "BLOCK_C": 64}
+        _compile(kernels._quantize_tiles_kernel, _TILES_SIGNATURE, flags, arch)
+    config = kernels._GEMM_CONFIGS[0]
+    flags = {"DEQUANTIZE": True, "B_PER_ROW": False, "HAS_BIAS": True, "EVEN_K": True, **config.kwargs}
+    gemm = _compile(
+        kernels._int8_matmul_kernel, _GEMM_SIGNATURE, flags, arch,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    tensor_core = "wgmma.mma_async" if arch == 90 else "mma.sync"
+    assert re.search(rf"{tensor_core}[\w.]*\.s32\.s8\.s8", gemm.asm["ptx"])
+    # The K loop is software-pipelined: >= 2 shared-memory stages filled by async copies
+    # (Triton trims the 3 asked for to what the GPU's shared memory holds).
+    stages = [int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+xi8", gemm.asm["ttgir"])]
+    assert stages and min(stages) >= 2
+    assert "async_copy_global_to_local" in gemm.asm["ttgir"]
