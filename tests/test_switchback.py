@@ -236,6 +236,7 @@ def test_apply_int8_on_meta_keeps_parameters(mode):
 
 
 def test_int8_state_dict_loads_into_plain_model():
+    torch.manual_seed(0)
     model = apply_int8(create_model("tiny", device="cpu"), "switchback-vectorwise", include_attention=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     images, texts = torch.randn(4, 3, 64, 64), torch.randint(1, 1000, (4, 32))
