@@ -63,6 +63,7 @@ class Run:
     s3: S3Settings
     state: TrainState = field(default_factory=TrainState)
     total_steps: int = 0
+    last_loss: float | None = None  # the global loss at the latest log step
 
     @property
     def global_batch(self) -> int:
@@ -133,7 +134,7 @@ def _log_step(run: Run, out: Any, timer: StepTimer, loss_avg: Average, lr: float
     loss = out.loss.clone()
     if run.runtime.world_size > 1:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the global loss; every rank logs on the same steps
-    loss_value = loss.item()
+    loss_value = run.last_loss = loss.item()
     loss_avg.add(loss_value)
     scale = out.logit_scale.item()
     get_logger().info(
@@ -218,7 +219,14 @@ def fit(run: Run) -> dict[str, Any]:
         if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
             loader = build_loader(run)
     run.tensorboard.close()
-    return {"step": state.step, "epoch": state.epoch, "samples_seen": state.samples_seen, "eval": metrics}
+    return {
+        "step": state.step,
+        "epoch": state.epoch,
+        "samples_seen": state.samples_seen,
+        "loss": run.last_loss,
+        "eval": metrics,
+        "run_dir": str(run.run_dir),
+    }
 
 
 def run_training(cfg: TrainConfig) -> dict[str, Any]:

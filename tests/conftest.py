@@ -1,0 +1,14 @@
+"""Shared fixtures: demo data written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigclip.data.demo_data import DemoData, write_demo_data
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> DemoData:
+    """1,536 captioned training images in 4 shards and 200 held-out ones (64 px, the tiny model's size)."""
+    out = tmp_path_factory.mktemp("demo_data")
+    return write_demo_data(str(out), samples=1536, shards=4, val_samples=200, seed=0)
