@@ -1,0 +1,342 @@
+"""CheckpointStore: sharded DCP checkpoints in a local folder or on S3, committed atomically.
+
+    store = CheckpointStore(root, s3=S3Settings.resolve(endpoint=..., region=...))  # collective
+    store.check_access()                       # seconds; before any model is built
+    uri = store.save(state, step=s, meta=m)    # collective; returns once committed
+    pending = store.async_save(state, step=s)  # collective; returns after staging to CPU
+    manifest = store.load(state, "latest")     # collective; in place, any world size
+
+Commit protocol: every rank streams its shards through DCP (checksums computed on the way),
+DCP's coordinator writes `.metadata` once all ranks' writes returned, then rank 0 writes
+`manifest.json` with every rank's object list. No manifest, no checkpoint: `latest()` and
+`load()` never see an interrupted save. Coordination uses a gloo group of its own, created
+here, because async saves run collectives from a background thread and must never
+interleave with the training group's (NCCL) traffic. The store saves whatever dict DCP can
+save, so any engine (FSDP2 now, DeepSpeed later) can use it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from bigclip.checkpoint import catalog
+from bigclip.checkpoint.hashing import HashingFileSystem
+from bigclip.checkpoint.locations import Location, open_location
+from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
+from bigclip.checkpoint.pending import AsyncSave
+from bigclip.checkpoint.preflight import check_access
+from bigclip.checkpoint.safe_load import SafeLoadPlanner, unwrap_checkpoint_exception
+from bigclip.config import CheckpointConfig
+from bigclip.errors import StorageError
+from bigclip.s3 import S3Settings, is_s3
+
+log = logging.getLogger("bigclip.checkpoint")
+
+LATEST = "latest"
+
+# Single-process use (no process group) is intended here; DCP would warn on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointStore:
+    def __init__(
+        self,
+        root: str,
+        *,
+        s3: S3Settings | None = None,
+        keep_last: int = 0,
+        io_threads: int = 4,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        """Collective when torch.distributed is initialised (it creates a gloo group)."""
+        if not root:
+            raise StorageError("no checkpoint location given: pass a path or s3://bucket/prefix")
+        self.s3 = s3 or (S3Settings.resolve() if is_s3(root) else None)
+        self.location: Location = open_location(root, s3=self.s3)
+        self.keep_last = keep_last
+        self.io_threads = io_threads
+        self._group = _checkpoint_group(timeout_s)
+        self._pending: AsyncSave | None = None
+        self._stager: DefaultStager | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigclip-checkpoint")
+
+    @property
+    def root(self) -> str:
+        return self.location.uri
+
+    def check_access(self) -> None:
+        """Preflight from this process: StorageError in seconds if the root is unusable."""
+        check_access(self.location)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None) -> str:
+        """Write `state` as checkpoint `step` and commit it; every rank returns its URI."""
+        self.wait()
+        folder, hashing, writer = self._begin(step)
+        with _dcp_errors(f"saving {self.location.child_uri(folder)}"):
+            dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=self._group is None)
+        return self._commit(folder, step, hashing, meta or {})
+
+    def async_save(
+        self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None
+    ) -> AsyncSave:
+        """Stage `state` in CPU memory, then write and commit it in the background."""
+        started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - started
+        folder, hashing, writer = self._begin(step)
+        with _dcp_errors(f"staging {self.location.child_uri(folder)}"):
+            upload = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self._group,
+                async_stager=self._get_stager(),
+                no_dist=self._group is None,
+            )
+        finish = self._executor.submit(self._finish_async, upload, folder, step, hashing, dict(meta or {}))
+        blocked = time.perf_counter() - started
+        self._pending = AsyncSave(
+            uri=self.location.child_uri(folder), step=step, blocked_s=blocked, waited_s=waited, future=finish
+        )
+        log.info("checkpoint step %d staged in %.3fs; uploading in the background", step, blocked - waited)
+        return self._pending
+
+    def wait(self) -> str | None:
+        """Wait for the async save in flight, if any; its URI, or StorageError if it failed."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    def _begin(self, step: int) -> tuple[str, HashingFileSystem, Any]:
+        folder = catalog.step_folder(step)
+        if self._rank() == 0:
+            catalog.clear_folder(self.location, folder)  # before any rank can write (DCP plans first)
+        writer, hashing = self.location.dcp_writer(folder, threads=self.io_threads)
+        return folder, hashing, writer
+
+    def _finish_async(
+        self, upload: Future, folder: str, step: int, hashing: HashingFileSystem, meta: dict
+    ) -> str:
+        with _dcp_errors(f"saving {self.location.child_uri(folder)}"):
+            upload.result()
+        return self._commit(folder, step, hashing, meta)
+
+    def _commit(self, folder: str, step: int, hashing: HashingFileSystem, meta: dict[str, Any]) -> str:
+        """Gather every rank's object list; rank 0 writes the manifest; all ranks learn the outcome."""
+        per_rank = self._gather(hashing.records())
+        error = None
+        if self._rank() == 0:
+            objects = {name: rec for records in per_rank for name, rec in records.items()}
+            manifest = Manifest.build(step=step, world_size=self._world(), objects=objects, meta=meta)
+            error = self._write_manifest(folder, manifest)
+        error = self._broadcast(error)
+        uri = self.location.child_uri(folder)
+        if error:
+            raise StorageError(f"checkpoint {uri} was written but could not be committed: {error}")
+        log.info("checkpoint step %d committed: %s", step, uri)
+        if self._rank() == 0 and self.keep_last > 0:
+            self._retain()
+        return uri
+
+    def _write_manifest(self, folder: str, manifest: Manifest) -> str | None:
+        try:
+            self.location.write_bytes(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
+            return None
+        except Exception as e:  # reported to every rank by _commit
+            return f"{type(e).__name__}: {e}"
+
+    def _retain(self) -> None:
+        try:
+            catalog.apply_retention(self.location, keep_last=self.keep_last)
+        except Exception as e:  # a failed deletion must not fail the save that triggered it
+            log.warning("checkpoint retention failed (will retry after the next save): %s", e)
+
+    # -- loading --------------------------------------------------------------------------
+
+    def latest(self) -> str | None:
+        """URI of the newest committed checkpoint under the root, or None."""
+        entry = catalog.latest_committed(self.location)
+        return self.location.child_uri(entry.folder) if entry else None
+
+    def committed(self) -> list[tuple[int, str]]:
+        """(step, URI) of every committed checkpoint, newest first."""
+        return [
+            (e.step, self.location.child_uri(e.folder)) for e in catalog.entries(self.location) if e.committed
+        ]
+
+    def load(self, state: dict[str, Any], which: str = LATEST) -> Manifest:
+        """Load a committed checkpoint into `state` in place (resharding as needed); collective."""
+        self.wait()
+        root_uri, folder, manifest = _run_on_rank0(self, lambda: self._find_for_load(which))
+        reader = open_location(root_uri, s3=self.s3).dcp_reader(folder)
+        with _dcp_errors(f"loading {manifest.uri}"):
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+        log.info(
+            "loaded checkpoint step %d (saved at world size %d) from %s",
+            manifest.step,
+            manifest.world_size,
+            manifest.uri,
+        )
+        return manifest
+
+    def _find_for_load(self, which: str) -> tuple[str, str, Manifest]:
+        location, folder, manifest = self._find(which)
+        return location.uri, folder, manifest  # plain data: it is broadcast to every rank
+
+    def _find(self, which: str) -> tuple[Location, str, Manifest]:
+        location, folder = self._resolve(which)
+        manifest = catalog.read_manifest(location, folder)
+        problems = size_problems(manifest, location.list_files(folder))
+        if problems:
+            raise StorageError(f"checkpoint {manifest.uri} is damaged:\n  " + "\n  ".join(problems))
+        return location, folder, manifest
+
+    def _resolve(self, which: str) -> tuple[Location, str]:
+        if which == LATEST:
+            return self.location, self._latest_folder(self.location)
+        parent_uri, _, name = which.rstrip("/").rpartition("/")
+        parent = open_location(parent_uri or ".", s3=self.s3)
+        if parent.exists(f"{name}/{MANIFEST_NAME}"):
+            return parent, name
+        as_root = open_location(which, s3=self.s3)
+        if catalog.entries(as_root):  # a run's checkpoint root: take its newest commit
+            return as_root, self._latest_folder(as_root)
+        raise StorageError(
+            f"{which} is not a committed checkpoint (no {MANIFEST_NAME}; an interrupted save is never "
+            f"resumed from). Committed ones under {self.root}: {[u for _, u in self.committed()][:5] or 'none'}"
+        )
+
+    @staticmethod
+    def _latest_folder(location: Location) -> str:
+        entry = catalog.latest_committed(location)
+        if entry is None:
+            raise StorageError(f"no committed checkpoint under {location.uri}; start without --resume")
+        return entry.folder
+
+    def verify(self, which: str = LATEST) -> Manifest:
+        """Re-read every object of a checkpoint and check sizes and SHA-256 (not collective)."""
+        from bigclip.checkpoint.manifest import checksum_problems
+
+        location, folder, manifest = self._find(which)
+        problems = checksum_problems(location, folder, manifest)
+        if problems:
+            raise StorageError(f"checkpoint {manifest.uri} failed verification:\n  " + "\n  ".join(problems))
+        return manifest
+
+    # -- housekeeping ---------------------------------------------------------------------
+
+    def apply_retention(self, *, keep_last: int) -> list[str]:
+        """Keep the newest `keep_last` committed checkpoints (0: all); rank 0 deletes, others no-op."""
+        if self._rank() != 0:
+            return []
+        return catalog.apply_retention(self.location, keep_last=keep_last)
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the staging buffers and the worker thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _get_stager(self) -> DefaultStager:
+        # One stager per store: it reuses its CPU (pinned, on GPU) buffers from save to save.
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
+
+    # -- collectives on the checkpoint group ---------------------------------------------------
+
+    def _rank(self) -> int:
+        return dist.get_rank(self._group) if self._group is not None else 0
+
+    def _world(self) -> int:
+        return dist.get_world_size(self._group) if self._group is not None else 1
+
+    def _gather(self, value: Any) -> list[Any]:
+        if self._group is None:
+            return [value]
+        out = [None] * self._world() if self._rank() == 0 else None
+        dist.gather_object(value, out, group=self._group, group_dst=0)
+        return out or []
+
+    def _broadcast(self, value: Any) -> Any:
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, group=self._group, group_src=0)
+        return box[0]
+
+
+def _run_on_rank0(store: CheckpointStore, fn: Callable[[], Any]) -> Any:
+    """Run `fn` on rank 0 and give every rank its result, or raise its error everywhere."""
+    result: Any = None
+    if store._rank() == 0:
+        try:
+            result = ("ok", fn())
+        except Exception as e:  # every rank must learn of it, or they would wait forever
+            result = ("error", str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}")
+    kind, value = store._broadcast(result)
+    if kind == "error":
+        raise StorageError(value)
+    return value
+
+
+def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
+    """Retention for a root: --remote-keep-last on S3; --keep-last (or 1 with
+    --delete-previous-checkpoint) locally; 0 keeps everything."""
+    if is_s3(root):
+        return cfg.remote_keep_last
+    return 1 if cfg.delete_previous_checkpoint else cfg.keep_last
+
+
+def _checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@contextmanager
+def _dcp_errors(action: str):
+    """Turn DCP's CheckpointException (a BaseException) and I/O errors into a StorageError."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except (Exception, CheckpointException) as e:
+        inner = unwrap_checkpoint_exception(e)
+        if isinstance(inner, StorageError):
+            raise inner from e
+        raise StorageError(f"{action} failed: {_first_line(inner)}; the checkpoint was not committed") from e
+
+
+def _first_line(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
