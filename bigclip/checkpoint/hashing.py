@@ -80,6 +80,7 @@ class HashingFileSystem(FileSystemBase):
     def __init__(self, inner: FileSystemBase) -> None:
         self.inner = inner
         self._records: dict[str, ObjectRecord] = {}
+        self._failures: dict[str, str] = {}
         self._lock = threading.Lock()  # DCP writes with several threads per rank
 
     def records(self) -> dict[str, ObjectRecord]:
@@ -87,16 +88,28 @@ class HashingFileSystem(FileSystemBase):
         with self._lock:
             return dict(self._records)
 
+    def failures(self) -> dict[str, str]:
+        """Objects whose write failed. DCP's extra writer threads (thread_count > 1) die with
+        their exception printed but not raised, so `dcp.save` can return normally without
+        them: the commit step must check this."""
+        with self._lock:
+            return dict(self._failures)
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
         if mode != "wb":
             with self.inner.create_stream(path, mode) as stream:
                 yield stream
             return
-        with self.inner.create_stream(path, mode) as raw:
-            writer = _HashingWriter(raw)
-            yield writer
-            writer.close()
+        try:
+            with self.inner.create_stream(path, mode) as raw:
+                writer = _HashingWriter(raw)
+                yield writer
+                writer.close()
+        except BaseException as e:
+            with self._lock:
+                self._failures[_name(path)] = f"{type(e).__name__}: {e}"
+            raise
         # Only reached when the inner stream closed without error: the object is complete.
         with self._lock:
             self._records[_name(path)] = writer.record()

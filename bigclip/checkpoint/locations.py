@@ -48,10 +48,10 @@ class Location(Protocol):
     def dcp_reader(self, folder: str) -> FileSystemReader: ...
 
 
-def open_location(uri: str, *, s3: S3Settings | None = None) -> Location:
+def open_location(uri: str, *, s3: S3Settings | None = None, max_attempts: int | None = None) -> Location:
     """The Location for a local path or an s3:// URI."""
     if is_s3(uri):
-        return S3Location(uri, settings=s3 or S3Settings.resolve())
+        return S3Location(uri, settings=s3 or S3Settings.resolve(), max_attempts=max_attempts)
     if "://" in uri:
         raise StorageError(f"{uri!r}: checkpoint locations are local paths or s3://bucket/prefix URIs")
     return LocalLocation(uri)

@@ -45,36 +45,47 @@ def run_check(name: str, fn: Callable[[], str], *, timeout_s: float = 20.0) -> C
     except FutureTimeout:
         detail, ok = f"no answer within {timeout_s:.0f}s (endpoint unreachable or blackholed?)", False
     except Exception as e:
-        detail, ok = explain(e), False
+        detail, ok = explain_error(e), False
     finally:
         pool.shutdown(wait=False)
     return CheckResult(name, ok, detail, time.perf_counter() - started)
 
 
-def explain(error: Exception) -> str:
-    """A one-line, actionable reading of an S3 or OS error."""
-    text = str(error)
-    lowered = text.lower()
-    hints = [
-        (
-            "no signing credentials",
-            "no AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE",
-        ),
-        ("bucket does not exist", "the bucket does not exist: check the bucket name (and --s3-region)"),
-        ("nosuchbucket", "the bucket does not exist: check the bucket name (and --s3-region)"),
-        ("accessdenied", "access denied: the credentials lack permission for this bucket/prefix"),
-        ("forbidden", "access denied (HTTP 403): check the credentials' permissions"),
-        ("invalidaccesskeyid", "the access key is not valid for this endpoint"),
-        ("signaturedoesnotmatch", "the secret key does not match the access key"),
-        ("connection refused", "cannot connect to the endpoint: check AWS_ENDPOINT_URL / --s3-endpoint"),
-        ("dns", "cannot resolve the endpoint's host name: check AWS_ENDPOINT_URL / --s3-endpoint"),
-    ]
-    for needle, hint in hints:
-        if needle in lowered:
-            return hint
+_HINTS = [
+    (
+        "no signing credentials",
+        "no AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE",
+    ),
+    ("bucket does not exist", "the bucket does not exist: check the bucket name (and --s3-region)"),
+    ("nosuchbucket", "the bucket does not exist: check the bucket name (and --s3-region)"),
+    ("accessdenied", "access denied: the credentials lack permission for this bucket/prefix"),
+    ("forbidden", "access denied (HTTP 403): check the credentials' permissions"),
+    ("invalidaccesskeyid", "the access key is not valid for this endpoint"),
+    ("signaturedoesnotmatch", "the secret key does not match the access key"),
+    (
+        "throttled",
+        "S3 kept throttling (503 SlowDown) beyond the client's retries: retry later or save less often",
+    ),
+    (
+        "slowdown",
+        "S3 kept throttling (503 SlowDown) beyond the client's retries: retry later or save less often",
+    ),
+    ("connection refused", "cannot connect to the endpoint: check AWS_ENDPOINT_URL / --s3-endpoint"),
+    ("socket", "the connection to S3 kept failing (dropped or reset) beyond the client's retries"),
+    ("dns", "cannot resolve the endpoint's host name: check AWS_ENDPOINT_URL / --s3-endpoint"),
+]
+
+
+def explain_error(error: BaseException | str) -> str:
+    """A one-line, actionable reading of an S3 or OS error, with the raw text's first line."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    first = (text.splitlines() or [""])[0][:300]
     if isinstance(error, StorageError):
-        return text
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+        return str(error)
+    for needle, hint in _HINTS:
+        if needle in text.lower():
+            return f"{hint} [{first}]"
+    return first
 
 
 def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:

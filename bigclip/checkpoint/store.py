@@ -37,7 +37,7 @@ from bigclip.checkpoint.hashing import HashingFileSystem
 from bigclip.checkpoint.locations import Location, open_location
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
 from bigclip.checkpoint.pending import AsyncSave
-from bigclip.checkpoint.preflight import check_access
+from bigclip.checkpoint.preflight import check_access, explain_error
 from bigclip.checkpoint.safe_load import SafeLoadPlanner, unwrap_checkpoint_exception
 from bigclip.config import CheckpointConfig
 from bigclip.errors import StorageError
@@ -59,13 +59,20 @@ class CheckpointStore:
         s3: S3Settings | None = None,
         keep_last: int = 0,
         io_threads: int = 4,
+        max_attempts: int | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
-        """Collective when torch.distributed is initialised (it creates a gloo group)."""
+        """Collective when torch.distributed is initialised (it creates a gloo group).
+
+        keep_last: retention applied after each commit (0 keeps all; see `keep_last_for`).
+        io_threads: files (and upload streams) per rank per save.
+        max_attempts: S3 retry budget per request (the CRT client's default is 10).
+        timeout_s: how long checkpoint collectives may wait for a slow rank.
+        """
         if not root:
             raise StorageError("no checkpoint location given: pass a path or s3://bucket/prefix")
         self.s3 = s3 or (S3Settings.resolve() if is_s3(root) else None)
-        self.location: Location = open_location(root, s3=self.s3)
+        self.location: Location = open_location(root, s3=self.s3, max_attempts=max_attempts)
         self.keep_last = keep_last
         self.io_threads = io_threads
         self._group = _checkpoint_group(timeout_s)
@@ -136,16 +143,21 @@ class CheckpointStore:
 
     def _commit(self, folder: str, step: int, hashing: HashingFileSystem, meta: dict[str, Any]) -> str:
         """Gather every rank's object list; rank 0 writes the manifest; all ranks learn the outcome."""
-        per_rank = self._gather(hashing.records())
+        per_rank = self._gather((hashing.records(), hashing.failures()))
         error = None
         if self._rank() == 0:
-            objects = {name: rec for records in per_rank for name, rec in records.items()}
+            failed = [
+                f"rank {r}: {name}: {why}"
+                for r, (_, fails) in enumerate(per_rank)
+                for name, why in fails.items()
+            ]
+            objects = {name: rec for records, _ in per_rank for name, rec in records.items()}
             manifest = Manifest.build(step=step, world_size=self._world(), objects=objects, meta=meta)
-            error = self._write_manifest(folder, manifest)
+            error = _summarize_failures(failed) if failed else self._write_manifest(folder, manifest)
         error = self._broadcast(error)
         uri = self.location.child_uri(folder)
         if error:
-            raise StorageError(f"checkpoint {uri} was written but could not be committed: {error}")
+            raise StorageError(f"checkpoint {uri} was not committed: {error}")
         log.info("checkpoint step %d committed: %s", step, uri)
         if self._rank() == 0 and self.keep_last > 0:
             self._retain()
@@ -182,7 +194,7 @@ class CheckpointStore:
         self.wait()
         root_uri, folder, manifest = _run_on_rank0(self, lambda: self._find_for_load(which))
         reader = open_location(root_uri, s3=self.s3).dcp_reader(folder)
-        with _dcp_errors(f"loading {manifest.uri}"):
+        with _dcp_errors(f"loading {manifest.uri}", saving=False):
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
         log.info(
             "loaded checkpoint step %d (saved at world size %d) from %s",
@@ -320,7 +332,7 @@ def _checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
 
 
 @contextmanager
-def _dcp_errors(action: str):
+def _dcp_errors(action: str, *, saving: bool = True):
     """Turn DCP's CheckpointException (a BaseException) and I/O errors into a StorageError."""
     try:
         yield
@@ -330,7 +342,15 @@ def _dcp_errors(action: str):
         inner = unwrap_checkpoint_exception(e)
         if isinstance(inner, StorageError):
             raise inner from e
-        raise StorageError(f"{action} failed: {_first_line(inner)}; the checkpoint was not committed") from e
+        consequence = (
+            "; the checkpoint was not committed (the previous one is still the latest)" if saving else ""
+        )
+        raise StorageError(f"{action} failed: {_first_line(inner)}{consequence}") from e
+
+
+def _summarize_failures(failed: list[str]) -> str:
+    first = failed[0].split(": ", 2)
+    return f"{len(failed)} object(s) failed to write, e.g. {first[0]} {first[1]}: {explain_error(first[2])}"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -338,5 +358,5 @@ def _first_line(exc: BaseException) -> str:
     if failures:
         rank = min(failures)
         inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return f"rank {rank}: {explain_error(inner)}"
+    return explain_error(exc)
