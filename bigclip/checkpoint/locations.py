@@ -184,6 +184,10 @@ class S3Location:
         reader = S3ReaderConstructor.sequential()
         return self.client.get_object(self.bucket, self._key(relative), reader_constructor=reader)
 
+    def open_write(self, relative: str):
+        """A streaming upload; the object appears, whole, when the stream closes without error."""
+        return self.client.put_object(self.bucket, self._key(relative))
+
     def write_bytes(self, relative: str, data: bytes) -> None:
         # A PUT is atomic on S3: readers see the old object, no object, or all of the new one.
         with self.client.put_object(self.bucket, self._key(relative)) as stream:
