@@ -10,29 +10,27 @@ Commit protocol: every rank streams its shards through DCP (checksums computed o
 DCP's coordinator writes `.metadata` once all ranks' writes returned, then rank 0 writes
 `manifest.json` with every rank's object list. No manifest, no checkpoint: `latest()` and
 `load()` never see an interrupted save. Coordination uses a gloo group of its own, created
-here, because async saves run collectives from a background thread and must never
-interleave with the training group's (NCCL) traffic. The store saves whatever dict DCP can
+here (coordination.py), because async saves run collectives from a background thread and
+must never interleave with the training group's (NCCL) traffic. The store saves whatever dict DCP can
 save, so any engine (FSDP2 now, DeepSpeed later) can use it.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from bigclip.checkpoint import catalog
+from bigclip.checkpoint.coordination import CheckpointGroup
 from bigclip.checkpoint.hashing import HashingFileSystem
 from bigclip.checkpoint.locations import Location, open_location
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
@@ -75,7 +73,7 @@ class CheckpointStore:
         self.location: Location = open_location(root, s3=self.s3, max_attempts=max_attempts)
         self.keep_last = keep_last
         self.io_threads = io_threads
-        self._group = _checkpoint_group(timeout_s)
+        self.group = CheckpointGroup(timeout_s=timeout_s)
         self._pending: AsyncSave | None = None
         self._stager: DefaultStager | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigclip-checkpoint")
@@ -95,7 +93,9 @@ class CheckpointStore:
         self.wait()
         folder, hashing, writer = self._begin(step)
         with _dcp_errors(f"saving {self.location.child_uri(folder)}"):
-            dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=self._group is None)
+            dcp.save(
+                state, storage_writer=writer, process_group=self.group.group, no_dist=self.group.group is None
+            )
         return self._commit(folder, step, hashing, meta or {})
 
     def async_save(
@@ -110,9 +110,9 @@ class CheckpointStore:
             upload = dcp.async_save(
                 state,
                 storage_writer=writer,
-                process_group=self._group,
+                process_group=self.group.group,
                 async_stager=self._get_stager(),
-                no_dist=self._group is None,
+                no_dist=self.group.group is None,
             )
         finish = self._executor.submit(self._finish_async, upload, folder, step, hashing, dict(meta or {}))
         blocked = time.perf_counter() - started
@@ -129,8 +129,8 @@ class CheckpointStore:
 
     def _begin(self, step: int) -> tuple[str, HashingFileSystem, Any]:
         folder = catalog.step_folder(step)
-        if self._rank() == 0:
-            catalog.clear_folder(self.location, folder)  # before any rank can write (DCP plans first)
+        # Rank 0 empties the folder before any rank can write to it; also a sync point.
+        self.group.on_rank0(lambda: catalog.clear_folder(self.location, folder))
         writer, hashing = self.location.dcp_writer(folder, threads=self.io_threads)
         return folder, hashing, writer
 
@@ -143,23 +143,23 @@ class CheckpointStore:
 
     def _commit(self, folder: str, step: int, hashing: HashingFileSystem, meta: dict[str, Any]) -> str:
         """Gather every rank's object list; rank 0 writes the manifest; all ranks learn the outcome."""
-        per_rank = self._gather((hashing.records(), hashing.failures()))
+        per_rank = self.group.gather((hashing.records(), hashing.failures()))
         error = None
-        if self._rank() == 0:
+        if self.group.rank == 0:
             failed = [
                 f"rank {r}: {name}: {why}"
                 for r, (_, fails) in enumerate(per_rank)
                 for name, why in fails.items()
             ]
             objects = {name: rec for records, _ in per_rank for name, rec in records.items()}
-            manifest = Manifest.build(step=step, world_size=self._world(), objects=objects, meta=meta)
+            manifest = Manifest.build(step=step, world_size=self.group.world_size, objects=objects, meta=meta)
             error = _summarize_failures(failed) if failed else self._write_manifest(folder, manifest)
-        error = self._broadcast(error)
+        error = self.group.broadcast(error)
         uri = self.location.child_uri(folder)
         if error:
             raise StorageError(f"checkpoint {uri} was not committed: {error}")
         log.info("checkpoint step %d committed: %s", step, uri)
-        if self._rank() == 0 and self.keep_last > 0:
+        if self.group.rank == 0 and self.keep_last > 0:
             self._retain()
         return uri
 
@@ -168,7 +168,7 @@ class CheckpointStore:
             self.location.write_bytes(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
             return None
         except Exception as e:  # reported to every rank by _commit
-            return f"{type(e).__name__}: {e}"
+            return f"writing the manifest failed: {explain_error(e)}"
 
     def _retain(self) -> None:
         try:
@@ -192,10 +192,10 @@ class CheckpointStore:
     def load(self, state: dict[str, Any], which: str = LATEST) -> Manifest:
         """Load a committed checkpoint into `state` in place (resharding as needed); collective."""
         self.wait()
-        root_uri, folder, manifest = _run_on_rank0(self, lambda: self._find_for_load(which))
+        root_uri, folder, manifest = self.group.on_rank0(lambda: self._find_for_load(which))
         reader = open_location(root_uri, s3=self.s3).dcp_reader(folder)
         with _dcp_errors(f"loading {manifest.uri}", saving=False):
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group.group)
         log.info(
             "loaded checkpoint step %d (saved at world size %d) from %s",
             manifest.step,
@@ -252,7 +252,7 @@ class CheckpointStore:
 
     def apply_retention(self, *, keep_last: int) -> list[str]:
         """Keep the newest `keep_last` committed checkpoints (0: all); rank 0 deletes, others no-op."""
-        if self._rank() != 0:
+        if self.group.rank != 0:
             return []
         return catalog.apply_retention(self.location, keep_last=keep_last)
 
@@ -280,42 +280,6 @@ class CheckpointStore:
             )
         return self._stager
 
-    # -- collectives on the checkpoint group ---------------------------------------------------
-
-    def _rank(self) -> int:
-        return dist.get_rank(self._group) if self._group is not None else 0
-
-    def _world(self) -> int:
-        return dist.get_world_size(self._group) if self._group is not None else 1
-
-    def _gather(self, value: Any) -> list[Any]:
-        if self._group is None:
-            return [value]
-        out = [None] * self._world() if self._rank() == 0 else None
-        dist.gather_object(value, out, group=self._group, group_dst=0)
-        return out or []
-
-    def _broadcast(self, value: Any) -> Any:
-        if self._group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, group=self._group, group_src=0)
-        return box[0]
-
-
-def _run_on_rank0(store: CheckpointStore, fn: Callable[[], Any]) -> Any:
-    """Run `fn` on rank 0 and give every rank its result, or raise its error everywhere."""
-    result: Any = None
-    if store._rank() == 0:
-        try:
-            result = ("ok", fn())
-        except Exception as e:  # every rank must learn of it, or they would wait forever
-            result = ("error", str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}")
-    kind, value = store._broadcast(result)
-    if kind == "error":
-        raise StorageError(value)
-    return value
-
 
 def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
     """Retention for a root: --remote-keep-last on S3; --keep-last (or 1 with
@@ -323,12 +287,6 @@ def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
     if is_s3(root):
         return cfg.remote_keep_last
     return 1 if cfg.delete_previous_checkpoint else cfg.keep_last
-
-
-def _checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 @contextmanager
@@ -343,7 +301,9 @@ def _dcp_errors(action: str, *, saving: bool = True):
         if isinstance(inner, StorageError):
             raise inner from e
         consequence = (
-            "; the checkpoint was not committed (the previous one is still the latest)" if saving else ""
+            "; the checkpoint was not committed (the previous commit, if any, is still the latest)"
+            if saving
+            else ""
         )
         raise StorageError(f"{action} failed: {_first_line(inner)}{consequence}") from e
 
