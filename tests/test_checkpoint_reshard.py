@@ -21,8 +21,8 @@ from torch.distributed.fsdp import fully_shard
 from bigclip.checkpoint import CheckpointStore
 from bigclip.distributed import spawn
 from bigclip.loopback_s3 import LoopbackS3
-from bigclip.models.clip import CLIP
-from bigclip.models.registry import get_model_config, init_weights
+from bigclip.models.clip import CLIP, init_weights
+from bigclip.models.registry import get_model_config
 
 CHAIN = [2, 3, 1, 4]
 BATCH = 4

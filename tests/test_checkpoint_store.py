@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from bigclip.checkpoint import CheckpointStore, keep_last_for
 from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.checkpoint.redact import REDACTED, redact
-from bigclip.config import CheckpointConfig
+from bigclip.config import CheckpointConfig, TrainConfig
 from bigclip.errors import StorageError
 from bigclip.loopback_s3 import LoopbackS3
 
@@ -104,7 +104,7 @@ def test_latest_and_load_ignore_an_interrupted_save(root, s3):
         store.load(make_state(0), store.location.child_uri("step_00000002"))
 
 
-def test_load_from_a_run_root_takes_its_newest_commit(root, s3):
+def test_load_from_a_run_root_or_a_folder_name(root, s3):
     store = CheckpointStore(root, s3=s3.settings())
     store.save(make_state(4), step=4)
     store.save(make_state(7), step=7)
@@ -112,6 +112,8 @@ def test_load_from_a_run_root_takes_its_newest_commit(root, s3):
     target = make_state(0)
     assert other.load(target, root).step == 7
     assert_same(target, make_state(7))
+    assert store.load(target, "step_00000004").step == 4  # a folder name under the root
+    assert_same(target, make_state(4))
 
 
 def test_nothing_committed_is_a_clear_error(root, s3):
@@ -237,6 +239,16 @@ def test_no_credential_reaches_manifests_or_logs(root, s3, monkeypatch, caplog):
     manifest = store.location.read_bytes(f"step_00000001/{MANIFEST_NAME}").decode()
     assert secret not in manifest and REDACTED in manifest
     assert secret not in caplog.text
+
+
+def test_config_dump_is_redacted(monkeypatch):
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "session-token-value-123")
+    cfg = TrainConfig()
+    cfg.checkpoint.s3_endpoint = "https://minio-user:minio-password@minio.internal:9000"
+    cfg.log.name = "run-session-token-value-123"
+    dumped = json.dumps(redact(cfg.to_dict()))
+    assert "minio-password" not in dumped and "session-token-value-123" not in dumped
+    assert redact(TrainConfig().to_dict()) == TrainConfig().to_dict()  # nothing else touched
 
 
 def test_redact_keeps_ordinary_config_fields():

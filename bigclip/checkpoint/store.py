@@ -190,7 +190,11 @@ class CheckpointStore:
         ]
 
     def load(self, state: dict[str, Any], which: str = LATEST) -> Manifest:
-        """Load a committed checkpoint into `state` in place (resharding as needed); collective."""
+        """Load a committed checkpoint into `state` in place (resharding as needed); collective.
+
+        `which`: "latest" (newest commit under the root), a checkpoint's path or s3:// URI, a
+        folder name under the root, or another run's checkpoint root (its newest commit).
+        """
         self.wait()
         root_uri, folder, manifest = self.group.on_rank0(lambda: self._find_for_load(which))
         reader = open_location(root_uri, s3=self.s3).dcp_reader(folder)
@@ -219,6 +223,8 @@ class CheckpointStore:
     def _resolve(self, which: str) -> tuple[Location, str]:
         if which == LATEST:
             return self.location, self._latest_folder(self.location)
+        if "/" not in which and self.location.exists(f"{which}/{MANIFEST_NAME}"):
+            return self.location, which  # a folder name under this store's root, e.g. step_00001200
         parent_uri, _, name = which.rstrip("/").rpartition("/")
         parent = open_location(parent_uri or ".", s3=self.s3)
         if parent.exists(f"{name}/{MANIFEST_NAME}"):
