@@ -12,8 +12,9 @@ import argparse
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 
-from bigclip.checkpoint.locations import open_location
+from bigclip.checkpoint.locations import Location, open_location
 from bigclip.checkpoint.preflight import PROBE_FOLDER, CheckResult, access_checks, probe_name, run_check
 from bigclip.cli_args import _add_field
 from bigclip.config import CheckpointConfig
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def throughput_checks(location, *, size_mb: int) -> list[tuple[str, object]]:
+def throughput_checks(location: Location, *, size_mb: int) -> list[tuple[str, Callable[[], str]]]:
     """Upload, download and delete one object of `size_mb`; detail lines carry MB/s."""
     key = probe_name() + ".bin"
     payload = os.urandom(1 << 20) * size_mb  # incompressible, built once

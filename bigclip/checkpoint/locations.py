@@ -17,9 +17,9 @@ import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, BinaryIO, Protocol
 
-from s3torchconnector import S3ReaderConstructor
+from s3torchconnector import S3ReaderConstructor, S3Writer
 from s3torchconnector._s3client import S3Client
 from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
 from s3torchconnectorclient._mountpoint_s3_client import S3Exception
@@ -43,7 +43,7 @@ class Location(Protocol):
     def write_bytes(self, relative: str, data: bytes) -> None: ...
     def delete(self, relative: str) -> None: ...
     def delete_folder(self, folder: str) -> None: ...
-    def open_read(self, relative: str): ...
+    def open_read(self, relative: str) -> BinaryIO: ...
     def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]: ...
     def dcp_reader(self, folder: str) -> FileSystemReader: ...
 
@@ -108,7 +108,7 @@ class LocalLocation:
     def delete_folder(self, folder: str) -> None:
         shutil.rmtree(self.root / folder, ignore_errors=True)
 
-    def open_read(self, relative: str):
+    def open_read(self, relative: str) -> BinaryIO:
         return open(self.root / relative, "rb")
 
     def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:
@@ -180,11 +180,11 @@ class S3Location:
         with self.open_read(relative) as stream:
             return stream.read()
 
-    def open_read(self, relative: str):
+    def open_read(self, relative: str) -> BinaryIO:
         reader = S3ReaderConstructor.sequential()
         return self.client.get_object(self.bucket, self._key(relative), reader_constructor=reader)
 
-    def open_write(self, relative: str):
+    def open_write(self, relative: str) -> S3Writer:
         """A streaming upload; the object appears, whole, when the stream closes without error."""
         return self.client.put_object(self.bucket, self._key(relative))
 
@@ -202,7 +202,7 @@ class S3Location:
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(self.delete, keys))
 
-    def _file_system(self, **kwargs):
+    def _file_system(self, **kwargs: Any) -> S3FileSystem:
         return S3FileSystem(self.settings.region, s3_client=self.client, **kwargs)
 
     def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:

@@ -71,7 +71,9 @@ class SafeMetadataMixin:
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner with `weights_only=True` and an up-front key/shape check."""
 
-    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False):
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         if metadata is not None:
             check_keys_match(self.state_dict, metadata)

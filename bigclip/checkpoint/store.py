@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -296,7 +297,7 @@ def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
 
 
 @contextmanager
-def _dcp_errors(action: str, *, saving: bool = True):
+def _dcp_errors(action: str, *, saving: bool = True) -> Iterator[None]:
     """Turn DCP's CheckpointException (a BaseException) and I/O errors into a StorageError."""
     try:
         yield
