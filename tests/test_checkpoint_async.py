@@ -28,6 +28,7 @@ def local_copies(state: dict) -> dict[str, torch.Tensor]:
 
 def _train_while_saving(rank: int, world: int, root: str, s3) -> dict:
     store = CheckpointStore(root, s3=s3)
+    store.check_access()  # collective: rank 0 (LOCAL_RANK 0) probes, every rank learns the outcome
     state = sharded_state(world, seed=1)
     snapshot = local_copies(state)
     pending = store.async_save(state, step=1, meta={"model": "toy"})

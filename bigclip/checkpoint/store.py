@@ -1,7 +1,7 @@
 """CheckpointStore: sharded DCP checkpoints in a local folder or on S3, committed atomically.
 
     store = CheckpointStore(root, s3=S3Settings.resolve(endpoint=..., region=...))  # collective
-    store.check_access()                       # seconds; before any model is built
+    store.check_access()                       # collective; seconds; before any model is built
     uri = store.save(state, step=s, meta=m)    # collective; returns once committed
     pending = store.async_save(state, step=s)  # collective; returns after staging to CPU
     manifest = store.load(state, "latest")     # collective; in place, any world size
@@ -18,6 +18,8 @@ save, so any engine (FSDP2 now, DeepSpeed later) can use it.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -84,8 +86,22 @@ class CheckpointStore:
         return self.location.uri
 
     def check_access(self) -> None:
-        """Preflight from this process: StorageError in seconds if the root is unusable."""
-        check_access(self.location)
+        """Preflight, collective: StorageError on every rank, in seconds, if the root is unusable.
+
+        One rank per node (LOCAL_RANK 0) probes: credentials usually differ by node (instance
+        roles), and 1024 ranks probing at once could themselves be throttled.
+        """
+        error = None
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            try:
+                check_access(self.location)
+            except StorageError as e:
+                error = f"{socket.gethostname()} (rank {self.group.rank}): {e}"
+        errors = [e for e in self.group.gather(error) if e]
+        more = f" (and {len(errors) - 2} more nodes)" if len(errors) > 2 else ""
+        message = self.group.broadcast("; ".join(errors[:2]) + more if errors else None)
+        if message:
+            raise StorageError(message)
 
     # -- saving ---------------------------------------------------------------------------
 
