@@ -11,7 +11,8 @@ One run, one loopback S3 endpoint (moto in its own process), the same sharded st
   baseline load    each rank downloads its file with boto3, torch.load(weights_only=True)s it
                    and copies it into the state
 
-Times are the slowest rank's (barriers around each phase), medians over --repeats rounds.
+Times are the slowest rank's (barriers around each phase), medians over --repeats rounds;
+rounds alternate whether bigclip or the baseline goes first.
 
     PYTHONPATH=. python benchmarks/checkpoint_io.py [--gib 1.0] [--ranks 2] [--repeats 3]
 """
@@ -88,14 +89,30 @@ def baseline_load(state: dict, path: Path, key: str, client) -> tuple[float, flo
 
 def one_round(store: CheckpointStore, state: dict, round_: int, folder: Path, client) -> dict[str, float]:
     key, path = f"baseline/round{round_}/rank{dist.get_rank()}.pt", folder / f"rank{dist.get_rank()}.pt"
-    times = {"bigclip_save_s": timed(lambda: store.save(state, step=3 * round_))}
-    times["baseline_torch_save_s"], times["baseline_upload_s"] = baseline_save(state, path, key, client)
+    times: dict[str, float] = {}
+
+    def ours_save() -> None:
+        times["bigclip_save_s"] = timed(lambda: store.save(state, step=3 * round_))
+
+    def ours_load() -> None:
+        times["bigclip_load_s"] = timed(lambda: store.load(state, "latest"))
+
+    def baseline_save_phase() -> None:
+        times["baseline_torch_save_s"], times["baseline_upload_s"] = baseline_save(state, path, key, client)
+        path.unlink()
+
+    def baseline_load_phase() -> None:
+        times["baseline_download_s"], times["baseline_torch_load_s"] = baseline_load(state, path, key, client)
+        path.unlink()
+
+    # Alternate who goes first, so neither always meets the server in the same state.
+    first_ours = round_ % 2 == 0
+    for phase in (ours_save, baseline_save_phase) if first_ours else (baseline_save_phase, ours_save):
+        phase()
+    for phase in (ours_load, baseline_load_phase) if first_ours else (baseline_load_phase, ours_load):
+        phase()
     times["baseline_save_s"] = times["baseline_torch_save_s"] + times["baseline_upload_s"]
-    path.unlink()
-    times["bigclip_load_s"] = timed(lambda: store.load(state, "latest"))
-    times["baseline_download_s"], times["baseline_torch_load_s"] = baseline_load(state, path, key, client)
     times["baseline_load_s"] = times["baseline_download_s"] + times["baseline_torch_load_s"]
-    path.unlink()
     pending = None
 
     def start_async() -> None:
@@ -167,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="State size across all ranks, GiB.")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
     with LoopbackS3() as s3:
         s3.create_bucket(BUCKET)
