@@ -12,7 +12,9 @@ One run, one loopback S3 endpoint (moto in its own process), the same sharded st
                    and copies it into the state
 
 Times are the slowest rank's (barriers around each phase), medians over --repeats rounds;
-rounds alternate whether bigclip or the baseline goes first.
+rounds alternate whether bigclip or the baseline goes first. "server CPU s" is the CPU time
+the loopback server spent in a phase: when it is close to the wall time, the server, not
+the client, sets the pace.
 
     PYTHONPATH=. python benchmarks/checkpoint_io.py [--gib 1.0] [--ranks 2] [--repeats 3]
 """
@@ -69,47 +71,54 @@ def timed(fn) -> float:
     return float(elapsed)
 
 
-def baseline_save(state: dict, path: Path, key: str, client) -> tuple[float, float]:
-    """The common pattern: torch.save to local disk, then upload the file with boto3."""
-    write_s = timed(lambda: torch.save({k: v.to_local() for k, v in state["model"].items()}, path))
-    upload_s = timed(lambda: client.upload_file(str(path), BUCKET, key))
-    return write_s, upload_s
+def server_cpu_s(pid: int) -> float:
+    """CPU seconds the loopback server process has used so far (it runs on this machine)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def baseline_load(state: dict, path: Path, key: str, client) -> tuple[float, float]:
-    download_s = timed(lambda: client.download_file(BUCKET, key, str(path)))
-
-    def read_into_state() -> None:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-        for name, tensor in state["model"].items():
-            tensor.to_local().copy_(loaded[name])
-
-    return download_s, timed(read_into_state)
-
-
-def one_round(store: CheckpointStore, state: dict, round_: int, folder: Path, client) -> dict[str, float]:
+def one_round(
+    store: CheckpointStore, state: dict, round_: int, folder: Path, client, server_pid: int
+) -> dict[str, float]:
     key, path = f"baseline/round{round_}/rank{dist.get_rank()}.pt", folder / f"rank{dist.get_rank()}.pt"
     times: dict[str, float] = {}
 
+    def measure(name: str, fn) -> None:
+        cpu_before = server_cpu_s(server_pid)
+        times[f"{name}_s"] = timed(fn)
+        times[f"{name}_server_cpu_s"] = server_cpu_s(server_pid) - cpu_before
+
     def ours_save() -> None:
-        times["bigclip_save_s"] = timed(lambda: store.save(state, step=3 * round_))
+        measure("bigclip_save", lambda: store.save(state, step=3 * round_))
 
     def ours_load() -> None:
-        times["bigclip_load_s"] = timed(lambda: store.load(state, "latest"))
+        measure("bigclip_load", lambda: store.load(state, "latest"))
 
-    def baseline_save_phase() -> None:
-        times["baseline_torch_save_s"], times["baseline_upload_s"] = baseline_save(state, path, key, client)
+    def baseline_save() -> None:
+        # The common pattern: torch.save to local disk (no fsync, as usual), then boto3 upload_file.
+        measure(
+            "baseline_torch_save",
+            lambda: torch.save({k: v.to_local() for k, v in state["model"].items()}, path),
+        )
+        measure("baseline_upload", lambda: client.upload_file(str(path), BUCKET, key))
         path.unlink()
 
-    def baseline_load_phase() -> None:
-        times["baseline_download_s"], times["baseline_torch_load_s"] = baseline_load(state, path, key, client)
+    def baseline_load() -> None:
+        measure("baseline_download", lambda: client.download_file(BUCKET, key, str(path)))
+
+        def read_into_state() -> None:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            for name, tensor in state["model"].items():
+                tensor.to_local().copy_(loaded[name])
+
+        measure("baseline_torch_load", read_into_state)
         path.unlink()
 
     # Alternate who goes first, so neither always meets the server in the same state.
     first_ours = round_ % 2 == 0
-    for phase in (ours_save, baseline_save_phase) if first_ours else (baseline_save_phase, ours_save):
+    for phase in (ours_save, baseline_save) if first_ours else (baseline_save, ours_save):
         phase()
-    for phase in (ours_load, baseline_load_phase) if first_ours else (baseline_load_phase, ours_load):
+    for phase in (ours_load, baseline_load) if first_ours else (baseline_load, ours_load):
         phase()
     times["baseline_save_s"] = times["baseline_torch_save_s"] + times["baseline_upload_s"]
     times["baseline_load_s"] = times["baseline_download_s"] + times["baseline_torch_load_s"]
@@ -129,7 +138,9 @@ def one_round(store: CheckpointStore, state: dict, round_: int, folder: Path, cl
     return times
 
 
-def _rank_main(rank: int, world: int, total_bytes: int, repeats: int, endpoint_env: dict) -> dict:
+def _rank_main(
+    rank: int, world: int, total_bytes: int, repeats: int, endpoint_env: dict, server_pid: int
+) -> dict:
     os.environ.update(endpoint_env)
     from bigclip.s3 import S3Settings
 
@@ -141,7 +152,7 @@ def _rank_main(rank: int, world: int, total_bytes: int, repeats: int, endpoint_e
     rounds = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_LOCAL_DIR")) as tmp:
         for round_ in range(repeats):
-            rounds.append(one_round(store, state, round_, Path(tmp), client))
+            rounds.append(one_round(store, state, round_, Path(tmp), client, server_pid))
     store.close()
     local_bytes = sum(t.to_local().numel() * 4 for t in state["model"].values())
     return {"rounds": rounds, "local_bytes": local_bytes}
@@ -151,11 +162,20 @@ def summarize(results: list[dict]) -> tuple[list[dict], dict]:
     rounds = results[0]["rounds"]
     total_gb = sum(r["local_bytes"] for r in results) / 1e9
     median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    cpu = {k.removesuffix("_server_cpu_s"): v for k, v in median.items() if k.endswith("_server_cpu_s")}
     rows = [
-        _row("save until durable", "bigclip (DCP -> S3, committed)", median["bigclip_save_s"], total_gb),
+        _row(
+            "save until durable",
+            "bigclip (DCP -> S3, committed)",
+            median["bigclip_save_s"],
+            total_gb,
+            cpu["bigclip_save"],
+        ),
         _row("save until durable", "torch.save + boto3 upload", median["baseline_save_s"], total_gb),
         _row("  of which", "torch.save to local disk", median["baseline_torch_save_s"], total_gb),
-        _row("  of which", "boto3 upload_file", median["baseline_upload_s"], total_gb),
+        _row(
+            "  of which", "boto3 upload_file", median["baseline_upload_s"], total_gb, cpu["baseline_upload"]
+        ),
         _row("save until durable", "bigclip async: blocked", median["async_blocked_s"], total_gb),
         _row(
             "save until durable",
@@ -163,9 +183,17 @@ def summarize(results: list[dict]) -> tuple[list[dict], dict]:
             median["async_until_committed_s"],
             total_gb,
         ),
-        _row("load", "bigclip (S3 -> DCP, in place)", median["bigclip_load_s"], total_gb),
+        _row(
+            "load", "bigclip (S3 -> DCP, in place)", median["bigclip_load_s"], total_gb, cpu["bigclip_load"]
+        ),
         _row("load", "boto3 download + torch.load", median["baseline_load_s"], total_gb),
-        _row("  of which", "boto3 download_file", median["baseline_download_s"], total_gb),
+        _row(
+            "  of which",
+            "boto3 download_file",
+            median["baseline_download_s"],
+            total_gb,
+            cpu["baseline_download"],
+        ),
         _row("  of which", "torch.load + copy into state", median["baseline_torch_load_s"], total_gb),
     ]
     ratios = {
@@ -176,8 +204,10 @@ def summarize(results: list[dict]) -> tuple[list[dict], dict]:
     return rows, {"total_gb": total_gb, "rounds": rounds, **ratios}
 
 
-def _row(phase: str, method: str, seconds: float, gb: float) -> dict:
-    return {"phase": phase, "method": method, "seconds": round(seconds, 3), "GB/s": round(gb / seconds, 4)}
+def _row(phase: str, method: str, seconds: float, gb: float, server_cpu: float | None = None) -> dict:
+    row = {"phase": phase, "method": method, "seconds": round(seconds, 3), "GB/s": round(gb / seconds, 4)}
+    row["server CPU s"] = None if server_cpu is None else round(server_cpu, 2)
+    return row
 
 
 def main() -> None:
@@ -188,7 +218,9 @@ def main() -> None:
     args = parser.parse_args()
     with LoopbackS3() as s3:
         s3.create_bucket(BUCKET)
-        results = spawn(_rank_main, args.ranks, int(args.gib * 2**30), args.repeats, s3.env, timeout_s=3600)
+        results = spawn(
+            _rank_main, args.ranks, int(args.gib * 2**30), args.repeats, s3.env, s3._proc.pid, timeout_s=3600
+        )
     rows, extra = summarize(results)
     print_table(rows)
     for name in (
