@@ -1,0 +1,89 @@
+"""Which checkpoints a root holds, which are committed, and which retention may delete.
+
+One folder per save, `step_00001200/`; committed when it holds `manifest.json`. Listing
+costs one LIST (or readdir) plus one HEAD (or stat) per folder examined, newest first.
+Retention keeps the newest K committed checkpoints (never fewer than one) and deletes
+older committed ones and interrupted saves older than the newest commit; folders newer
+than the newest commit may be saves in flight and are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from bigclip.checkpoint.locations import Location
+from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
+
+log = logging.getLogger("bigclip.checkpoint")
+
+_FOLDER = re.compile(r"^step_(\d+)$")
+
+
+def step_folder(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"checkpoint step must not be negative, got {step}")
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    step: int
+    folder: str
+    committed: bool
+
+
+def entries(location: Location) -> list[Entry]:
+    """Every step folder under the root, newest first, with its commit state."""
+    found = [(int(m.group(1)), name) for name in location.list_folders() if (m := _FOLDER.match(name))]
+    found.sort(reverse=True)
+    return [Entry(step, name, location.exists(f"{name}/{MANIFEST_NAME}")) for step, name in found]
+
+
+def latest_committed(location: Location) -> Entry | None:
+    found = [(int(m.group(1)), name) for name in location.list_folders() if (m := _FOLDER.match(name))]
+    for step, name in sorted(found, reverse=True):
+        if location.exists(f"{name}/{MANIFEST_NAME}"):
+            return Entry(step, name, True)
+    return None
+
+
+def read_manifest(location: Location, folder: str) -> Manifest:
+    return Manifest.from_json(
+        location.read_bytes(f"{folder}/{MANIFEST_NAME}"), uri=location.child_uri(folder)
+    )
+
+
+def folders_to_delete(all_entries: list[Entry], *, keep_last: int) -> list[Entry]:
+    committed = [e for e in all_entries if e.committed]
+    if not committed:
+        return []
+    keep = {e.folder for e in committed[: max(1, keep_last)]}
+    newest = committed[0].step
+    return [e for e in all_entries if e.folder not in keep and (e.committed or e.step < newest)]
+
+
+def apply_retention(location: Location, *, keep_last: int) -> list[str]:
+    """Delete what retention allows (see module docstring); returns the deleted folders' URIs."""
+    if keep_last <= 0:
+        return []
+    deleted = []
+    for entry in folders_to_delete(entries(location), keep_last=keep_last):
+        uri = location.child_uri(entry.folder)
+        if entry.committed:
+            # Uncommit first, so a deletion cut short never leaves a committed, partial folder.
+            location.delete(f"{entry.folder}/{MANIFEST_NAME}")
+        location.delete_folder(entry.folder)
+        log.info("retention: deleted %s checkpoint %s", "committed" if entry.committed else "partial", uri)
+        deleted.append(uri)
+    return deleted
+
+
+def clear_folder(location: Location, folder: str) -> None:
+    """Empty a step folder before saving into it again (manifest first: it stops being committed)."""
+    if location.exists(f"{folder}/{MANIFEST_NAME}"):
+        log.warning("overwriting committed checkpoint %s", location.child_uri(folder))
+        location.delete(f"{folder}/{MANIFEST_NAME}")
+    if location.list_files(folder):
+        location.delete_folder(folder)

@@ -1,0 +1,133 @@
+"""Loading a checkpoint without trusting it: no code runs from it, mismatches are listed.
+
+DCP's stock reader unpickles `.metadata` with `pickle.load` and its planner reads every
+non-tensor value with `torch.load(weights_only=False)`; either would run code planted in a
+checkpoint from a shared bucket. Here `.metadata` goes through an unpickler that admits only
+DCP's metadata classes and torch dtypes/sizes, and values go through
+`torch.load(weights_only=True)` (ints, floats, strings, lists, dicts, tuples, tensors).
+
+Before any byte of tensor data is read, the planner compares the requested state with the
+checkpoint's metadata and raises one error listing every missing key, every shape mismatch
+and the checkpoint's extra keys: loading another model's checkpoint names what differs.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from bigclip.errors import StorageError
+
+_ALLOWED_GLOBALS: dict[str, set[str] | None] = {
+    "torch.distributed.checkpoint.metadata": None,  # any name: DCP's metadata dataclasses
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},  # plus any torch.dtype, checked below
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _ALLOWED_GLOBALS.get(module, set())
+        if allowed is None or name in allowed:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise StorageError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never contains; "
+            "refusing to load it (the checkpoint may have been tampered with)"
+        )
+
+
+def load_metadata(data: bytes) -> Metadata:
+    metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    if not isinstance(metadata, Metadata):
+        raise StorageError("checkpoint .metadata does not hold DCP metadata")
+    return metadata
+
+
+class SafeMetadataMixin:
+    """For DCP FileSystemReader subclasses: read `.metadata` with the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_metadata(stream.read())
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner with `weights_only=True` and an up-front key/shape check."""
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is not None:
+            check_keys_match(self.state_dict, metadata)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise StorageError(
+                f"checkpoint value {fqn!r} is not plain data (weights_only load refused it: {e}); "
+                "store ints, floats, strings, lists, dicts or tensors in checkpoint state"
+            ) from e
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def check_keys_match(flat_state: dict[str, Any], metadata: Metadata, *, max_listed: int = 20) -> None:
+    """Raise StorageError listing missing keys and shape mismatches (extra keys are allowed)."""
+    saved = metadata.state_dict_metadata
+    missing = sorted(set(flat_state) - set(saved))
+    mismatched = [
+        f"{key}: checkpoint {tuple(saved[key].size)} vs model {tuple(value.shape)}"
+        for key, value in sorted(flat_state.items())
+        if key in saved
+        and isinstance(value, torch.Tensor)
+        and isinstance(saved[key], TensorStorageMetadata)
+        and tuple(saved[key].size) != tuple(value.shape)
+    ]
+    if not (missing or mismatched):
+        return
+    extra = sorted(set(saved) - set(flat_state))
+    lines = ["the checkpoint does not match the state being loaded (is it from another model?)"]
+    lines += _listing("missing from the checkpoint", missing, max_listed)
+    lines += _listing("shape mismatches", mismatched, max_listed)
+    lines += _listing("in the checkpoint but not requested", extra, max_listed)
+    raise StorageError("\n".join(lines))
+
+
+def _listing(title: str, items: list[str], max_listed: int) -> list[str]:
+    if not items:
+        return []
+    shown = [f"    {item}" for item in items[:max_listed]]
+    more = [f"    ... and {len(items) - max_listed} more"] if len(items) > max_listed else []
+    return [f"  {title} ({len(items)}):", *shown, *more]
+
+
+def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
+    """DCP wraps per-rank failures in CheckpointException; surface our own error if one is inside."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank in sorted(failures):
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, StorageError):
+            return inner
+    return exc

@@ -1,0 +1,345 @@
+"""CheckpointStore: sharded DCP checkpoints in a local folder or on S3, committed atomically.
+
+    store = CheckpointStore(root, s3=S3Settings.resolve(endpoint=..., region=...))  # collective
+    store.check_access()                       # collective; seconds; before any model is built
+    uri = store.save(state, step=s, meta=m)    # collective; returns once committed
+    pending = store.async_save(state, step=s)  # collective; returns after staging to CPU
+    manifest = store.load(state, "latest")     # collective; in place, any world size
+
+Commit protocol: every rank streams its shards through DCP (checksums computed on the way),
+DCP's coordinator writes `.metadata` once all ranks' writes returned, then rank 0 writes
+`manifest.json` with every rank's object list. No manifest, no checkpoint: `latest()` and
+`load()` never see an interrupted save. Coordination uses a gloo group of its own, created
+here (coordination.py), because async saves run collectives from a background thread and
+must never interleave with the training group's (NCCL) traffic. The store saves whatever dict DCP can
+save, so any engine (FSDP2 now, DeepSpeed later) can use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from bigclip.checkpoint import catalog
+from bigclip.checkpoint.coordination import CheckpointGroup
+from bigclip.checkpoint.hashing import HashingFileSystem
+from bigclip.checkpoint.locations import Location, open_location
+from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
+from bigclip.checkpoint.pending import AsyncSave
+from bigclip.checkpoint.preflight import check_access, explain_error
+from bigclip.checkpoint.safe_load import SafeLoadPlanner, unwrap_checkpoint_exception
+from bigclip.config import CheckpointConfig
+from bigclip.errors import StorageError
+from bigclip.s3 import S3Settings, is_s3
+
+log = logging.getLogger("bigclip.checkpoint")
+
+LATEST = "latest"
+
+# Single-process use (no process group) is intended here; DCP would warn on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointStore:
+    def __init__(
+        self,
+        root: str,
+        *,
+        s3: S3Settings | None = None,
+        keep_last: int = 0,
+        io_threads: int = 4,
+        max_attempts: int | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        """Collective when torch.distributed is initialised (it creates a gloo group).
+
+        keep_last: retention applied after each commit (0 keeps all; see `keep_last_for`).
+        io_threads: files (and upload streams) per rank per save.
+        max_attempts: S3 retry budget per request (the CRT client's default is 10).
+        timeout_s: how long checkpoint collectives may wait for a slow rank.
+        """
+        if not root:
+            raise StorageError("no checkpoint location given: pass a path or s3://bucket/prefix")
+        self.s3 = s3 or (S3Settings.resolve() if is_s3(root) else None)
+        self.location: Location = open_location(root, s3=self.s3, max_attempts=max_attempts)
+        self.keep_last = keep_last
+        self.io_threads = io_threads
+        self.group = CheckpointGroup(timeout_s=timeout_s)
+        self._pending: AsyncSave | None = None
+        self._stager: DefaultStager | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigclip-checkpoint")
+
+    @property
+    def root(self) -> str:
+        return self.location.uri
+
+    def check_access(self) -> None:
+        """Preflight, collective: StorageError on every rank, in seconds, if the root is unusable.
+
+        One rank per node (LOCAL_RANK 0) probes: credentials usually differ by node (instance
+        roles), and 1024 ranks probing at once could themselves be throttled.
+        """
+        error = None
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            try:
+                check_access(self.location)
+            except StorageError as e:
+                error = f"{socket.gethostname()} (rank {self.group.rank}): {e}"
+        errors = [e for e in self.group.gather(error) if e]
+        more = f" (and {len(errors) - 2} more nodes)" if len(errors) > 2 else ""
+        message = self.group.broadcast("; ".join(errors[:2]) + more if errors else None)
+        if message:
+            raise StorageError(message)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None) -> str:
+        """Write `state` as checkpoint `step` and commit it; every rank returns its URI."""
+        self.wait()
+        folder, hashing, writer = self._begin(step)
+        with _dcp_errors(f"saving {self.location.child_uri(folder)}"):
+            dcp.save(
+                state, storage_writer=writer, process_group=self.group.group, no_dist=self.group.group is None
+            )
+        return self._commit(folder, step, hashing, meta or {})
+
+    def async_save(
+        self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None
+    ) -> AsyncSave:
+        """Stage `state` in CPU memory, then write and commit it in the background."""
+        started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - started
+        folder, hashing, writer = self._begin(step)
+        with _dcp_errors(f"staging {self.location.child_uri(folder)}"):
+            upload = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self.group.group,
+                async_stager=self._get_stager(),
+                no_dist=self.group.group is None,
+            )
+        finish = self._executor.submit(self._finish_async, upload, folder, step, hashing, dict(meta or {}))
+        blocked = time.perf_counter() - started
+        self._pending = AsyncSave(
+            uri=self.location.child_uri(folder), step=step, blocked_s=blocked, waited_s=waited, future=finish
+        )
+        log.info("checkpoint step %d staged in %.3fs; uploading in the background", step, blocked - waited)
+        return self._pending
+
+    def wait(self) -> str | None:
+        """Wait for the async save in flight, if any; its URI, or StorageError if it failed."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    def _begin(self, step: int) -> tuple[str, HashingFileSystem, Any]:
+        folder = catalog.step_folder(step)
+        # Rank 0 empties the folder before any rank can write to it; also a sync point.
+        self.group.on_rank0(lambda: catalog.clear_folder(self.location, folder))
+        writer, hashing = self.location.dcp_writer(folder, threads=self.io_threads)
+        return folder, hashing, writer
+
+    def _finish_async(
+        self, upload: Future, folder: str, step: int, hashing: HashingFileSystem, meta: dict
+    ) -> str:
+        with _dcp_errors(f"saving {self.location.child_uri(folder)}"):
+            upload.result()
+        return self._commit(folder, step, hashing, meta)
+
+    def _commit(self, folder: str, step: int, hashing: HashingFileSystem, meta: dict[str, Any]) -> str:
+        """Gather every rank's object list; rank 0 writes the manifest; all ranks learn the outcome."""
+        per_rank = self.group.gather((hashing.records(), hashing.failures()))
+        error = None
+        if self.group.rank == 0:
+            failed = [
+                f"rank {r}: {name}: {why}"
+                for r, (_, fails) in enumerate(per_rank)
+                for name, why in fails.items()
+            ]
+            objects = {name: rec for records, _ in per_rank for name, rec in records.items()}
+            manifest = Manifest.build(step=step, world_size=self.group.world_size, objects=objects, meta=meta)
+            error = _summarize_failures(failed) if failed else self._write_manifest(folder, manifest)
+        error = self.group.broadcast(error)
+        uri = self.location.child_uri(folder)
+        if error:
+            raise StorageError(f"checkpoint {uri} was not committed: {error}")
+        log.info("checkpoint step %d committed: %s", step, uri)
+        if self.group.rank == 0 and self.keep_last > 0:
+            self._retain()
+        return uri
+
+    def _write_manifest(self, folder: str, manifest: Manifest) -> str | None:
+        try:
+            self.location.write_bytes(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
+            return None
+        except Exception as e:  # reported to every rank by _commit
+            return f"writing the manifest failed: {explain_error(e)}"
+
+    def _retain(self) -> None:
+        try:
+            catalog.apply_retention(self.location, keep_last=self.keep_last)
+        except Exception as e:  # a failed deletion must not fail the save that triggered it
+            log.warning("checkpoint retention failed (will retry after the next save): %s", e)
+
+    # -- loading --------------------------------------------------------------------------
+
+    def latest(self) -> str | None:
+        """URI of the newest committed checkpoint under the root, or None."""
+        entry = catalog.latest_committed(self.location)
+        return self.location.child_uri(entry.folder) if entry else None
+
+    def committed(self) -> list[tuple[int, str]]:
+        """(step, URI) of every committed checkpoint, newest first."""
+        return [
+            (e.step, self.location.child_uri(e.folder)) for e in catalog.entries(self.location) if e.committed
+        ]
+
+    def load(self, state: dict[str, Any], which: str = LATEST) -> Manifest:
+        """Load a committed checkpoint into `state` in place (resharding as needed); collective.
+
+        `which`: "latest" (newest commit under the root), a checkpoint's path or s3:// URI, a
+        folder name under the root, or another run's checkpoint root (its newest commit).
+        """
+        self.wait()
+        root_uri, folder, manifest = self.group.on_rank0(lambda: self._find_for_load(which))
+        reader = open_location(root_uri, s3=self.s3).dcp_reader(folder)
+        with _dcp_errors(f"loading {manifest.uri}", saving=False):
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group.group)
+        log.info(
+            "loaded checkpoint step %d (saved at world size %d) from %s",
+            manifest.step,
+            manifest.world_size,
+            manifest.uri,
+        )
+        return manifest
+
+    def _find_for_load(self, which: str) -> tuple[str, str, Manifest]:
+        location, folder, manifest = self._find(which)
+        return location.uri, folder, manifest  # plain data: it is broadcast to every rank
+
+    def _find(self, which: str) -> tuple[Location, str, Manifest]:
+        location, folder = self._resolve(which)
+        manifest = catalog.read_manifest(location, folder)
+        problems = size_problems(manifest, location.list_files(folder))
+        if problems:
+            raise StorageError(f"checkpoint {manifest.uri} is damaged:\n  " + "\n  ".join(problems))
+        return location, folder, manifest
+
+    def _resolve(self, which: str) -> tuple[Location, str]:
+        if which == LATEST:
+            return self.location, self._latest_folder(self.location)
+        if "/" not in which and self.location.exists(f"{which}/{MANIFEST_NAME}"):
+            return self.location, which  # a folder name under this store's root, e.g. step_00001200
+        parent_uri, _, name = which.rstrip("/").rpartition("/")
+        parent = open_location(parent_uri or ".", s3=self.s3)
+        if parent.exists(f"{name}/{MANIFEST_NAME}"):
+            return parent, name
+        as_root = open_location(which, s3=self.s3)
+        if catalog.entries(as_root):  # a run's checkpoint root: take its newest commit
+            return as_root, self._latest_folder(as_root)
+        raise StorageError(
+            f"{which} is not a committed checkpoint (no {MANIFEST_NAME}; an interrupted save is never "
+            f"resumed from). Committed ones under {self.root}: {[u for _, u in self.committed()][:5] or 'none'}"
+        )
+
+    @staticmethod
+    def _latest_folder(location: Location) -> str:
+        entry = catalog.latest_committed(location)
+        if entry is None:
+            raise StorageError(f"no committed checkpoint under {location.uri}; start without --resume")
+        return entry.folder
+
+    def verify(self, which: str = LATEST) -> Manifest:
+        """Re-read every object of a checkpoint and check sizes and SHA-256 (not collective)."""
+        from bigclip.checkpoint.manifest import checksum_problems
+
+        location, folder, manifest = self._find(which)
+        problems = checksum_problems(location, folder, manifest)
+        if problems:
+            raise StorageError(f"checkpoint {manifest.uri} failed verification:\n  " + "\n  ".join(problems))
+        return manifest
+
+    # -- housekeeping ---------------------------------------------------------------------
+
+    def apply_retention(self, *, keep_last: int) -> list[str]:
+        """Keep the newest `keep_last` committed checkpoints (0: all); rank 0 deletes, others no-op."""
+        if self.group.rank != 0:
+            return []
+        return catalog.apply_retention(self.location, keep_last=keep_last)
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the staging buffers and the worker thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _get_stager(self) -> DefaultStager:
+        # One stager per store: it reuses its CPU (pinned, on GPU) buffers from save to save.
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
+
+
+def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
+    """Retention for a root: --remote-keep-last on S3; --keep-last (or 1 with
+    --delete-previous-checkpoint) locally; 0 keeps everything."""
+    if is_s3(root):
+        return cfg.remote_keep_last
+    return 1 if cfg.delete_previous_checkpoint else cfg.keep_last
+
+
+@contextmanager
+def _dcp_errors(action: str, *, saving: bool = True) -> Iterator[None]:
+    """Turn DCP's CheckpointException (a BaseException) and I/O errors into a StorageError."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except (Exception, CheckpointException) as e:
+        inner = unwrap_checkpoint_exception(e)
+        if isinstance(inner, StorageError):
+            raise inner from e
+        consequence = (
+            "; the checkpoint was not committed (the previous commit, if any, is still the latest)"
+            if saving
+            else ""
+        )
+        raise StorageError(f"{action} failed: {_first_line(inner)}{consequence}") from e
+
+
+def _summarize_failures(failed: list[str]) -> str:
+    first = failed[0].split(": ", 2)
+    return f"{len(failed)} object(s) failed to write, e.g. {first[0]} {first[1]}: {explain_error(first[2])}"
+
+
+def _first_line(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"rank {rank}: {explain_error(inner)}"
+    return explain_error(exc)

@@ -1,0 +1,171 @@
+"""Faults during a save: a rank killed mid-save, S3 throttling and dropped connections.
+
+Whatever happens, the newest *committed* checkpoint stays the one `latest()` and `load()`
+use, and a save either commits or raises a StorageError that says what went wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from s3_fault_proxy import FaultProxy
+
+from bigclip.checkpoint import CheckpointStore
+from bigclip.checkpoint.manifest import MANIFEST_NAME
+from bigclip.distributed import spawn
+from bigclip.errors import StorageError
+from bigclip.loopback_s3 import LoopbackS3
+from bigclip.s3 import S3Settings
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    # DCP's helper writer threads die with the injected S3 errors; the store reports them.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning"),
+]
+
+
+def make_state(step: int, rank: int = 0) -> dict:
+    g = torch.Generator().manual_seed(step)
+    weights = {f"layer{i}": torch.randn(64, 32, generator=g) for i in range(8)}
+    return {"model": weights, "train": {"step": step}}
+
+
+class KillsItsProcessWhenPickled:
+    """Placed in a rank's state: DCP pickles it while that rank writes its shard file."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save_then_die_mid_save(rank: int, world: int, root: str) -> None:
+    store = CheckpointStore(root)
+    store.save(make_state(1), step=1)
+    state = make_state(2)
+    if rank == 1:
+        state["train"]["rank1_only"] = KillsItsProcessWhenPickled()
+    store.save(state, step=2)
+
+
+def _save_then_hang_in_upload(rank: int, world: int, root: str, endpoint: str, pid_dir: str) -> None:
+    Path(pid_dir, f"rank{rank}").write_text(str(os.getpid()))
+    store = CheckpointStore(root, s3=S3Settings(region="us-east-1", endpoint=endpoint))
+    store.save(make_state(1), step=1)
+    store.save(make_state(2), step=2)  # the proxy holds rank 1's upload until the rank is killed
+
+
+def assert_resumes_from_step_1(store: CheckpointStore) -> None:
+    assert store.latest() == store.location.child_uri("step_00000001")
+    target = make_state(0)
+    assert store.load(target, "latest").step == 1
+    assert all(torch.equal(target["model"][k], v) for k, v in make_state(1)["model"].items())
+    with pytest.raises(StorageError, match="not a committed checkpoint"):
+        store.load(make_state(0), store.location.child_uri("step_00000002"))
+
+
+@pytest.mark.dist
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path):
+    root = str(tmp_path / "ckpt")
+    # Whichever is seen first: rank 1's death, or rank 0's save failing as its peer vanished.
+    with pytest.raises(RuntimeError, match="rank 1 exited with code -9|not committed"):
+        spawn(_save_then_die_mid_save, 2, root, timeout_s=300)
+    store = CheckpointStore(root)
+    assert store.location.list_files("step_00000002")  # the interrupted save left files behind
+    assert_resumes_from_step_1(store)
+
+
+@pytest.mark.dist
+def test_rank_killed_during_s3_upload_leaves_the_previous_checkpoint_latest(tmp_path):
+    with LoopbackS3() as s3, FaultProxy(upstream=s3.endpoint) as proxy:
+        root = s3.create_bucket("killed") + "/run/ckpt"
+        proxy.add_rule("stall", method="PUT", path_contains="step_00000002/__1_0.distcp")
+        outcome: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                spawn(_save_then_hang_in_upload, 2, root, proxy.endpoint, str(tmp_path), timeout_s=300)
+            except BaseException as e:
+                outcome.append(e)
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        assert proxy.stalled.wait(timeout=240), "rank 1 never started uploading step 2"
+        os.kill(int((tmp_path / "rank1").read_text()), signal.SIGKILL)
+        runner.join(timeout=120)
+        proxy.release()
+        assert outcome and re.search("rank 1 exited with code -9|not committed", str(outcome[0]))
+        assert_resumes_from_step_1(CheckpointStore(root, s3=s3.settings()))
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with LoopbackS3() as server:
+        server.create_bucket("faults")
+        yield server
+
+
+@pytest.fixture
+def proxy(s3):
+    with FaultProxy(upstream=s3.endpoint) as p:
+        yield p
+
+
+def store_via(proxy: FaultProxy, **options) -> CheckpointStore:
+    settings = S3Settings(region="us-east-1", endpoint=proxy.endpoint)
+    return CheckpointStore(f"s3://faults/{uuid.uuid4().hex[:8]}", s3=settings, max_attempts=3, **options)
+
+
+def test_transient_throttling_and_dropped_connections_are_retried(proxy):
+    store = store_via(proxy)
+    proxy.add_rule("slowdown", method="PUT", path_contains=".distcp", times=3)
+    proxy.add_rule("drop", method="PUT", path_contains=".distcp", times=2)
+    store.save(make_state(1), step=1)
+    assert proxy.injected["slowdown"] == 3 and proxy.injected["drop"] == 2
+    target = make_state(0)
+    assert store.load(target, "latest").step == 1
+    assert all(torch.equal(target["model"][k], v) for k, v in make_state(1)["model"].items())
+    store.verify("latest")
+
+
+@pytest.mark.timeout(120)  # three attempts per request, then a clear error: not a hang
+@pytest.mark.parametrize(
+    ("action", "explanation"),
+    [("slowdown", "kept throttling"), ("drop", "connection to S3 kept failing")],
+)
+def test_persistent_s3_faults_fail_clearly_and_commit_nothing(proxy, action, explanation):
+    store = store_via(proxy)
+    store.save(make_state(1), step=1)
+    proxy.add_rule(action, method="PUT", path_contains="step_00000002/", times=-1)
+    with pytest.raises(StorageError, match=f"{explanation}.*not committed"):
+        store.save(make_state(2), step=2)
+    proxy.clear_rules()
+    assert_resumes_from_step_1(store)
+
+
+def test_a_write_lost_in_a_dcp_helper_thread_fails_the_commit(proxy):
+    # DCP's extra writer threads die silently; only the store's own bookkeeping notices.
+    store = store_via(proxy, io_threads=4)
+    store.save(make_state(1), step=1)
+    for name in ("__0_1.distcp", "__0_2.distcp", "__0_3.distcp"):
+        proxy.add_rule("slowdown", method="PUT", path_contains=f"step_00000002/{name}", times=-1)
+    with pytest.raises(StorageError, match="not committed"):
+        store.save(make_state(2), step=2)
+    proxy.clear_rules()
+    assert not store.location.exists(f"step_00000002/{MANIFEST_NAME}")
+    assert_resumes_from_step_1(store)
+
+
+def test_failing_to_write_the_manifest_leaves_the_save_uncommitted(proxy):
+    store = store_via(proxy)
+    store.save(make_state(1), step=1)
+    proxy.add_rule("slowdown", method="PUT", path_contains=f"step_00000002/{MANIFEST_NAME}", times=-1)
+    with pytest.raises(StorageError, match="was not committed"):
+        store.save(make_state(2), step=2)
+    proxy.clear_rules()
+    assert_resumes_from_step_1(store)
