@@ -209,6 +209,9 @@ class LogConfig:
     remote_sync: str = _opt("", "Copy the run directory to this URI in the background (e.g. s3://b/runs).")
     remote_sync_frequency: int = _opt(300, "Seconds between remote syncs.")
     remote_sync_protocol: str = _opt("s3", "How to reach --remote-sync.", choices=("s3", "fsspec"))
+    batch_keys_file: str = _opt(
+        "", "Append each step's sample keys to FILE.rankN.jsonl, to audit data order."
+    )
 
     def validate(self) -> None:
         if self.log_every_n_steps < 1:

@@ -84,6 +84,26 @@ def init_distributed(*, backend: str = "", device: str = "", timeout_s: int = 18
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
+_gloo_group: Any = None
+
+
+def cpu_group() -> Any:
+    """A gloo group for tiny per-step CPU collectives (data-loader epoch end, preemption flags):
+    the default group when it is gloo, else one new gloo group shared by all callers.
+
+    Must first be called by all ranks together (it may create a group). None outside torch.distributed.
+    """
+    global _gloo_group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    if _gloo_group is None or _gloo_group[0] is not dist.group.WORLD:  # new default group: new gloo group
+        # An NCCL flag all-reduce would need a device tensor and a GPU sync every step.
+        _gloo_group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _gloo_group[1]
+
+
 def _spawn_entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)

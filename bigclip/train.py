@@ -1,7 +1,8 @@
-"""The training loop: build -> (resume) -> loop -> log -> evaluate -> checkpoint.
+"""The training loop: build -> resume -> loop -> log -> evaluate -> checkpoint.
 
     python -m bigclip.train --model ViT-B-32 --train-data '/data/{00000..00999}.tar' ...
-    torchrun --nproc-per-node 8 -m bigclip.train ...
+    torchrun --nproc-per-node 8 -m bigclip.train -- --model ViT-B-32 ...   (`--` keeps torchrun
+        from reading bigclip's --logs as its own --logs-specs)
     deepspeed --num_gpus 8 -m bigclip.train --engine deepspeed --deepspeed-config ds_configs/zero3.json ...
 
 Nothing here depends on which engine shards the model: the loop only calls the Engine verbs.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from bigclip import data
+from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig, lr_at
-from bigclip.distributed import Runtime, init_distributed
+from bigclip.distributed import Runtime, cpu_group, init_distributed
 from bigclip.engines import Engine, build_engine
 from bigclip.errors import BigclipError, NonFiniteLossError
 from bigclip.evaluate import evaluate_retrieval
@@ -36,16 +39,18 @@ from bigclip.metrics import (
 )
 from bigclip.models import get_model_config
 from bigclip.ops.contrastive import build_loss
+from bigclip.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher
 from bigclip.run_setup import build_model, prepare_run_dir, seed_everything
 from bigclip.s3 import S3Settings
-from bigclip.train_step import train_step
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    epoch: int = 0
-    samples_seen: int = 0
+from bigclip.train_checkpoint import (
+    TrainState,
+    checkpoint_contents,
+    manifest_meta,
+    open_store,
+    resume,
+    save_due,
+)
+from bigclip.train_step import StepOutput, train_step
 
 
 @dataclass
@@ -61,9 +66,13 @@ class Run:
     tensorboard: TensorBoard
     shards: data.ShardList
     s3: S3Settings
+    store: CheckpointStore
     state: TrainState = field(default_factory=TrainState)
+    data_position: dict | None = None  # where the data stream resumes in the current epoch
     total_steps: int = 0
     last_loss: float | None = None  # the global loss at the latest log step
+    last_saved_step: int = -1
+    preemption: PreemptionWatcher | None = None
 
     @property
     def global_batch(self) -> int:
@@ -71,7 +80,7 @@ class Run:
 
 
 def setup(cfg: TrainConfig) -> Run:
-    """Validate inputs that can fail cheaply, then build the model and engine."""
+    """Check everything that can fail cheaply (data, storage) before building the model."""
     runtime = init_distributed(backend=cfg.engine.dist_backend, device=cfg.engine.device)
     run_dir = prepare_run_dir(cfg, runtime)
     log = setup_logging(rank=runtime.rank, log_file=run_dir / "out.log")
@@ -81,56 +90,94 @@ def setup(cfg: TrainConfig) -> Run:
         cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
     )
     s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
-    shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)  # DataError in seconds
+    shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
+    store = open_store(cfg, run_dir, s3)
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
     )
     engine = build_engine(cfg, runtime)
     engine.build(build_model(cfg))
     tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
-    return Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3)
+    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
+    run.preemption = PreemptionWatcher(cpu_group())
+    if cfg.checkpoint.resume:
+        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch)
+    return run
 
 
-def micro_batches(loader: Any, *, k: int, device: torch.device):
-    """Group the loader's batches by k (the accumulation factor) and move them to the device."""
-    group = []
+def build_loader(run: Run) -> data.TrainLoader:
+    # Data workers are forked, and s3torchconnector tears its clients down before a fork:
+    # an upload in flight must finish first.
+    run.store.wait()
+    return data.build_train_loader(
+        run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
+        epoch=run.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
+        position=run.data_position, device=run.runtime.device, s3=run.s3, shards=run.shards,
+    )  # fmt: skip
+
+
+def micro_batches(loader: Any, *, k: int):
+    """Group the loader's batches (already on the device) by k, the accumulation factor."""
+    group, keys = [], []
     for batch in loader:
-        group.append((batch.images.to(device, non_blocking=True), batch.texts.to(device, non_blocking=True)))
+        group.append((batch.images, batch.texts))
+        keys += batch.keys
         if len(group) == k:
-            yield group
-            group = []
+            yield group, keys
+            group, keys = [], []
 
 
-def train_one_epoch(run: Run, loader: Any) -> None:
+def record_batch_keys(run: Run, keys: list[str]) -> None:
+    path = f"{run.cfg.log.batch_keys_file}.rank{run.runtime.rank}.jsonl"
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": run.state.step, "keys": keys}) + "\n")
+
+
+def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
+    """Train until the epoch's data ends (True) or the step budget does (False)."""
     cfg, state = run.cfg, run.state
     timer, loss_avg = StepTimer(), Average()
-    samples_per_epoch = loader.steps_per_epoch * cfg.data.batch_size * run.runtime.world_size
-    start_samples = state.samples_seen
-    for group in micro_batches(loader, k=cfg.optim.accum_freq, device=run.runtime.device):
+    for group, keys in micro_batches(loader, k=cfg.optim.accum_freq):
         timer.data_ready()
+        if cfg.log.batch_keys_file:
+            record_batch_keys(run, keys)
         lr = lr_at(state.step, cfg.optim, run.total_steps)
         try:
             out = train_step(run.engine, run.loss_fn, group, lr=lr)
         except NonFiniteLossError as e:
             raise NonFiniteLossError(f"step {state.step}: {e}") from e
-        state.step += 1
+        state.step, state.epoch_step = state.step + 1, state.epoch_step + 1
         state.samples_seen += run.global_batch
         timer.step_done()
         if state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps:
             _log_step(
-                run,
-                out,
-                timer,
-                loss_avg,
-                lr,
-                samples_done=state.samples_seen - start_samples,
-                samples_per_epoch=samples_per_epoch,
+                run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq
             )
         if state.step >= run.total_steps:
-            break
+            return False
+        if save_due(cfg, state, epoch_end=False, final=False):
+            save_checkpoint(run, data_position=loader.state_dict())
+        check_preemption(run, loader)
+    return True
 
 
-def _log_step(run: Run, out: Any, timer: StepTimer, loss_avg: Average, lr: float, **progress: int) -> None:
+def check_preemption(run: Run, loader: data.TrainLoader) -> None:
+    """On SIGUSR1/SIGTERM (any rank): checkpoint this exact step, wait for the upload, stop."""
+    signum = run.preemption.requested()
+    if not signum:
+        return
+    if run.last_saved_step != run.state.step:
+        save_checkpoint(run, data_position=loader.state_dict())
+    run.store.wait()
+    loader.close()
+    run.store.close()
+    run.tensorboard.close()
+    raise Preempted(run.state.step, signum)
+
+
+def _log_step(
+    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int
+) -> None:
     loss = out.loss.clone()
     if run.runtime.world_size > 1:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the global loss; every rank logs on the same steps
@@ -138,18 +185,11 @@ def _log_step(run: Run, out: Any, timer: StepTimer, loss_avg: Average, lr: float
     loss_avg.add(loss_value)
     scale = out.logit_scale.item()
     get_logger().info(
-        train_log_line(
-            epoch=run.state.epoch,
-            timer=timer,
-            global_batch=run.global_batch,
-            world_size=run.runtime.world_size,
-            lr=lr,
-            logit_scale=scale,
-            loss=loss_value,
-            loss_avg=loss_avg.avg,
-            **progress,
-        )
-    )
+        train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
+                       samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
+                       global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
+                       logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
+    )  # fmt: skip
     run.tensorboard.scalars(
         {
             "train/loss": loss_value,
@@ -166,18 +206,32 @@ def _log_step(run: Run, out: Any, timer: StepTimer, loss_avg: Average, lr: float
     timer.reset()
 
 
+def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
+    """Collective. Logs (and sends to TensorBoard) how long training was blocked."""
+    contents = checkpoint_contents(run.engine, run.cfg, run.state, run.runtime, data_position)
+    meta = manifest_meta(run.cfg, run.runtime, run.global_batch)
+    start = time.perf_counter()
+    if run.cfg.checkpoint.async_save:
+        pending = run.store.async_save(contents, step=run.state.step, meta=meta)
+        where, blocked = pending.uri, pending.blocked_s
+    else:
+        where = run.store.save(contents, step=run.state.step, meta=meta)
+        blocked = time.perf_counter() - start
+    run.last_saved_step = run.state.step
+    mode = "async, uploading" if run.cfg.checkpoint.async_save else "committed"
+    get_logger().info(
+        f"checkpoint step {run.state.step} -> {where} ({mode}); training blocked {blocked:.3f}s"
+    )
+    run.tensorboard.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
+
+
 def evaluate(run: Run) -> dict[str, float] | None:
     if not run.cfg.data.val_data:
         return None
     mine = data.iter_eval_samples(
-        run.cfg.data.val_data,
-        image_size=run.engine.unwrapped().image_size,
-        tokenizer=run.tokenizer,
-        limit=run.cfg.data.val_num_samples,
-        rank=run.runtime.rank,
-        world_size=run.runtime.world_size,
-        s3=run.s3,
-    )
+        run.cfg.data.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
+        limit=run.cfg.data.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
+    )  # fmt: skip
     metrics = evaluate_retrieval(run.engine, list(mine), run.runtime, batch_size=run.cfg.data.batch_size)
     metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
     if run.runtime.is_main:
@@ -188,22 +242,6 @@ def evaluate(run: Run) -> dict[str, float] | None:
     return metrics
 
 
-def build_loader(run: Run, *, position: dict | None = None) -> data.TrainLoader:
-    return data.build_train_loader(
-        run.cfg.data,
-        rank=run.runtime.rank,
-        world_size=run.runtime.world_size,
-        seed=run.cfg.optim.seed,
-        epoch=run.state.epoch,
-        image_size=run.engine.unwrapped().image_size,
-        tokenizer=run.tokenizer,
-        position=position,
-        device=run.runtime.device,
-        s3=run.s3,
-        shards=run.shards,
-    )
-
-
 def fit(run: Run) -> dict[str, Any]:
     cfg, state = run.cfg, run.state
     loader = build_loader(run)
@@ -212,20 +250,36 @@ def fit(run: Run) -> dict[str, Any]:
     metrics = None
     while state.step < run.total_steps and state.epoch < cfg.optim.epochs:
         run.engine.train()
-        train_one_epoch(run, loader)
+        if not train_one_epoch(run, loader):
+            break  # step budget spent mid-epoch
         loader.close()
-        state.epoch += 1
+        state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
         metrics = evaluate(run)
+        if save_due(cfg, state, epoch_end=True, final=False):
+            save_checkpoint(run, data_position=None)
         if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
             loader = build_loader(run)
+    return finish(run, loader, metrics)
+
+
+def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str, Any]:
+    if run.state.step != run.last_saved_step and save_due(run.cfg, run.state, epoch_end=False, final=True):
+        save_checkpoint(run, data_position=loader.state_dict() if run.state.epoch_step else None)
+    loader.close()
+    if metrics is None and run.state.epoch_step:
+        metrics = evaluate(run)
+    run.store.wait()  # the last upload must be committed before the run reports success
+    latest = run.store.latest()
+    run.store.close()
     run.tensorboard.close()
     return {
-        "step": state.step,
-        "epoch": state.epoch,
-        "samples_seen": state.samples_seen,
+        "step": run.state.step,
+        "epoch": run.state.epoch,
+        "samples_seen": run.state.samples_seen,
         "loss": run.last_loss,
         "eval": metrics,
         "run_dir": str(run.run_dir),
+        "checkpoint": latest,
     }
 
 
@@ -237,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_train_args(argv)
     try:
         summary = run_training(cfg)
+    except Preempted as e:
+        get_logger().info(f"{e}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued")
+        return REQUEUE_EXIT_CODE
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

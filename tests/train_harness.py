@@ -20,3 +20,27 @@ def demo_argv(demo_data, tmp_path, *extra: str, name: str = "run") -> list[str]:
         "--warmup", "5", "--log-every-n-steps", "5", "--logs", str(tmp_path), "--name", name,
         "--local-loss", "--gather-with-grad", *extra,
     ]  # fmt: skip
+
+
+def train_and_weights(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    """Worker: train, then return the summary with the full weights (rank 0)."""
+    from bigclip.train import fit, setup
+
+    run = setup(parse_train_args(argv))
+    summary = fit(run)
+    weights = run.engine.full_state_dict()
+    return {**summary, "weights": weights if rank == 0 else None}
+
+
+def resume_and_inspect(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    """Worker: set up with --resume and report what was restored, before any step."""
+    from bigclip.train import setup
+
+    run = setup(parse_train_args(argv))
+    weights = run.engine.full_state_dict()
+    run.store.close()
+    return {
+        "state": vars(run.state).copy(),
+        "data_position": run.data_position,
+        "weights": weights if rank == 0 else None,
+    }

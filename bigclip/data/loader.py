@@ -48,10 +48,9 @@ from bigclip.data.tar_samples import Cursor
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.data.transforms import train_transform
 from bigclip.data.worker import ReaderStream
+from bigclip.distributed import cpu_group
 from bigclip.errors import DataError
 from bigclip.s3 import S3Settings
-
-_gloo_group: Any = None
 
 
 @dataclass
@@ -72,22 +71,6 @@ class DataStats:
     @property
     def skipped_total(self) -> int:
         return sum(self.skipped.values())
-
-
-def cpu_group() -> Any:
-    """A gloo group for the loader's tiny collectives: the default group when it is gloo, else a new one.
-
-    Must first be called by all ranks together (it may create a group). None outside torch.distributed.
-    """
-    global _gloo_group
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    if _gloo_group is None or _gloo_group[0] is not dist.group.WORLD:  # new default group: new gloo group
-        # An NCCL flag all-reduce would need a device tensor and a GPU sync every step.
-        _gloo_group = (dist.group.WORLD, dist.new_group(backend="gloo"))
-    return _gloo_group[1]
 
 
 def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
