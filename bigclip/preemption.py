@@ -17,6 +17,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from bigclip.distributed import cpu_group
+
 REQUEUE_EXIT_CODE = 85
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -31,8 +33,9 @@ class Preempted(Exception):
 
 
 class PreemptionWatcher:
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+    """Install first thing in a run: a signal during start-up must not kill it (SIGUSR1's default)."""
+
+    def __init__(self) -> None:
         self.signum = 0
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():  # handlers only install there
@@ -45,8 +48,8 @@ class PreemptionWatcher:
     def requested(self) -> int:
         """Collective: the signal number if any rank was signalled, else 0."""
         flag = torch.tensor([self.signum], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
         return int(flag.item())
 
     def close(self) -> None:

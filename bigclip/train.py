@@ -24,7 +24,7 @@ from bigclip import data
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig, lr_at
-from bigclip.distributed import Runtime, cpu_group, init_distributed
+from bigclip.distributed import Runtime, init_distributed
 from bigclip.engines import Engine, build_engine
 from bigclip.errors import BigclipError, NonFiniteLossError
 from bigclip.evaluate import evaluate_retrieval
@@ -81,6 +81,7 @@ class Run:
 
 def setup(cfg: TrainConfig) -> Run:
     """Check everything that can fail cheaply (data, storage) before building the model."""
+    preemption = PreemptionWatcher()
     runtime = init_distributed(backend=cfg.engine.dist_backend, device=cfg.engine.device)
     run_dir = prepare_run_dir(cfg, runtime)
     log = setup_logging(rank=runtime.rank, log_file=run_dir / "out.log")
@@ -99,7 +100,7 @@ def setup(cfg: TrainConfig) -> Run:
     engine.build(build_model(cfg))
     tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
-    run.preemption = PreemptionWatcher(cpu_group())
+    run.preemption = preemption
     if cfg.checkpoint.resume:
         run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch)
     return run
@@ -172,6 +173,7 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
     loader.close()
     run.store.close()
     run.tensorboard.close()
+    run.preemption.close()
     raise Preempted(run.state.step, signum)
 
 
@@ -272,6 +274,7 @@ def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str
     latest = run.store.latest()
     run.store.close()
     run.tensorboard.close()
+    run.preemption.close()
     return {
         "step": run.state.step,
         "epoch": run.state.epoch,
