@@ -15,3 +15,11 @@ class DataError(BigclipError):
 
 class StorageError(BigclipError):
     """A checkpoint location or S3 endpoint that cannot be used."""
+
+
+class NonFiniteLossError(BigclipError):
+    """The loss would be NaN or infinite (non-finite features, logit scale or bias).
+
+    Raised on every rank at once, before any update, so weights stay finite; the training
+    loop adds the step number to the message.
+    """

@@ -1,8 +1,33 @@
-"""Contrastive losses across the data-parallel group.
+"""Contrastive losses across the data-parallel group: chunked (exact, flat memory) and baselines.
 
-`ClipLoss` reproduces OpenCLIP's loss, including its `--local-loss` and `--gather-with-grad`
-semantics: features of all ranks are all-gathered and each rank builds a local x global (or
-global x global) logit matrix.
+`build_loss(cfg, group=)` returns a module with `forward(image_features, text_features,
+logit_scale, logit_bias=None) -> scalar`: this rank's L2-normalised features [n, dim],
+`logit_scale` already exponentiated, `logit_bias` the SigLIP bias (ignored by CLIP).
+
+Chunked (`--loss-chunk-size c > 0`, ChunkedContrastiveLoss): exact CLIP or SigLIP loss in
+c x c tiles (contrastive_chunked.py) over features streamed between ranks
+(contrastive_exchange.py). Rank r returns L_r, the loss of its own rows (global loss = mean_r
+L_r); after backward its features hold sum_r' dL_r'/d(features_r) and logit_scale/bias hold
+dL_r/ds, so the engine's averaging of parameter gradients gives dL/dtheta exactly (OpenCLIP's
+--local-loss --gather-with-grad convention, which the chunked loss always follows).
+
+Memory bound (per rank, beyond its inputs; n local rows, N = world * n, d = embed dim):
+  ring (default)  O(n*(c + d)): the fp32 gradients of its own features (2nd), row and column
+                  statistics (2n), two payload chunks in flight (2cd), three fp32 accumulator
+                  chunks (3c(d+1)) and a few c x c fp32 tiles; nothing grows with world size.
+  allgather       O(N*d): every rank's text features plus an N x (d+1) gradient buffer.
+  unchunked       O(n*N + N*d): OpenCLIP's two n x N logit matrices, their log-softmax and
+                  gradients, and the gathered features.
+Exchange choice (benchmarks/loss_memory.py, 16 ranks, d=1280, CPU): the ring is the default; it is
+the only exchange whose memory is flat in the world size (see the benchmark's table for figures).
+
+Unchunked (`--loss-chunk-size 0`): ClipLoss is OpenCLIP's ClipLoss, with its --local-loss and
+--gather-with-grad meanings; SigLipLoss is OpenCLIP's SigLipLoss computed from all-gathered
+(with gradient) text features, the same loss and gradients as its neighbour exchange.
+
+Every loss first checks its inputs across ranks (contrastive_checks.py): shape or dtype
+mismatches raise ConfigError naming the rank, non-finite logits raise NonFiniteLossError, on all
+ranks together.
 """
 
 from __future__ import annotations
@@ -14,12 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigclip.config import LossConfig
-
-
-def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+from bigclip.errors import ConfigError
+from bigclip.ops.contrastive_checks import check_contrastive_inputs
+from bigclip.ops.contrastive_chunked import ChunkedContrastiveFunction, LossPlan
+from bigclip.ops.contrastive_exchange import EXCHANGES, world_of
 
 
 def gather_features(
@@ -30,7 +53,7 @@ def gather_features(
     with_grad: gradients flow to every rank's features (all-gather backward is a reduce-scatter).
     keep_local_grad: without with_grad, put this rank's own tensor back so its gradient flows.
     """
-    rank, world = _world(group)
+    rank, world = world_of(group)
     if world == 1:
         return features
     if with_grad:
@@ -42,20 +65,15 @@ def gather_features(
     return torch.cat(gathered, dim=0)
 
 
-class ClipLoss(nn.Module):
-    """OpenCLIP's ClipLoss: mean of image->text and text->image cross-entropy."""
+class ContrastiveLoss(nn.Module):
+    """Shared entry point: cross-rank input checks, then the loss of this rank's rows."""
 
-    def __init__(
-        self,
-        *,
-        local_loss: bool = False,
-        gather_with_grad: bool = False,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
+    needs_bias = False
+
+    def __init__(self, *, group: dist.ProcessGroup | None = None, check_inputs: bool = True) -> None:
         super().__init__()
-        self.local_loss = local_loss
-        self.gather_with_grad = gather_with_grad
         self.group = group
+        self.check_inputs = check_inputs
 
     def forward(
         self,
@@ -64,26 +82,108 @@ class ClipLoss(nn.Module):
         logit_scale: torch.Tensor,
         logit_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        rank, world = _world(self.group)
-        image_features, text_features = image_features.float(), text_features.float()
-        logit_scale = logit_scale.float()
+        if self.needs_bias and logit_bias is None:
+            raise ConfigError(
+                "--loss siglip needs the model's logit_bias (build it with init_logit_bias, e.g. -10)"
+            )
+        bias = logit_bias if self.needs_bias else None
+        if self.check_inputs:
+            check_contrastive_inputs(image_features, text_features, logit_scale, bias, group=self.group)
+        scale = logit_scale.float().reshape(())
+        return self.compute(image_features, text_features, scale, None if bias is None else bias.float())
+
+    def compute(
+        self, image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ClipLoss(ContrastiveLoss):
+    """OpenCLIP's ClipLoss: mean of image->text and text->image cross-entropy (unchunked)."""
+
+    def __init__(
+        self,
+        *,
+        local_loss: bool = False,
+        gather_with_grad: bool = False,
+        group: dist.ProcessGroup | None = None,
+        check_inputs: bool = True,
+    ) -> None:
+        super().__init__(group=group, check_inputs=check_inputs)
+        self.local_loss = local_loss
+        self.gather_with_grad = gather_with_grad
+
+    def compute(
+        self, image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        rank, _ = world_of(self.group)
+        image, text = image.float(), text.float()
         kwargs = dict(group=self.group, with_grad=self.gather_with_grad, keep_local_grad=not self.local_loss)
-        all_image = gather_features(image_features, **kwargs)
-        all_text = gather_features(text_features, **kwargs)
-        n = image_features.shape[0]
+        all_image = gather_features(image, **kwargs)
+        all_text = gather_features(text, **kwargs)
+        n = image.shape[0]
         if self.local_loss:
-            logits_per_image = logit_scale * image_features @ all_text.T
-            logits_per_text = logit_scale * text_features @ all_image.T
-            labels = torch.arange(n, device=image_features.device) + n * rank
+            logits_per_image = scale * image @ all_text.T
+            logits_per_text = scale * text @ all_image.T
+            labels = torch.arange(n, device=image.device) + n * rank
         else:
-            logits_per_image = logit_scale * all_image @ all_text.T
+            logits_per_image = scale * all_image @ all_text.T
             logits_per_text = logits_per_image.T
-            labels = torch.arange(all_image.shape[0], device=image_features.device)
+            labels = torch.arange(all_image.shape[0], device=image.device)
         return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels)) / 2
+
+
+class SigLipLoss(ContrastiveLoss):
+    """OpenCLIP's SigLipLoss (unchunked): this rank's images against every rank's texts."""
+
+    needs_bias = True
+
+    def compute(
+        self, image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        rank, _ = world_of(self.group)
+        image, text = image.float(), text.float()
+        all_text = gather_features(text, group=self.group, with_grad=True, keep_local_grad=True)
+        n = image.shape[0]
+        logits = scale * image @ all_text.T + bias
+        labels = -torch.ones_like(logits)
+        labels[:, rank * n : (rank + 1) * n] += 2 * torch.eye(n, device=image.device)
+        return -F.logsigmoid(labels * logits).sum() / n
+
+
+class ChunkedContrastiveLoss(ContrastiveLoss):
+    """Exact CLIP or SigLIP loss in chunk x chunk tiles; memory flat in the world size with 'ring'."""
+
+    def __init__(
+        self,
+        *,
+        kind: str = "clip",
+        chunk_size: int = 1024,
+        exchange: str = "ring",
+        group: dist.ProcessGroup | None = None,
+        check_inputs: bool = True,
+    ) -> None:
+        super().__init__(group=group, check_inputs=check_inputs)
+        if kind not in ("clip", "siglip") or exchange not in EXCHANGES or chunk_size < 1:
+            raise ConfigError(
+                f"chunked loss: kind {kind!r} (clip|siglip), exchange {exchange!r} "
+                f"({'|'.join(EXCHANGES)}), chunk size {chunk_size} (>= 1)"
+            )
+        self.needs_bias = kind == "siglip"
+        self.plan = LossPlan(kind=kind, chunk=chunk_size, exchange=EXCHANGES[exchange](group))
+
+    def compute(
+        self, image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return ChunkedContrastiveFunction.apply(image, text, scale, bias, self.plan)
 
 
 def build_loss(cfg: LossConfig, *, group: dist.ProcessGroup | None = None) -> nn.Module:
     """The loss module for a run's LossConfig."""
-    if cfg.loss == "clip" and cfg.loss_chunk_size == 0:
-        return ClipLoss(local_loss=cfg.local_loss, gather_with_grad=cfg.gather_with_grad, group=group)
-    raise NotImplementedError(f"--loss {cfg.loss} with --loss-chunk-size {cfg.loss_chunk_size}")
+    if cfg.loss_chunk_size > 0:
+        return ChunkedContrastiveLoss(
+            kind=cfg.loss, chunk_size=cfg.loss_chunk_size, exchange=cfg.loss_exchange, group=group
+        )
+    if cfg.loss == "siglip":
+        return SigLipLoss(group=group)
+    return ClipLoss(local_loss=cfg.local_loss, gather_with_grad=cfg.gather_with_grad, group=group)
