@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
@@ -43,6 +42,29 @@ from bigclip.errors import ConfigError
 from bigclip.ops.contrastive_checks import check_contrastive_inputs
 from bigclip.ops.contrastive_chunked import ChunkedContrastiveFunction, LossPlan
 from bigclip.ops.contrastive_exchange import EXCHANGES, world_of
+
+
+class AllGatherWithGrad(torch.autograd.Function):
+    """All-gather rows in forward; reduce-scatter (sum) the gradient in backward.
+
+    The same collectives on every backend (torch.distributed.nn's all_gather emulates the
+    reduce-scatter with an all-to-all plus a stack on gloo, which holds two more N x d buffers).
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None):  # type: ignore[override]
+        ctx.group = group
+        _, world = world_of(group)
+        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        _, world = world_of(ctx.group)
+        out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
+        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
 
 
 def gather_features(
@@ -57,7 +79,7 @@ def gather_features(
     if world == 1:
         return features
     if with_grad:
-        return torch.cat(dist_fn.all_gather(features, group=group), dim=0)
+        return AllGatherWithGrad.apply(features, group)
     gathered = [torch.empty_like(features) for _ in range(world)]
     dist.all_gather(gathered, features.detach().contiguous(), group=group)
     if keep_local_grad:

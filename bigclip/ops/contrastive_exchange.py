@@ -115,18 +115,16 @@ class RingExchange:
         for i, (rows, hop) in enumerate(steps):
             ops, incoming = self._pass_acc(finished)
             held_next = self._next_payload(payload, held, steps[i + 1 :], hop, ops)
-            works = dist.batch_isend_irecv(ops) if ops else []
+            works = _start(ops)
             acc = _new_acc(rows.stop - rows.start, acc_widths, reduce, payload[0])
             yield Chunk(owner=(self.rank - hop) % self.world, rows=rows, payload=held, acc=acc)
-            for work in works:
-                work.wait()
+            _finish(works)
             if incoming and hop == 0:  # the total for our own previous chunk is home
                 _write(out, finished[0], incoming)
             elif incoming:
                 for a, b in zip(acc, incoming):
                     combine_(a, b, reduce)
-            finished = (rows, acc)
-            held = held_next
+            finished, held, incoming = (rows, acc), held_next, ()  # drop buffers as soon as done
             if self.world == 1:
                 _write(out, rows, acc)
                 finished = None
@@ -176,10 +174,22 @@ class RingExchange:
 
     def _deliver_last(self, finished: tuple[slice, tuple[torch.Tensor, ...]] | None, out: tuple) -> None:
         ops, incoming = self._pass_acc(finished)
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+        _finish(_start(ops))
         if incoming:
             _write(out, finished[0], incoming)
+
+
+def _start(ops: list) -> list:
+    works = dist.batch_isend_irecv(ops) if ops else []
+    ops.clear()
+    return works
+
+
+def _finish(works: list) -> None:
+    # Work objects keep their tensors alive (gloo, NCCL): release them as soon as they are done.
+    for work in works:
+        work.wait()
+    works.clear()
 
 
 def _write(out: tuple[torch.Tensor, ...], rows: slice, values: tuple[torch.Tensor, ...]) -> None:
