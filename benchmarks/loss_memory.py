@@ -12,13 +12,14 @@ Sixteen real ranks at these sizes do not fit this box, so rank 0 runs alone unde
 process group (collectives allocate their outputs, move no data; point-to-point ops are no-ops
 that leave receive buffers as allocated). Each (method, size) runs in a fresh subprocess.
 
-Memory: on CPU, the peak of live tensor bytes allocated during forward + backward, measured with
-torch's MemTracker (a TorchDispatchMode that registers every storage an ATen op returns and drops
-it when the storage is freed), minus the input features, which exist either way. It counts
+Memory: on CPU, the peak of live tensor bytes allocated during forward + backward, measured by
+LiveTensorBytes (a TorchDispatchMode that registers every storage an ATen op returns and drops
+it when the storage is freed), inputs excluded as they exist either way. It counts
 exchanged and gathered features, receive buffers, logits, saved tensors and the input
 gradients; scratch memory private to a kernel (BLAS, softmax internals) is invisible to it, for
 every method alike. On CUDA: torch.cuda.max_memory_allocated above the pre-loss baseline.
-Time: one untracked forward + backward after the tracked run (which doubles as warm-up).
+Time: untracked forward + backward in one process per size, methods interleaved, best of 3 / 2 / 1
+runs (local 512 / 2,048 / 4,096), one intra-op thread (as each spawned rank).
 The same run checks the fake group against 4 real gloo ranks at the smallest local batch.
 """
 
@@ -26,16 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import print_table, write_results  # benchmarks/ is the script's directory
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from bigclip.distributed import spawn
 from bigclip.ops.contrastive import ChunkedContrastiveLoss, ClipLoss
@@ -59,6 +64,42 @@ def make_inputs(local: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     return image, text, torch.tensor(1 / 0.07, device=device, requires_grad=True)
 
 
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages that ATen ops return inside the region, while alive.
+
+    Each storage counts from the first op that returns it until it is freed (weakref.finalize
+    on the storage). Storages registered in `exclude` (the inputs) are never counted. Unlike
+    torch's MemTracker this installs no autograd hooks, which would keep gradients referenced
+    and make AccumulateGrad copy them (a copy training never makes).
+    """
+
+    def __init__(self, exclude: tuple[torch.Tensor, ...] = ()) -> None:
+        super().__init__()
+        self._seen: set[int] = {id(t.untyped_storage()) for t in exclude}
+        self._keep = [t.untyped_storage() for t in exclude]  # so their ids stay theirs
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage())
+        self.peak = max(self.peak, self.current)
+        return out
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.current += storage.nbytes()
+        weakref.finalize(storage, self._release, key, storage.nbytes())
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.current -= nbytes
+
+
 def forward_backward(loss_fn: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
     loss_fn(*inputs).backward()
     for t in inputs:
@@ -74,14 +115,9 @@ def peak_loss_bytes(loss_fn: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) 
         forward_backward(loss_fn, inputs)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(*inputs)
-    with tracker:
+    with LiveTensorBytes(exclude=inputs) as tracker:
         forward_backward(loss_fn, inputs)
-    peak = tracker.get_tracker_snapshot("peak")[inputs[0].device]["Total"]
-    return peak - sum(t.untyped_storage().nbytes() for t in inputs)
+    return tracker.peak
 
 
 def seconds(loss_fn: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> float:
@@ -94,22 +130,31 @@ def seconds(loss_fn: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> float
     return time.perf_counter() - start
 
 
-def measure(method: str, local: int, chunk: int, *, timed: bool = True) -> dict[str, Any]:
-    """Memory (and time) of rank 0 under the current process group."""
-    device = (
+def device() -> torch.device:
+    return (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    inputs = make_inputs(local, device)
-    loss_fn = build(method, chunk)
-    row = {"peak_MiB": peak_loss_bytes(loss_fn, inputs) / MiB}
-    if timed:
-        row["seconds"] = seconds(loss_fn, inputs)
-    return row
 
 
-def fake_worker(method: str, world: int, local: int, chunk: int, timed: bool) -> dict[str, Any]:
+def memory_mib(method: str, local: int, chunk: int) -> float:
+    """Peak loss memory of rank 0 under the current process group."""
+    return peak_loss_bytes(build(method, chunk), make_inputs(local, device())) / MiB
+
+
+def best_seconds(local: int, chunk: int, repeats: int) -> dict[str, float]:
+    """Fastest of `repeats` runs per method, interleaved so load drift on a shared box hits all."""
+    inputs = make_inputs(local, device())
+    losses = {m: build(m, chunk) for m in METHODS}
+    best = dict.fromkeys(METHODS, math.inf)
+    for _ in range(repeats):
+        for method, loss_fn in losses.items():
+            best[method] = min(best[method], seconds(loss_fn, inputs))
+    return best
+
+
+def fake_worker(mode: str, world: int, local: int, chunk: int, method: str = "", repeats: int = 1) -> dict:
     """Rank 0 of `world` under the fake process group, in this (fresh) process."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -119,17 +164,22 @@ def fake_worker(method: str, world: int, local: int, chunk: int, timed: bool) ->
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        return measure(method, local, chunk, timed=timed)
+        if mode == "memory":
+            return {"peak_MiB": memory_mib(method, local, chunk)}
+        return best_seconds(local, chunk, repeats)
     finally:
         dist.destroy_process_group()
 
 
-def run_fake(method: str, world: int, local: int, chunk: int, *, timed: bool = True) -> dict[str, Any]:
-    """fake_worker in a fresh interpreter, so each configuration starts from empty memory."""
-    spec = json.dumps({"method": method, "world": world, "local": local, "chunk": chunk, "timed": timed})
+def run_fake(**spec: Any) -> dict[str, Any]:
+    """fake_worker in a fresh interpreter, so each measurement starts from empty memory."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(
-        [sys.executable, __file__, "--worker", spec], capture_output=True, text=True, env=env, check=False
+        [sys.executable, __file__, "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
     )
     if out.returncode != 0:
         raise RuntimeError(f"{spec} failed:\n{out.stderr[-3000:]}")
@@ -137,14 +187,14 @@ def run_fake(method: str, world: int, local: int, chunk: int, *, timed: bool = T
 
 
 def real_worker(rank: int, world: int, local: int, chunk: int) -> dict[str, float]:
-    return {m: measure(m, local, chunk, timed=False)["peak_MiB"] for m in METHODS}
+    return {m: memory_mib(m, local, chunk) for m in METHODS}
 
 
 def fake_vs_real(local: int, chunk: int, world: int = 4) -> list[dict[str, Any]]:
     real = spawn(real_worker, world, local, chunk)[0]
     rows = []
     for method in METHODS:
-        fake = run_fake(method, world, local, chunk, timed=False)["peak_MiB"]
+        fake = run_fake(mode="memory", method=method, world=world, local=local, chunk=chunk)["peak_MiB"]
         rows.append(
             {
                 "method": method,
@@ -159,24 +209,24 @@ def fake_vs_real(local: int, chunk: int, world: int = 4) -> list[dict[str, Any]]
 
 
 def size_rows(local: int, chunk: int) -> list[dict[str, Any]]:
-    results = {m: run_fake(m, WORLD, local, chunk) for m in METHODS}
-    base = results["unchunked"]
-    rows = []
-    for method, r in results.items():
-        rows.append(
-            {
-                "global": WORLD * local,
-                "local": local,
-                "method": method,
-                "chunk": 0 if method == "unchunked" else chunk,
-                "peak_MiB": r["peak_MiB"],
-                "seconds": r["seconds"],
-                "mem_saving_x": base["peak_MiB"] / r["peak_MiB"],
-                "time_ratio": r["seconds"] / base["seconds"],
-            }
-        )
-        print(f"  global {WORLD * local}: {method} {r['peak_MiB']:.1f} MiB, {r['seconds']:.2f} s", flush=True)
-    return rows
+    spec = {"world": WORLD, "local": local, "chunk": chunk}
+    peaks = {m: run_fake(mode="memory", method=m, **spec)["peak_MiB"] for m in METHODS}
+    print(f"  global {WORLD * local} peak MiB: {peaks}", flush=True)
+    secs = run_fake(mode="time", repeats=3 if local <= 512 else 2 if local <= 2048 else 1, **spec)
+    print(f"  global {WORLD * local} seconds: {secs}", flush=True)
+    return [
+        {
+            "global": WORLD * local,
+            "local": local,
+            "method": method,
+            "chunk": 0 if method == "unchunked" else chunk,
+            "peak_MiB": peaks[method],
+            "seconds": secs[method],
+            "mem_saving_x": peaks["unchunked"] / peaks[method],
+            "time_ratio": secs[method] / secs["unchunked"],
+        }
+        for method in METHODS
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         loss="clip",
         dtype="float32",
         memory_method=(
-            "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "MemTracker live tensor bytes"
+            "torch.cuda.max_memory_allocated"
+            if torch.cuda.is_available()
+            else "LiveTensorBytes: peak live tensor storage bytes (TorchDispatchMode)"
         ),
         fake_vs_real=check,
     )

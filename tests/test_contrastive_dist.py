@@ -8,7 +8,11 @@ logit scale/bias gradient dL_r/ds, dL_r/db.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
+import multiprocessing
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -178,3 +182,33 @@ def test_bad_input_fails_on_every_rank_naming_the_rank():
     global_loss = np.mean([float(o["after"][1]) for o in per_rank])
     want = np.mean([r.loss for r in reference(make_inputs(3 * 4), 3, "clip")])
     assert global_loss == pytest.approx(want, rel=1e-5)
+
+
+# --- memory: flat in the world size ---------------------------------------------------------
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def fake_rank0_peak_mib(method: str, world: int, local: int, chunk: int) -> float:
+    """Rank 0's peak loss memory under the fake process group, by benchmarks/loss_memory.py."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import loss_memory
+
+    return loss_memory.fake_worker("memory", world, local, chunk, method=method)["peak_MiB"]
+
+
+def test_ring_loss_memory_does_not_grow_with_world_size():
+    # The benchmark's own instrument, at sizes a test can afford (embed dim 1280, local batch 32).
+    spawn_context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn_context) as pool:
+        peaks = {
+            (method, world): pool.submit(fake_rank0_peak_mib, method, world, 32, 16).result()
+            for method in ("ring", "allgather", "unchunked")
+            for world in (4, 32)
+        }
+    # From 3 ranks on, the ring holds the same buffers (2 ranks need one receive buffer less).
+    assert peaks["ring", 32] == peaks["ring", 4]
+    for method in ("allgather", "unchunked"):  # gathering losses grow with the global batch
+        assert peaks[method, 32] > 4 * peaks[method, 4]
+    assert peaks["unchunked", 32] > 10 * peaks["ring", 32]

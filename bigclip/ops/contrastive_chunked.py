@@ -111,10 +111,9 @@ class ClipStats:
     pos: torch.Tensor
 
     def loss(self) -> torch.Tensor:
-        n = self.pos.shape[0]
-        return (F.softplus(self.row_neg - self.pos).sum() + F.softplus(self.col_neg - self.pos).sum()) / (
-            2 * n
-        )
+        image_to_text = F.softplus(self.row_neg - self.pos).sum()
+        text_to_image = F.softplus(self.col_neg - self.pos).sum()
+        return (image_to_text + text_to_image) / (2 * self.pos.shape[0])
 
 
 class ChunkedContrastiveFunction(torch.autograd.Function):
