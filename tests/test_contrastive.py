@@ -183,6 +183,19 @@ def test_bf16_features_give_fp32_loss(kind):
     assert bf16.loss == pytest.approx(reference(rounded, 1, kind)[0].loss, rel=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_autocast_does_not_lower_the_loss_precision(kind):
+    inputs = make_inputs(16, 32)
+    loss_fn = ChunkedContrastiveLoss(kind=kind, chunk_size=5)
+    image, text = inputs.image.requires_grad_(), inputs.text.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(image, text, inputs.scale, inputs.bias)
+        loss.backward()
+    want = reference(inputs, 1, kind)[0]
+    assert loss.item() == pytest.approx(want.loss, rel=1e-5)
+    torch.testing.assert_close(image.grad.double(), want.image, rtol=1e-5, atol=1e-5 * want.image.abs().max())
+
+
 def test_bf16_gradients_have_input_dtype():
     inputs = make_inputs(4)
     image = inputs.image.bfloat16().requires_grad_()

@@ -123,7 +123,9 @@ class ContrastiveLoss(nn.Module):
         if self.check_inputs:
             check_contrastive_inputs(image_features, text_features, logit_scale, bias, group=self.group)
         scale = logit_scale.float().reshape(())
-        return self.compute(image_features, text_features, scale, None if bias is None else bias.float())
+        # Logits stay fp32 even when called inside the training step's autocast region.
+        with torch.autocast(image_features.device.type, enabled=False):
+            return self.compute(image_features, text_features, scale, None if bias is None else bias.float())
 
     def compute(
         self, image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None

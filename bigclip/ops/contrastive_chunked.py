@@ -148,10 +148,11 @@ class ChunkedContrastiveFunction(torch.autograd.Function):
         plan: LossPlan = ctx.plan
         image, text, scale, *saved = ctx.saved_tensors
         grads = Gradients(image, text, scale)
-        if plan.kind == "clip":
-            _clip_backward(grads, grad, ClipStats(*saved), plan)
-        else:
-            _siglip_backward(grads, grad, saved[0], plan)
+        with torch.autocast(image.device.type, enabled=False):
+            if plan.kind == "clip":
+                _clip_backward(grads, grad, ClipStats(*saved), plan)
+            else:
+                _siglip_backward(grads, grad, saved[0], plan)
         return (
             grads.image.to(image.dtype),
             grads.text.to(text.dtype),
