@@ -63,7 +63,9 @@ class AllGatherWithGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> torch.Tensor:
         ctx.group = group
         _, world = world_of(group)
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
