@@ -19,14 +19,15 @@ Memory bound (per rank, beyond its inputs; n local rows, N = world * n, d = embe
   allgather       O(N*d): every rank's text features plus an N x (d+1) fp32 gradient buffer.
   unchunked       O(n*N + N*d): OpenCLIP's two n x N logit matrices, their log-softmax and
                   gradients, and the gathered features.
-Exchange choice, from benchmarks/loss_memory.py (rank 0 of 16, d = 1280, fp32, c = 512, CPU):
-  global batch          8,192        32,768       65,536
-  unchunked         160 MiB 1.0x  1364 MiB 1.0x  4776 MiB 1.0x   (peak loss memory, time)
-  ring               22 MiB 0.72x   38 MiB 0.47x   58 MiB 0.64x
-  allgather          89 MiB 0.66x  345 MiB 0.44x  686 MiB 0.61x
+Exchange choice, from benchmarks/loss_memory.py (rank 0 of 16, d = 1280, fp32, c = 512, CPU,
+results/loss_memory.json; peak loss memory, and time relative to unchunked):
+  global batch           8,192          32,768          65,536
+  unchunked         160 MiB  1.00x  1364 MiB  1.00x  4776 MiB  1.00x
+  ring               22 MiB  0.67x    38 MiB  0.66x    58 MiB  0.57x
+  allgather          89 MiB  0.67x   345 MiB  0.63x   686 MiB  0.54x
 The ring is the default: only it stays flat as the world grows (83x less than unchunked at
-65,536, 12x less than allgather) at about the all-gather's compute time (within ~5% here, where
-the fake process group makes communication free; on GPUs its transfers overlap the tiles).
+65,536, 12x less than allgather) at nearly the all-gather's compute time (0-7% slower here,
+where the fake process group makes communication free; on GPUs its transfers overlap the tiles).
 The all-gather makes fewer, larger collectives and remains selectable (--loss-exchange).
 Both chunked variants beat the unchunked loss on time: one matmul per tile serves both CLIP
 directions (4 tile matmuls per forward + backward against the baseline's 6), and tiles stay
