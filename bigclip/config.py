@@ -25,6 +25,7 @@ from bigclip.errors import ConfigError
 PRECISIONS = ("amp_bf16", "amp", "fp32", "pure_bf16")
 ENGINES = ("fsdp", "deepspeed")
 LOSSES = ("clip", "siglip")
+LOSS_EXCHANGES = ("ring", "allgather")
 INT8_MODES = ("none", "switchback-global", "switchback-vectorwise", "switchback-memefficient")
 OPTIMIZERS = ("adamw", "adamw8bit")
 
@@ -147,7 +148,17 @@ class LossConfig:
     siglip: bool = _opt(False, "OpenCLIP's switch for --loss siglip.")
     local_loss: bool = _opt(False, "Logits of local features against global ones only (OpenCLIP semantics).")
     gather_with_grad: bool = _opt(False, "All-gather features with gradients (OpenCLIP semantics).")
-    loss_chunk_size: int = _opt(0, "Compute the loss in tiles of this many rows x columns (0: unchunked).")
+    loss_chunk_size: int = _opt(
+        0,
+        "Compute the loss exactly in tiles of this many rows x columns (0: unchunked OpenCLIP loss). "
+        "Per-rank loss memory is then O(local batch x (chunk + embed dim)), flat in the world size.",
+    )
+    loss_exchange: str = _opt(
+        "ring",
+        "How the chunked loss sees other ranks' features: 'ring' (chunks passed to the neighbour, "
+        "flat memory) or 'allgather' (all features gathered, memory grows with the global batch).",
+        choices=LOSS_EXCHANGES,
+    )
 
     def validate(self) -> None:
         if self.siglip:
@@ -155,6 +166,12 @@ class LossConfig:
         if self.loss_chunk_size < 0:
             raise ConfigError(
                 f"--loss-chunk-size must be 0 (unchunked) or positive, got {self.loss_chunk_size}"
+            )
+        if self.loss not in LOSSES:
+            raise ConfigError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.loss_exchange not in LOSS_EXCHANGES:
+            raise ConfigError(
+                f"--loss-exchange must be one of {', '.join(LOSS_EXCHANGES)}, got {self.loss_exchange!r}"
             )
 
 

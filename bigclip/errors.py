@@ -18,4 +18,8 @@ class StorageError(BigclipError):
 
 
 class NonFiniteLossError(BigclipError):
-    """The loss (or the logits behind it) stopped being finite; the step is named by the loop."""
+    """The loss would be NaN or infinite (non-finite features, logit scale or bias).
+
+    Raised on every rank at once, before any update, so weights stay finite; the training
+    loop adds the step number to the message.
+    """
