@@ -42,6 +42,7 @@ from bigclip.ops.contrastive import build_loss
 from bigclip.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher
 from bigclip.run_setup import build_model, prepare_run_dir, seed_everything
 from bigclip.s3 import S3Settings
+from bigclip.sync import RemoteSync
 from bigclip.train_checkpoint import (
     TrainState,
     checkpoint_contents,
@@ -73,6 +74,7 @@ class Run:
     last_loss: float | None = None  # the global loss at the latest log step
     last_saved_step: int = -1
     preemption: PreemptionWatcher | None = None
+    remote_sync: RemoteSync | None = None
 
     @property
     def global_batch(self) -> int:
@@ -101,6 +103,15 @@ def setup(cfg: TrainConfig) -> Run:
     tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
     run.preemption = preemption
+    if cfg.log.remote_sync and runtime.is_main:
+        remote = f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
+        run.remote_sync = RemoteSync(
+            run_dir,
+            remote,
+            every_s=cfg.log.remote_sync_frequency,
+            protocol=cfg.log.remote_sync_protocol,
+            s3=s3,
+        ).start()
     if cfg.checkpoint.resume:
         run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch)
     return run
@@ -171,10 +182,17 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
         save_checkpoint(run, data_position=loader.state_dict())
     run.store.wait()
     loader.close()
+    close_run(run)
+    raise Preempted(run.state.step, signum)
+
+
+def close_run(run: Run) -> None:
+    """Release what the run holds; the final remote sync is waited for (logs are complete remotely)."""
     run.store.close()
     run.tensorboard.close()
     run.preemption.close()
-    raise Preempted(run.state.step, signum)
+    if run.remote_sync is not None:
+        run.remote_sync.stop(final_sync=True)
 
 
 def _log_step(
@@ -268,13 +286,11 @@ def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str
     if run.state.step != run.last_saved_step and save_due(run.cfg, run.state, epoch_end=False, final=True):
         save_checkpoint(run, data_position=loader.state_dict() if run.state.epoch_step else None)
     loader.close()
-    if metrics is None and run.state.epoch_step:
-        metrics = evaluate(run)
+    if metrics is None or metrics["step"] != run.state.step:
+        metrics = evaluate(run) or metrics  # the final weights get evaluated too
     run.store.wait()  # the last upload must be committed before the run reports success
     latest = run.store.latest()
-    run.store.close()
-    run.tensorboard.close()
-    run.preemption.close()
+    close_run(run)
     return {
         "step": run.state.step,
         "epoch": run.state.epoch,
