@@ -42,7 +42,8 @@ class Precision:
 
 def excluded_from_weight_decay(name: str, param: nn.Parameter) -> bool:
     """OpenCLIP's rule: gains, biases, 1-d embeddings and the logit scale/bias get no weight decay."""
-    return param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+    ndim = len(getattr(param, "ds_shape", param.shape))  # ZeRO-3 parameters are empty outside forward
+    return ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:

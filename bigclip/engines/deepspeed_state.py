@@ -1,0 +1,281 @@
+"""DeepSpeed checkpoint state as DCP `Stateful`s keyed by OpenCLIP names with true shapes.
+
+Each rank contributes the fragments it owns (see `deepspeed_layout`) as a `ShardedTensor` of the
+parameter's global shape whose local shards are boxes of it. torch.distributed.checkpoint then
+saves chunks with global offsets, exactly as it does for FSDP2's DTensors, so:
+  - a checkpoint saved at N ranks loads at M ranks (DCP reads whatever chunks overlap);
+  - the layout is the FSDP engine's (`model.<name>`, `optim.optimizer.state.<name>.exp_avg`, ...),
+    so one consolidation tool reads both and a checkpoint can cross engines;
+  - loading is in place: the shard tensors are views of DeepSpeed's master partitions and
+    optimizer states, DCP writes into them, and the compute copy is re-derived afterwards.
+0-dim parameters (logit_scale/bias) are saved whole from every rank, as FSDP2 does.
+
+Optimizer states are fp32 "exp_avg"/"exp_avg_sq" per parameter. bitsandbytes' 8-bit AdamW keeps
+them block-quantised over the flat partition (256-element blocks that straddle parameters), so
+they are dequantised on save and re-quantised on load: bitwise at the same world size, and at a
+new world size re-quantised over the new blocks (an 8-bit rounding of the moments, no more).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.checkpoint.stateful import Stateful
+
+from bigclip.engines.common import excluded_from_weight_decay
+from bigclip.engines.deepspeed_layout import ZeroLayout, flat_boxes
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
+
+
+def sharded(
+    layout: ZeroLayout, name: str, local: torch.Tensor | None, *, dtype: torch.dtype
+) -> ShardedTensor:
+    """A ShardedTensor of parameter `name`'s true shape over every rank's fragment; this rank's
+    shards are views of `local` (its fragment, flat)."""
+    shape, me = layout.shapes[name], dist.get_rank()
+    device = str(local.device) if local is not None else "cpu"
+    metas, shards = [], []
+    for rank, start, numel in layout.owners[name]:
+        pos = 0
+        for offsets, sizes in flat_boxes(shape, start, start + numel):
+            meta = ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")
+            metas.append(meta)
+            if rank == me:
+                n = math.prod(sizes)
+                shards.append(Shard(local[pos : pos + n].view(sizes), meta))
+                pos += n
+    props = TensorProperties(
+        dtype=dtype, requires_grad=False, pin_memory=bool(local is not None and local.is_pinned())
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, ShardedTensorMetadata(metas, torch.Size(shape), props)
+    )
+
+
+def write_back(value: Any, target: torch.Tensor | None) -> None:
+    """Copy a loaded ShardedTensor's local shards into the flat fragment they describe (a no-op
+    when DCP already loaded in place, i.e. the shards are views of `target`)."""
+    if target is None or not isinstance(value, ShardedTensor):
+        return
+    pos = 0
+    for shard in value.local_shards():
+        piece, n = shard.tensor.reshape(-1), shard.tensor.numel()
+        if piece.data_ptr() != target[pos:].data_ptr():
+            target[pos : pos + n].copy_(piece)
+        pos += n
+
+
+class DeepSpeedModelState(Stateful):
+    """The master weights, one entry per parameter."""
+
+    def __init__(self, layout: ZeroLayout, *, device: torch.device) -> None:
+        self.layout, self.device = layout, device
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.layout.params:
+            if len(self.layout.shapes[name]) == 0:
+                out[name] = self.layout.full_master(name, device=self.device)
+            else:
+                out[name] = sharded(
+                    self.layout, name, self.layout.master(name), dtype=self.layout.flats[0].dtype
+                )
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, value in state_dict.items():
+            if isinstance(value, ShardedTensor):
+                write_back(value, self.layout.master(name))
+            else:
+                self.layout.write_master(name, value.to(self.device))
+        self.layout.refresh_low_precision()
+
+
+class DeepSpeedOptimState(Stateful):
+    """Adam moments and step per parameter, param groups, and the fp16 loss scaler, in the
+    layout of `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`."""
+
+    def __init__(
+        self, layout: ZeroLayout, optimizer: torch.optim.Optimizer, *, device: torch.device, fp16: bool
+    ) -> None:
+        self.layout, self.inner, self.device = layout, optimizer, device
+        self.access = MomentAccess.for_optimizer(optimizer)
+        self.loss_scaler = layout.optimizer.loss_scaler if fp16 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        ensure_optimizer_state(self.inner, self.layout.flats, self.layout.flat_groups)
+        moments = [self.access.read(flat, self.inner.state[flat]) for flat in self.layout.flats]
+        step = torch.tensor(float(_get_step(self.inner.state[self.layout.flats[0]])))
+        state = {}
+        for name in self.layout.params:
+            state[name] = {"step": step.clone()}
+            for key in MOMENTS:
+                state[name][key] = self._entry(name, [m[key] for m in moments])
+        out: dict[str, Any] = {"optimizer": {"state": state, "param_groups": self._param_groups()}}
+        if self.loss_scaler is not None:
+            s = self.loss_scaler
+            out["loss_scaler"] = {
+                "scale": float(s.cur_scale),
+                "clean_steps": s.cur_iter - s.last_overflow_iter - 1,
+            }
+        return out
+
+    def _entry(self, name: str, flats: list[torch.Tensor]) -> Any:
+        f = self.layout.local[name]
+        local = None if f is None else self.layout.flat_slice(flats[f.flat_index], name)
+        if len(self.layout.shapes[name]) == 0:
+            return _full_scalar(local, self.layout.group, device=self.device)
+        return sharded(self.layout, name, local, dtype=torch.float32)
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """bigclip's two groups (no weight decay, weight decay) with the optimizer's hyperparameters."""
+        names: list[list[str]] = [[], []]
+        for name, param in self.layout.params.items():
+            names[0 if excluded_from_weight_decay(name, param) else 1].append(name)
+        groups = []
+        for hyper, params in zip(self.inner.param_groups, names):
+            groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": params})
+        return groups
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        ensure_optimizer_state(self.inner, self.layout.flats, self.layout.flat_groups)
+        state = state_dict["optimizer"]["state"]
+        for index, flat in enumerate(self.layout.flats):
+            moments = self.access.read(flat, self.inner.state[flat])
+            for name, f in self.layout.local.items():
+                if f is None or f.flat_index != index:
+                    continue
+                for key in MOMENTS:
+                    target = self.layout.flat_slice(moments[key], name)
+                    value = state[name][key]
+                    if isinstance(value, ShardedTensor):
+                        write_back(value, target)
+                    else:
+                        target.copy_(self.layout.fragment_of(name, value.to(target.device)))
+            self.access.write(flat, self.inner.state[flat], moments)
+            _set_step(self.inner.state[flat], int(next(iter(state.values()))["step"].item()))
+        if self.loss_scaler is not None and "loss_scaler" in state_dict:
+            saved = state_dict["loss_scaler"]
+            self.loss_scaler.cur_scale = saved["scale"]
+            self.loss_scaler.cur_iter, self.loss_scaler.last_overflow_iter = int(saved["clean_steps"]), -1
+
+
+def _full_scalar(
+    local: torch.Tensor | None, group: dist.ProcessGroup | None, *, device: torch.device
+) -> torch.Tensor:
+    value = torch.zeros(1, dtype=torch.float32, device=device)
+    if local is not None:
+        value.copy_(local)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+    return value.view(())
+
+
+def _get_step(state: dict) -> int:
+    step = state.get("step", 0)
+    return int(step.item()) if torch.is_tensor(step) else int(step)
+
+
+def _set_step(state: dict, step: int) -> None:
+    if torch.is_tensor(state.get("step")):
+        state["step"].fill_(step)
+    else:
+        state["step"] = step
+
+
+@torch.no_grad()
+def ensure_optimizer_state(
+    optimizer: torch.optim.Optimizer, flats: list[torch.Tensor], group_ids: list[int]
+) -> None:
+    """Create the state of flat partitions that have not stepped yet, changing no parameter, so a
+    fresh engine has tensors for DCP to load into (torch's DCP helpers do the same).
+
+    ZeRO-3 puts each sub-group's partition into its optimizer group only while stepping it, so
+    the groups are filled here with the missing partitions for the duration."""
+    missing = [(flat, gid) for flat, gid in zip(flats, group_ids) if not optimizer.state.get(flat)]
+    if not missing:
+        return
+    saved = [(g["params"], g["lr"]) for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["params"], g["lr"] = [], 0.0  # AdamW at lr 0: no update, no weight decay, zero moments
+    for flat, gid in missing:
+        optimizer.param_groups[gid]["params"].append(flat)
+    try:
+        _create_state(optimizer, [flat for flat, _ in missing])
+    finally:
+        for g, (params, lr) in zip(optimizer.param_groups, saved):
+            g["params"], g["lr"] = params, lr
+
+
+def _create_state(optimizer: torch.optim.Optimizer, flats: list[torch.Tensor]) -> None:
+    init_state = getattr(optimizer, "init_state", None)
+    if init_state is not None:  # bitsandbytes creates zeroed (quantised) states directly
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                init_state(group, p, gi, pi)
+        return
+    grads = [p.grad for p in flats]
+    for p in flats:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for p, grad in zip(flats, grads):
+            p.grad = grad
+    for p in flats:
+        _set_step(optimizer.state[p], 0)
+
+
+class MomentAccess:
+    """Adam moments of one flat partition as fp32 tensors: views for torch/DeepSpeed Adam."""
+
+    @staticmethod
+    def for_optimizer(optimizer: torch.optim.Optimizer) -> MomentAccess:
+        return Bnb8bitMoments() if hasattr(optimizer, "name2qmap") else MomentAccess()
+
+    def read(self, flat: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
+        return {key: state[key].detach() for key in MOMENTS}
+
+    def write(self, flat: torch.Tensor, state: dict, moments: dict[str, torch.Tensor]) -> None:
+        """Store moments returned by `read` (and changed in place) back into the state."""
+
+
+class Bnb8bitMoments(MomentAccess):
+    """bitsandbytes keeps state1/state2 (exp_avg/exp_avg_sq) as uint8 codes with a per-block
+    absmax, or as fp32 for partitions under its min_8bit_size."""
+
+    KEYS = {"exp_avg": ("state1", "absmax1", "qmap1"), "exp_avg_sq": ("state2", "absmax2", "qmap2")}
+
+    def read(self, flat: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
+        return {key: self._dequantise(state, *names) for key, names in self.KEYS.items()}
+
+    def write(self, flat: torch.Tensor, state: dict, moments: dict[str, torch.Tensor]) -> None:
+        for key, (codes, absmax, qmap) in self.KEYS.items():
+            if state[codes].dtype != torch.uint8:
+                continue  # fp32 state: `read` returned views, already written in place
+            quantise: Callable = _bnb().functional.quantize_blockwise
+            out, quant = quantise(moments[key], code=state[qmap], blocksize=BNB_BLOCK)
+            state[codes].copy_(out)
+            state[absmax].copy_(quant.absmax)
+
+    @staticmethod
+    def _dequantise(state: dict, codes: str, absmax: str, qmap: str) -> torch.Tensor:
+        if state[codes].dtype != torch.uint8:
+            return state[codes].detach()
+        scale = state[absmax].repeat_interleave(BNB_BLOCK)[: state[codes].numel()]
+        return state[qmap][state[codes].long()] * scale
+
+
+def _bnb() -> Any:
+    import bitsandbytes
+
+    return bitsandbytes
