@@ -55,6 +55,8 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
+        if runtime.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when DeepSpeed picks its accelerator
         self.deepspeed = import_deepspeed()
         self.precision = Precision.from_name(cfg.engine.precision)
         model_cfg = get_model_config(cfg.model.model)
@@ -142,6 +144,11 @@ class DeepSpeedEngine(Engine):
     def step(self, *, lr: float) -> StepStats:
         set_lr(self.ds_engine.optimizer, lr)
         self.ds_engine.step()
+        if self.plan.stage == 3:
+            # ZeRO-3 copies the first backward's gradient partitions into a persistent buffer and
+            # adds the later ones: a parameter with no gradient in the first pass (the logit scale
+            # under --accum-freq, see train_step) would add onto the previous step's values.
+            self.ds_engine.optimizer.grad_partitions_flat_buffer.zero_()
         self.layout.clamp_("logit_scale", 0.0, MAX_LOGIT_SCALE)
         norm = self.ds_engine.get_global_grad_norm()
         scale = getattr(self.ds_engine.optimizer, "loss_scale", 1.0)
