@@ -16,7 +16,7 @@ from engine_harness import assert_same_weights, global_batch, tiny_config
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, spawn
-from bigclip.engines import build_engine
+from bigclip.engines import Engine, build_engine
 from bigclip.engines.common import make_optimizer, param_groups
 from bigclip.engines.fsdp import MAX_LOGIT_SCALE
 from bigclip.models import create_model
@@ -42,16 +42,21 @@ def config(engine: str, **overrides: object) -> dict:
     return tiny_config(**overrides).to_dict()
 
 
-def train(rank: int, world: int, cfg: TrainConfig, steps: int, batch: int) -> dict:
-    """`steps` optimizer steps on the synthetic global batches; this rank takes its slice."""
+def make_engine(rank: int, world: int, cfg: TrainConfig) -> Engine:
     runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     engine = build_engine(cfg, runtime)
     engine.build(build_model(cfg))  # applies patch dropout and grad checkpointing from the config
-    torch.manual_seed(1234 + rank)  # after build, which may draw (zero.Init runs module inits)
+    torch.manual_seed(1234 + rank)  # patch dropout draws; after build, which may draw (zero.Init)
+    return engine
+
+
+def run_steps(engine: Engine, cfg: TrainConfig, steps: range, batch: int) -> list[float]:
+    """Optimizer steps on the synthetic global batches; each rank takes its slice."""
+    rank, world = engine.runtime.rank, engine.runtime.world_size
     loss_fn = build_loss(cfg.loss)
     local, k = batch // world, cfg.optim.accum_freq
     losses = []
-    for step in range(steps):
+    for step in steps:
         images, texts = global_batch(step, batch)
         mine = images[rank * local : (rank + 1) * local], texts[rank * local : (rank + 1) * local]
         micro = [(mine[0][i::k], mine[1][i::k]) for i in range(k)]
@@ -59,6 +64,12 @@ def train(rank: int, world: int, cfg: TrainConfig, steps: int, batch: int) -> di
         loss = out.loss.clone()
         torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
         losses.append(loss.item())
+    return losses
+
+
+def train(rank: int, world: int, cfg: TrainConfig, steps: int, batch: int) -> dict:
+    engine = make_engine(rank, world, cfg)
+    losses = run_steps(engine, cfg, range(steps), batch)
     weights = engine.full_state_dict()
     return {"losses": losses, "weights": weights if rank == 0 else None}
 

@@ -42,16 +42,22 @@ def sharded(
     """A ShardedTensor of parameter `name`'s true shape over every rank's fragment; this rank's
     shards are views of `local` (its fragment, flat)."""
     shape, me = layout.shapes[name], dist.get_rank()
-    device = str(local.device) if local is not None else "cpu"
+    device = str(local.device) if local is not None else str(layout.flats[0].device)
+    boxes = {rank: flat_boxes(shape, start, start + numel) for rank, start, numel in layout.owners[name]}
     metas, shards = [], []
-    for rank, start, numel in layout.owners[name]:
+    for rank in range(dist.get_world_size()):
         pos = 0
-        for offsets, sizes in flat_boxes(shape, start, start + numel):
+        # A rank without a fragment still gets an empty box: DCP's loader takes a ShardedTensor
+        # with no local shards for a key missing from the state dict (and then misreads the
+        # checkpoint as one written before torch 2.4). It sits past the last row, as DCP's save
+        # planner merges chunks that share an offset.
+        for offsets, sizes in boxes.get(rank) or [([shape[0]] + [0] * (len(shape) - 1), [0, *shape[1:]])]:
             meta = ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")
             metas.append(meta)
             if rank == me:
                 n = math.prod(sizes)
-                shards.append(Shard(local[pos : pos + n].view(sizes), meta))
+                data = local[pos : pos + n] if n else torch.empty(0, dtype=dtype, device=device)
+                shards.append(Shard(data.view(sizes), meta))
                 pos += n
     props = TensorProperties(
         dtype=dtype, requires_grad=False, pin_memory=bool(local is not None and local.is_pinned())
