@@ -68,14 +68,25 @@ class DeepSpeedEngine(Engine):
             model_width=max(model_cfg.vision_cfg.width, model_cfg.text_cfg.width),
             path=path,
         )
-        check_supported(cfg, self.plan)
+        check_supported(cfg, self.plan, accelerator=self._accelerator())
+
+    def _accelerator(self) -> Any:
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator()
 
     def build(self, model: CLIP) -> None:
         os.environ.setdefault("LOCAL_RANK", str(self.runtime.local_rank))  # read by zero.Init
         self.deepspeed.init_distributed(dist_backend=self._backend(), dist_init_required=False)
         with scalar_parameter_fixes():
             model = self._materialise(model)
+            if self.plan.stage == 3:
+                # Gather each residual block's parameters at once, as FSDP2 does per block: one
+                # all-gather per block instead of one per linear/norm, and no ZeRO-3 hooks inside
+                # a block, so --torchcompile compiles whole blocks without graph breaks.
+                self.deepspeed.utils.set_z3_leaf_modules(model, [type(b) for b in model.blocks()][:1])
             if self.cfg.model.torchcompile:
+                self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile(): no graph breaks
                 for block in model.blocks():
                     block.compile()
             groups = param_groups(model, weight_decay=self.cfg.optim.wd)
@@ -177,8 +188,13 @@ class DeepSpeedEngine(Engine):
         }
 
 
-def check_supported(cfg: TrainConfig, plan: DeepSpeedPlan) -> None:
+def check_supported(cfg: TrainConfig, plan: DeepSpeedPlan, *, accelerator: Any) -> None:
     """Combinations that cannot work, refused before anything is built."""
+    if cfg.engine.precision == "amp" and not accelerator.is_fp16_supported():
+        raise ConfigError(
+            f"--precision amp (fp16) is not supported by DeepSpeed's {accelerator.device_name()} "
+            "accelerator; use --precision amp_bf16 (or --engine fsdp)"
+        )
     if cfg.model.torchcompile and plan.offload_param:
         raise ConfigError(
             f"--torchcompile with ZeRO-3 parameter offload ({plan.path}) is not supported: offloaded "

@@ -12,14 +12,14 @@ saves chunks with global offsets, exactly as it does for FSDP2's DTensors, so:
 
 Optimizer states are fp32 "exp_avg"/"exp_avg_sq" per parameter. bitsandbytes' 8-bit AdamW keeps
 them block-quantised over the flat partition (256-element blocks that straddle parameters), so
-they are dequantised on save and re-quantised on load: bitwise at the same world size, and at a
-new world size re-quantised over the new blocks (an 8-bit rounding of the moments, no more).
+they are dequantised on save and re-quantised on load (`common.read_moments`/`write_moments`)
+over whatever blocks the loading world size has: a load moves the moments by at most one 8-bit
+rounding (weights and steps stay exact), at any world size and across engines.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,11 +29,16 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.stateful import Stateful
 
-from bigclip.engines.common import excluded_from_weight_decay
+from bigclip.engines.common import (
+    MOMENTS,
+    create_optimizer_state,
+    excluded_from_weight_decay,
+    get_step,
+    read_moments,
+    set_step,
+    write_moments,
+)
 from bigclip.engines.deepspeed_layout import ZeroLayout, flat_boxes
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 
 
 def sharded(
@@ -114,13 +119,12 @@ class DeepSpeedOptimState(Stateful):
         self, layout: ZeroLayout, optimizer: torch.optim.Optimizer, *, device: torch.device, fp16: bool
     ) -> None:
         self.layout, self.inner, self.device = layout, optimizer, device
-        self.access = MomentAccess.for_optimizer(optimizer)
         self.loss_scaler = layout.optimizer.loss_scaler if fp16 else None
 
     def state_dict(self) -> dict[str, Any]:
         ensure_optimizer_state(self.inner, self.layout.flats, self.layout.flat_groups)
-        moments = [self.access.read(flat, self.inner.state[flat]) for flat in self.layout.flats]
-        step = torch.tensor(float(_get_step(self.inner.state[self.layout.flats[0]])))
+        moments = [read_moments(self.inner.state[flat]) for flat in self.layout.flats]
+        step = torch.tensor(float(get_step(self.inner.state[self.layout.flats[0]])))
         state = {}
         for name in self.layout.params:
             state[name] = {"step": step.clone()}
@@ -156,7 +160,7 @@ class DeepSpeedOptimState(Stateful):
         ensure_optimizer_state(self.inner, self.layout.flats, self.layout.flat_groups)
         state = state_dict["optimizer"]["state"]
         for index, flat in enumerate(self.layout.flats):
-            moments = self.access.read(flat, self.inner.state[flat])
+            moments = read_moments(self.inner.state[flat])
             for name, f in self.layout.local.items():
                 if f is None or f.flat_index != index:
                     continue
@@ -167,8 +171,8 @@ class DeepSpeedOptimState(Stateful):
                         write_back(value, target)
                     else:
                         target.copy_(self.layout.fragment_of(name, value.to(target.device)))
-            self.access.write(flat, self.inner.state[flat], moments)
-            _set_step(self.inner.state[flat], int(next(iter(state.values()))["step"].item()))
+            write_moments(self.inner.state[flat], moments)
+            set_step(self.inner.state[flat], int(next(iter(state.values()))["step"].item()))
         if self.loss_scaler is not None and "loss_scaler" in state_dict:
             saved = state_dict["loss_scaler"]
             self.loss_scaler.cur_scale = saved["scale"]
@@ -186,18 +190,6 @@ def _full_scalar(
     return value.view(())
 
 
-def _get_step(state: dict) -> int:
-    step = state.get("step", 0)
-    return int(step.item()) if torch.is_tensor(step) else int(step)
-
-
-def _set_step(state: dict, step: int) -> None:
-    if torch.is_tensor(state.get("step")):
-        state["step"].fill_(step)
-    else:
-        state["step"] = step
-
-
 @torch.no_grad()
 def ensure_optimizer_state(
     optimizer: torch.optim.Optimizer, flats: list[torch.Tensor], group_ids: list[int]
@@ -210,78 +202,13 @@ def ensure_optimizer_state(
     missing = [(flat, gid) for flat, gid in zip(flats, group_ids) if not optimizer.state.get(flat)]
     if not missing:
         return
-    saved = [(g["params"], g["lr"]) for g in optimizer.param_groups]
+    saved = [g["params"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
-        g["params"], g["lr"] = [], 0.0  # AdamW at lr 0: no update, no weight decay, zero moments
+        g["params"] = []
     for flat, gid in missing:
         optimizer.param_groups[gid]["params"].append(flat)
     try:
-        _create_state(optimizer, [flat for flat, _ in missing])
+        create_optimizer_state(optimizer, [flat for flat, _ in missing])
     finally:
-        for g, (params, lr) in zip(optimizer.param_groups, saved):
-            g["params"], g["lr"] = params, lr
-
-
-def _create_state(optimizer: torch.optim.Optimizer, flats: list[torch.Tensor]) -> None:
-    init_state = getattr(optimizer, "init_state", None)
-    if init_state is not None:  # bitsandbytes creates zeroed (quantised) states directly
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                init_state(group, p, gi, pi)
-        return
-    grads = [p.grad for p in flats]
-    for p in flats:
-        p.grad = torch.zeros_like(p)
-    try:
-        optimizer.step()
-    finally:
-        for p, grad in zip(flats, grads):
-            p.grad = grad
-    for p in flats:
-        _set_step(optimizer.state[p], 0)
-
-
-class MomentAccess:
-    """Adam moments of one flat partition as fp32 tensors: views for torch/DeepSpeed Adam."""
-
-    @staticmethod
-    def for_optimizer(optimizer: torch.optim.Optimizer) -> MomentAccess:
-        return Bnb8bitMoments() if hasattr(optimizer, "name2qmap") else MomentAccess()
-
-    def read(self, flat: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
-        return {key: state[key].detach() for key in MOMENTS}
-
-    def write(self, flat: torch.Tensor, state: dict, moments: dict[str, torch.Tensor]) -> None:
-        """Store moments returned by `read` (and changed in place) back into the state."""
-
-
-class Bnb8bitMoments(MomentAccess):
-    """bitsandbytes keeps state1/state2 (exp_avg/exp_avg_sq) as uint8 codes with a per-block
-    absmax, or as fp32 for partitions under its min_8bit_size."""
-
-    KEYS = {"exp_avg": ("state1", "absmax1", "qmap1"), "exp_avg_sq": ("state2", "absmax2", "qmap2")}
-
-    def read(self, flat: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
-        return {key: self._dequantise(state, *names) for key, names in self.KEYS.items()}
-
-    def write(self, flat: torch.Tensor, state: dict, moments: dict[str, torch.Tensor]) -> None:
-        for key, (codes, absmax, qmap) in self.KEYS.items():
-            if state[codes].dtype != torch.uint8:
-                continue  # fp32 state: `read` returned views, already written in place
-            quantise: Callable = _bnb().functional.quantize_blockwise
-            out, quant = quantise(moments[key], code=state[qmap], blocksize=BNB_BLOCK)
-            state[codes].copy_(out)
-            state[absmax].copy_(quant.absmax)
-
-    @staticmethod
-    def _dequantise(state: dict, codes: str, absmax: str, qmap: str) -> torch.Tensor:
-        if state[codes].dtype != torch.uint8:
-            return state[codes].detach()
-        scale = state[absmax].repeat_interleave(BNB_BLOCK)[: state[codes].numel()]
-        return state[qmap][state[codes].long()] * scale
-
-
-def _bnb() -> Any:
-    import bitsandbytes
-
-    return bitsandbytes
+        for g, params in zip(optimizer.param_groups, saved):
+            g["params"] = params
