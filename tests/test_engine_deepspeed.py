@@ -130,3 +130,26 @@ def test_accumulation_patch_dropout_and_grad_checkpointing_under_both_engines(un
     fsdp, zero3 = runs[-2:]
     assert fsdp["losses"] != pytest.approx(unsharded["losses"], rel=1e-3)  # patch dropout is active
     assert_same_run(fsdp, zero3)
+
+
+def test_mixed_precision_under_both_engines(unsharded):
+    """amp_bf16 keeps fp32 master weights, pure_bf16 keeps everything in bf16; both train like
+    fp32 to bf16 accuracy under both engines (DeepSpeed's fp16 needs a GPU: refused on CPU)."""
+    runs = [("fsdp", "amp_bf16"), ("zero2", "amp_bf16"), ("zero3", "amp_bf16")]
+    runs += [("fsdp", "pure_bf16"), ("zero1", "pure_bf16"), ("zero3", "pure_bf16")]
+    out = spawn(train_all, 2, [config(e, **{"engine.precision": p}) for e, p in runs], 6, BATCH)[0]
+    for (engine, precision), run in zip(runs, out):
+        assert run["losses"] == pytest.approx(unsharded["losses"][:6], rel=2e-2), (engine, precision)
+        master = torch.float32 if precision == "amp_bf16" else torch.bfloat16
+        assert run["weights"]["visual.proj"].dtype == master, (engine, precision)
+    assert out[4]["losses"] == pytest.approx(out[3]["losses"], rel=1e-2)  # ZeRO-1 vs FSDP2, pure bf16
+
+
+@pytest.mark.slow
+def test_torchcompile_under_both_engines(unsharded):
+    """--torchcompile compiles each residual block (inductor, local gcc on CPU: slow)."""
+    runs = spawn(
+        train_all, 2, [config(e, **{"model.torchcompile": True}) for e in ("fsdp", "zero3")], 3, BATCH
+    )[0]
+    for run in runs:
+        assert run["losses"] == pytest.approx(unsharded["losses"][:3], rel=1e-4)

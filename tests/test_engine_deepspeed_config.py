@@ -167,3 +167,20 @@ def test_8bit_moments_survive_dequantise_and_requantise_within_one_rounding():
     write_moments(state, read_moments(state))
     for key, value in read_moments(state).items():
         assert (value - before[key]).norm() / before[key].norm() < 1e-2, key
+
+
+@pytest.mark.parametrize(
+    ("ds_config", "flags", "message"),
+    [
+        ("zero2", {"engine.precision": "amp"}, "--precision amp_bf16"),
+    ],
+)
+def test_combinations_that_cannot_work_are_refused_up_front(ds_config, flags, message):
+    overrides = {
+        "engine.engine": "deepspeed",
+        "engine.deepspeed_config": str(DS_CONFIGS / f"{ds_config}.json"),
+    }
+    cfg = tiny_config(**overrides, **flags)
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=message):
+        build_engine(cfg, runtime)

@@ -68,7 +68,7 @@ class DeepSpeedEngine(Engine):
             model_width=max(model_cfg.vision_cfg.width, model_cfg.text_cfg.width),
             path=path,
         )
-        check_supported(cfg, self.plan, accelerator=self._accelerator())
+        check_supported(cfg, accelerator=self._accelerator())
 
     def _accelerator(self) -> Any:
         from deepspeed.accelerator import get_accelerator
@@ -188,17 +188,12 @@ class DeepSpeedEngine(Engine):
         }
 
 
-def check_supported(cfg: TrainConfig, plan: DeepSpeedPlan, *, accelerator: Any) -> None:
+def check_supported(cfg: TrainConfig, *, accelerator: Any) -> None:
     """Combinations that cannot work, refused before anything is built."""
     if cfg.engine.precision == "amp" and not accelerator.is_fp16_supported():
         raise ConfigError(
             f"--precision amp (fp16) is not supported by DeepSpeed's {accelerator.device_name()} "
             "accelerator; use --precision amp_bf16 (or --engine fsdp)"
-        )
-    if cfg.model.torchcompile and plan.offload_param:
-        raise ConfigError(
-            f"--torchcompile with ZeRO-3 parameter offload ({plan.path}) is not supported: offloaded "
-            "parameters are fetched by hooks inside the compiled blocks; drop one of the two"
         )
 
 
