@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,15 +86,19 @@ def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage reachable from Python on this process."""
     gc.collect()
     seen, total = set(), 0
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+    with warnings.catch_warnings():  # isinstance() touches deprecated module attributes
+        warnings.simplefilter("ignore", FutureWarning)
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
+        if obj.is_meta:
             continue
         try:
             storage = obj.untyped_storage()
+            pointer = storage.data_ptr()
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # wrapper tensors (DTensor) own no storage; their local tensors are counted
-        if storage.data_ptr() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
+        if pointer and pointer not in seen:
+            seen.add(pointer)
             total += storage.nbytes()
     return total
 
@@ -255,8 +260,8 @@ def gpu_rows(*, steps: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8, help="per-rank batch for the CPU rows")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per engine")
+    parser.add_argument("--batch", type=int, default=4, help="per-rank batch for the CPU rows")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per engine")
     parser.add_argument("--no-gpu", action="store_true")
     parser.add_argument("--gpu-trial", nargs=3, metavar=("ENGINE", "BATCH", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -80,15 +80,7 @@ class DeepSpeedEngine(Engine):
         self.deepspeed.init_distributed(dist_backend=self._backend(), dist_init_required=False)
         with scalar_parameter_fixes():
             model = self._materialise(model)
-            if self.plan.stage == 3:
-                # Gather each residual block's parameters at once, as FSDP2 does per block: one
-                # all-gather per block instead of one per linear/norm, and no ZeRO-3 hooks inside
-                # a block, so --torchcompile compiles whole blocks without graph breaks.
-                self.deepspeed.utils.set_z3_leaf_modules(model, [type(b) for b in model.blocks()][:1])
-            if self.cfg.model.torchcompile:
-                self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile(): no graph breaks
-                for block in model.blocks():
-                    block.compile()
+            self._prepare_blocks(model)
             groups = param_groups(model, weight_decay=self.cfg.optim.wd)
             client = None if self.plan.deepspeed_builds_optimizer else make_optimizer(groups, self.cfg.optim)
             self.ds_engine, *_ = self.deepspeed.initialize(
@@ -118,6 +110,17 @@ class DeepSpeedEngine(Engine):
             partitioned = build_model(self.cfg, device=self.runtime.device)
         _check_same_structure(model, partitioned)
         return partitioned
+
+    def _prepare_blocks(self, model: CLIP) -> None:
+        if self.plan.stage == 3:
+            # Gather each residual block's parameters at once, as FSDP2 does per block: one
+            # all-gather per block instead of one per linear/norm, and no ZeRO-3 hooks inside a
+            # block, so --torchcompile compiles whole blocks without graph breaks.
+            self.deepspeed.utils.set_z3_leaf_modules(model, list({type(b) for b in model.blocks()}))
+        if self.cfg.model.torchcompile:
+            self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile() does: no graph breaks
+            for block in model.blocks():
+                block.compile()
 
     def _check_optimizer_wrapper(self) -> None:
         kind = type(self.ds_engine.optimizer).__name__
