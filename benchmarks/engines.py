@@ -1,7 +1,7 @@
 """Sharding engines side by side: per-rank model-state memory and step time, FSDP2 vs ZeRO-1/2/3.
 
-CPU (always): ViT-B-32, fp32, 2 ranks over gloo, a fresh pair of processes per engine, all in
-one run. "Model state" is every live tensor storage on the rank right after backward (parameters,
+CPU (always): ViT-B-32, fp32 and amp_bf16, 2 ranks over gloo, a fresh pair of processes per
+engine, all in one run. "Model state" is every live tensor storage on the rank right after backward (parameters,
 gradients, optimizer state, the engines' own buffers; activations are freed by then), counted
 once per storage; "optimizer state" is what the optimizer itself holds. Rows with --optimizer
 adamw8bit show the optimizer state bitsandbytes saves.
@@ -50,13 +50,11 @@ from bigclip.ops.contrastive import build_loss  # noqa: E402
 from bigclip.run_setup import build_model  # noqa: E402
 from bigclip.train_step import contrastive_loss  # noqa: E402
 
-CPU_RUNS = [  # (engine, ds_config, optimizer)
-    ("fsdp", "", "adamw"),
-    ("deepspeed", "zero1", "adamw"),
-    ("deepspeed", "zero2", "adamw"),
-    ("deepspeed", "zero3", "adamw"),
-    ("fsdp", "", "adamw8bit"),
-    ("deepspeed", "zero2", "adamw8bit"),
+_ZERO = [("deepspeed", "zero1"), ("deepspeed", "zero2"), ("deepspeed", "zero3")]
+CPU_RUNS = [  # (engine, ds_config, optimizer, precision); the first row of each precision is the baseline
+    *[(e, c, "adamw", p) for p in ("fp32", "amp_bf16") for e, c in [("fsdp", ""), *_ZERO]],
+    ("fsdp", "", "adamw8bit", "fp32"),
+    ("deepspeed", "zero2", "adamw8bit", "fp32"),
 ]
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, SXM parts
 
@@ -143,12 +141,12 @@ def _sync(device: torch.device) -> None:
         dist.barrier()
 
 
-def cpu_worker(rank: int, world: int, run: tuple[str, str, str], batch: int, steps: int) -> dict:
-    engine_name, ds_config, optimizer = run
+def cpu_worker(rank: int, world: int, run: tuple[str, str, str, str], batch: int, steps: int) -> dict:
+    engine_name, ds_config, optimizer, precision = run
     cfg = run_config(
         engine_name,
         ds_config,
-        **{"model.model": "ViT-B-32", "engine.precision": "fp32", "data.batch_size": batch},
+        **{"model.model": "ViT-B-32", "engine.precision": precision, "data.batch_size": batch},
         **{"optim.optimizer": optimizer},
     )
     runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
@@ -167,6 +165,7 @@ def cpu_rows(*, batch: int, steps: int, world: int = 2) -> list[dict]:
             {
                 "engine": run[1] or run[0],
                 "optimizer": run[2],
+                "precision": run[3],
                 "params_M": params / 1e6,
                 "model_state_MB_per_rank": max(r["state"] for r in ranks) / 2**20,
                 "optimizer_state_MB_per_rank": max(r["optim"] for r in ranks) / 2**20,
@@ -174,11 +173,11 @@ def cpu_rows(*, batch: int, steps: int, world: int = 2) -> list[dict]:
                 "samples_per_s": batch * world / max(r["step_s"] for r in ranks),
             }
         )
-    base = rows[0]
     for row in rows:
+        base = next(r for r in rows if r["precision"] == row["precision"])
         row["memory_vs_fsdp"] = row["model_state_MB_per_rank"] / base["model_state_MB_per_rank"]
         row["time_vs_fsdp"] = row["step_s"] / base["step_s"]
-        same = next(r for r in rows if r["engine"] == row["engine"] and r["optimizer"] == "adamw")
+        same = next(r for r in rows if r["engine"] == row["engine"] and r["precision"] == row["precision"])
         row["optim_state_vs_adamw"] = row["optimizer_state_MB_per_rank"] / same["optimizer_state_MB_per_rank"]
     return rows
 
@@ -272,7 +271,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the CPU rows run DeepSpeed on its CPU accelerator
     rows = cpu_rows(batch=args.batch, steps=args.steps)
     print_table(rows)
-    extra = {"cpu_setup": f"ViT-B-32, fp32, 2 ranks x batch {args.batch}, gloo, {args.steps} timed steps"}
+    extra = {"cpu_setup": f"ViT-B-32, 2 ranks x batch {args.batch}, gloo, {args.steps} timed steps"}
     if torch.cuda.is_available() and not args.no_gpu:
         gpu = gpu_rows(steps=args.steps)
         print_table(gpu)

@@ -140,11 +140,13 @@ class DeepSpeedOptimState(Stateful):
         return out
 
     def _entry(self, name: str, flats: list[torch.Tensor]) -> Any:
+        """One moment of one parameter; `flats` holds it for every flat partition (one dtype:
+        fp32, or bf16 under pure_bf16's bf16_optimizer_states)."""
         f = self.layout.local[name]
         local = None if f is None else self.layout.flat_slice(flats[f.flat_index], name)
         if len(self.layout.shapes[name]) == 0:
-            return _full_scalar(local, self.layout.group, device=self.device)
-        return sharded(self.layout, name, local, dtype=torch.float32)
+            return _full_scalar(local, self.layout.group, dtype=flats[0].dtype, device=self.device)
+        return sharded(self.layout, name, local, dtype=flats[0].dtype)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """bigclip's two groups (no weight decay, weight decay) with the optimizer's hyperparameters."""
@@ -180,9 +182,9 @@ class DeepSpeedOptimState(Stateful):
 
 
 def _full_scalar(
-    local: torch.Tensor | None, group: dist.ProcessGroup | None, *, device: torch.device
+    local: torch.Tensor | None, group: dist.ProcessGroup | None, *, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    value = torch.zeros(1, dtype=torch.float32, device=device)
+    value = torch.zeros(1, dtype=dtype, device=device)
     if local is not None:
         value.copy_(local)
     if dist.get_world_size(group) > 1:
