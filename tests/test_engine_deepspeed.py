@@ -7,6 +7,7 @@ the cost), with the real files in ds_configs/.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -107,9 +108,18 @@ def unsharded() -> dict:
     return reference(TrainConfig.from_dict(config("fsdp")).validate(), STEPS, BATCH)
 
 
-def test_every_zero_stage_matches_unsharded_reference_and_fsdp(unsharded):
-    runs = spawn(train_all, 2, [config("fsdp"), *map(config, STAGES)], STEPS, BATCH)[0]
-    fsdp, stages = runs[0], dict(zip(STAGES, runs[1:]))
+def test_every_zero_stage_matches_unsharded_reference_and_fsdp(unsharded, tmp_path):
+    # One more run where DeepSpeed builds the optimizer from an "optimizer" section filled from
+    # bigclip's flags (torch's AdamW: DeepSpeedCPUAdam would need its C++ op built).
+    ds_optimizer = json.loads((DS_CONFIGS / "zero2.json").read_text())
+    ds_optimizer["optimizer"] = {"type": "AdamW", "params": {"torch_adam": True}}
+    (tmp_path / "zero2_ds_optimizer.json").write_text(json.dumps(ds_optimizer))
+    built = tiny_config(
+        **{"engine.engine": "deepspeed", "engine.deepspeed_config": str(tmp_path / "zero2_ds_optimizer.json")}
+    )
+    cfgs = [config("fsdp"), *map(config, STAGES), built.to_dict()]
+    runs = spawn(train_all, 2, cfgs, STEPS, BATCH)[0]
+    fsdp, stages = runs[0], dict(zip([*STAGES, "zero2 + DeepSpeed's optimizer"], runs[1:]))
     assert unsharded["losses"][-1] < 0.9 * unsharded["losses"][0]  # it trains
     assert_same_run(unsharded, fsdp)
     for run in stages.values():
