@@ -90,6 +90,7 @@ def test_a_value_contradicting_a_flag_names_both(raw, flags, named):
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, '"cpu"'),
         (with_zero(managed_gradient_accumulation=False), "accumulation"),
         ({"zero_optimization": {"stage": 2, "overlap_comm": "sometimes"}}, "overlap_comm"),
+        (with_zero(fp16={"enabled": "auto", "loss_scale_windw": 10}), "loss_scale_windw"),
     ],
 )
 def test_misplaced_or_unsupported_keys_are_refused(raw, hint):

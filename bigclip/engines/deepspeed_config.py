@@ -249,6 +249,8 @@ def _resolve_precision(out: dict, precision: str, *, path: str) -> None:
         pure = precision == "pure_bf16"
         for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
             _settle(bf16, key, pure, flag=flag, path=path, where="bf16.")
+    _validate_with_deepspeed(fp16, "fp16", path=path)
+    _validate_with_deepspeed(bf16, "bf16", path=path)
 
 
 @dataclass(frozen=True)
@@ -274,7 +276,7 @@ def _resolve_zero(out: dict, *, model_width: int, path: str) -> _Zero:
     offloads = {
         name: _offload(zero, name, stage=stage, path=path) for name in ("offload_optimizer", "offload_param")
     }
-    _validate_with_deepspeed(zero, path=path)
+    _validate_with_deepspeed(zero, "zero_optimization", path=path)
     return _Zero(stage, offloads["offload_optimizer"], offloads["offload_param"])
 
 
@@ -297,15 +299,21 @@ def _offload(zero: dict, name: str, *, stage: int, path: str) -> dict | None:
     return section
 
 
-def _validate_with_deepspeed(zero: dict, *, path: str) -> None:
-    """DeepSpeed's own checks of the section, now rather than after the model is built."""
+def _validate_with_deepspeed(section: dict, name: str, *, path: str) -> None:
+    """DeepSpeed's own (pydantic) checks of a section, now rather than after the model is built."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
 
+    model = {
+        "zero_optimization": DeepSpeedZeroConfig,
+        "fp16": DeepSpeedFP16Config,
+        "bf16": DeepSpeedBF16Config,
+    }
     try:
-        DeepSpeedZeroConfig(**zero)
+        model[name](**section)
     except ValidationError as e:
-        raise ConfigError(f'{path}: invalid "zero_optimization": {e}') from None
+        raise ConfigError(f'{path}: invalid "{name}": {e}') from None
 
 
 def _resolve_optimizer(out: dict, cfg: TrainConfig, *, offload: bool, path: str) -> bool:
