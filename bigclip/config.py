@@ -187,7 +187,12 @@ class EngineConfig:
     reshard_after_forward: bool = _opt(True, "FSDP2: free gathered parameters after forward (ZeRO-3-like).")
     dist_backend: str = _opt("", "torch.distributed backend (default: nccl on GPU, gloo on CPU).")
     device: str = _opt("", "Device (default: cuda:LOCAL_RANK when CUDA is present, else cpu).")
-    local_rank: int = _opt(-1, "Set by the deepspeed launcher; the environment's LOCAL_RANK wins.")
+    local_rank: int = _opt(
+        -1,
+        "Set by the deepspeed launcher (as --local_rank=N); the environment's LOCAL_RANK wins.",
+        aliases=("--local_rank",),
+        convert=int,
+    )
 
     def validate(self) -> None:
         if self.engine == "deepspeed" and not self.deepspeed_config:

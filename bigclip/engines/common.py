@@ -1,13 +1,16 @@
-"""Pieces every engine shares: precision policy, parameter groups, optimizers, loss scaling."""
+"""Pieces every engine shares: precision policy, parameter groups, optimizers, loss scaling,
+and optimizer state read and written as fp32 Adam moments whatever the optimizer stores."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from bigclip.config import OptimConfig
 from bigclip.errors import ConfigError
@@ -42,7 +45,8 @@ class Precision:
 
 def excluded_from_weight_decay(name: str, param: nn.Parameter) -> bool:
     """OpenCLIP's rule: gains, biases, 1-d embeddings and the logit scale/bias get no weight decay."""
-    return param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+    ndim = len(getattr(param, "ds_shape", param.shape))  # ZeRO-3 parameters are empty outside forward
+    return ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
@@ -113,3 +117,114 @@ class DynamicLossScaler:
 
 def is_finite(norm: torch.Tensor) -> bool:
     return math.isfinite(float(norm))
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
+_BNB_KEYS = {"exp_avg": ("state1", "absmax1", "qmap1"), "exp_avg_sq": ("state2", "absmax2", "qmap2")}
+
+
+def read_moments(state: dict) -> dict[str, torch.Tensor]:
+    """A parameter's Adam moments as fp32 tensors: the state itself for torch (and DeepSpeed)
+    Adam; for bitsandbytes' 8-bit AdamW, dequantised copies of its uint8 codes (or its fp32
+    state1/state2 for tensors under min_8bit_size). Change them in place, then `write_moments`."""
+    if "state1" not in state:
+        return {key: state[key].detach() for key in MOMENTS}
+    moments = {}
+    for key, (codes, absmax, qmap) in _BNB_KEYS.items():
+        if state[codes].dtype != torch.uint8:
+            moments[key] = state[codes].detach()
+        else:
+            scale = state[absmax].repeat_interleave(BNB_BLOCK)[: state[codes].numel()]
+            moments[key] = state[qmap][state[codes].reshape(-1).long()] * scale  # flat
+    return moments
+
+
+def write_moments(state: dict, moments: dict[str, torch.Tensor]) -> None:
+    """Store moments from `read_moments` back (re-quantised over the same blocks for 8-bit)."""
+    if "state1" not in state:
+        return  # `read_moments` returned the state tensors themselves
+    import bitsandbytes.functional as bnbf
+
+    for key, (codes, absmax, qmap) in _BNB_KEYS.items():
+        if state[codes].dtype == torch.uint8:
+            out, quant = bnbf.quantize_blockwise(moments[key], code=state[qmap], blocksize=BNB_BLOCK)
+            state[codes].copy_(out.view_as(state[codes]))
+            state[absmax].copy_(quant.absmax)
+
+
+def get_step(state: dict) -> int:
+    step = state.get("step", 0)
+    return int(step.item()) if torch.is_tensor(step) else int(step)
+
+
+def set_step(state: dict, step: int) -> None:
+    if torch.is_tensor(state.get("step")):
+        state["step"].fill_(step)
+    else:
+        state["step"] = step
+
+
+@torch.no_grad()
+def create_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Create the (zero) state of `params`, which are in the optimizer's groups, changing no
+    parameter, so a fresh optimizer has tensors for a checkpoint to load into."""
+    init_state = getattr(optimizer, "init_state", None)
+    if init_state is not None:  # bitsandbytes creates zeroed (quantised) states directly
+        wanted = {id(p) for p in params}
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) in wanted:
+                    init_state(group, p, gi, pi)
+        return
+    saved = [(p.grad, p) for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0  # AdamW at lr 0: no update and no weight decay; the moments stay zero
+    try:
+        optimizer.step()
+    finally:
+        for grad, p in saved:
+            p.grad = grad
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+    for p in params:
+        set_step(optimizer.state[p], 0)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view sharing storage), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LocalShardOptimizer:
+    """An optimizer that understands only plain tensors (bitsandbytes' AdamW8bit), stepped over
+    each parameter's local shard: FSDP2's parameters are DTensors, and element-wise optimizers
+    need nothing but the shard. The shards are views of the DTensors' storage, made once."""
+
+    def __init__(self, groups: list[dict], cfg: OptimConfig) -> None:
+        self.groups = [list(g["params"]) for g in groups]
+        self.params = [p for g in self.groups for p in g]
+        self.shards = {id(p): local_tensor(p).detach() for p in self.params}
+        local_groups = [{**g, "params": [self.shards[id(p)] for p in g["params"]]} for g in groups]
+        self.inner = make_optimizer(local_groups, cfg)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    def shard(self, param: torch.Tensor) -> torch.Tensor:
+        return self.shards[id(param)]
+
+    def step(self) -> None:
+        for p in self.params:
+            self.shard(p).grad = None if p.grad is None else local_tensor(p.grad)
+        self.inner.step()
+        for p in self.params:
+            self.shard(p).grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None

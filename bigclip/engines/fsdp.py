@@ -37,12 +37,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from bigclip.engines.base import Engine, StepStats
 from bigclip.engines.common import (
     DynamicLossScaler,
+    LocalShardOptimizer,
     Precision,
     clip_by_total_norm_,
+    create_optimizer_state,
+    get_step,
     is_finite,
+    local_tensor,
     make_optimizer,
     param_groups,
+    read_moments,
     set_lr,
+    set_step,
+    write_moments,
 )
 from bigclip.models import CLIP, param_generator, param_initializers
 
@@ -81,7 +88,10 @@ class FSDPEngine(Engine):
         init_sharded_weights(model, seed=self.cfg.optim.seed, device=self.runtime.device)
         self.module = model
         self.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-        self.optimizer = make_optimizer(param_groups(model, weight_decay=self.cfg.optim.wd), self.cfg.optim)
+        groups = param_groups(model, weight_decay=self.cfg.optim.wd)
+        # bitsandbytes' optimizers cannot step DTensors: they run over the local shards instead.
+        local = self.cfg.optim.optimizer == "adamw8bit"
+        self.optimizer = (LocalShardOptimizer if local else make_optimizer)(groups, self.cfg.optim)
         self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
 
     def _shard(self, model: CLIP) -> None:
@@ -183,12 +193,61 @@ class _OptimState(Stateful):
         self.engine = engine
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"optimizer": get_optimizer_state_dict(self.engine.module, self.engine.optimizer)}
+        model, optimizer = self.engine.module, self.engine.optimizer
+        if isinstance(optimizer, LocalShardOptimizer):
+            state = {"optimizer": _local_shard_state_dict(model, optimizer)}
+        else:
+            state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
         if self.engine.scaler:
             state["loss_scaler"] = self.engine.scaler.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.engine.module, self.engine.optimizer, state_dict["optimizer"])
+        model, optimizer = self.engine.module, self.engine.optimizer
+        if isinstance(optimizer, LocalShardOptimizer):
+            _load_local_shard_state(model, optimizer, state_dict["optimizer"])
+        else:
+            set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
         if self.engine.scaler and "loss_scaler" in state_dict:
             self.engine.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def _local_shard_state_dict(model: nn.Module, optimizer: LocalShardOptimizer) -> dict[str, Any]:
+    """`get_optimizer_state_dict`'s layout for an optimizer stepped over local shards: fp32
+    moments (dequantised for 8-bit) as DTensors placed like their parameters, keyed by name."""
+    inner, names = optimizer.inner, {id(p): n for n, p in model.named_parameters()}
+    missing = [optimizer.shard(p) for p in optimizer.params if not inner.state.get(optimizer.shard(p))]
+    if missing:
+        create_optimizer_state(inner, missing)
+    state = {}
+    for p in optimizer.params:
+        shard_state = inner.state[optimizer.shard(p)]
+        entry: dict[str, Any] = {"step": torch.tensor(float(get_step(shard_state)))}
+        for key, moment in read_moments(shard_state).items():
+            local_moment = moment.view(optimizer.shard(p).shape)
+            entry[key] = (
+                DTensor.from_local(
+                    local_moment, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                )
+                if isinstance(p, DTensor)
+                else local_moment
+            )
+        state[names[id(p)]] = entry
+    groups = [
+        {**{k: v for k, v in hyper.items() if k != "params"}, "params": [names[id(p)] for p in params]}
+        for hyper, params in zip(inner.param_groups, optimizer.groups)
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def _load_local_shard_state(model: nn.Module, optimizer: LocalShardOptimizer, saved: dict[str, Any]) -> None:
+    _local_shard_state_dict(model, optimizer)  # creates the state if the optimizer has not stepped
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in optimizer.params:
+        shard_state, entry = optimizer.inner.state[optimizer.shard(p)], saved["state"][names[id(p)]]
+        moments = read_moments(shard_state)
+        for key, moment in moments.items():
+            moment.copy_(local_tensor(entry[key]).reshape(-1).view_as(moment))
+        write_moments(shard_state, moments)
+        set_step(shard_state, int(entry["step"].item()))

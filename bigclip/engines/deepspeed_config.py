@@ -1,0 +1,355 @@
+"""DeepSpeed JSON configs: load, check where every key sits, fill "auto" from bigclip's flags.
+
+bigclip's flags are the one source of truth for what both engines share: batch sizes,
+precision, gradient clipping and the optimizer's hyperparameters. A ds_config may leave those
+out or set them to "auto" (they are filled in); an explicit value that contradicts a flag is a
+`ConfigError` naming both values. Everything DeepSpeed-specific (ZeRO stage, offload, buckets,
+overlap) comes from the file. All of this runs before the model is built.
+
+DeepSpeed reads most top-level keys with a plain `dict.get`, so a misplaced key (a `stage3_*`
+option at the top level, a typo) is silently ignored; sections it validates with pydantic only
+fail once the model is already built. Both are checked here, up front, with a message saying
+where a key belongs.
+
+How flags map onto DeepSpeed:
+  --batch-size      train_micro_batch_size_per_gpu
+  --accum-freq      bigclip accumulates itself (features cached across micro-batches, OpenCLIP
+                    semantics), so DeepSpeed always gets gradient_accumulation_steps = 1 and
+                    train_batch_size = batch-size x world; in the file, gradient_accumulation_steps
+                    and train_batch_size mean bigclip's --accum-freq and global batch.
+  --precision       fp32: no fp16/bf16 section; amp_bf16: bf16 with fp32 master weights;
+                    amp: fp16 with dynamic loss scaling; pure_bf16: bf16 master weights and
+                    optimizer states (bf16_master_weights_and_grads, bf16_optimizer_states)
+  --grad-clip-norm  gradient_clipping
+  --optimizer       a client optimizer built by bigclip, unless the file has an "optimizer"
+                    section (type AdamW), whose params are filled from --lr/--beta1/--beta2/--eps/--wd:
+                    DeepSpeed then builds its own (DeepSpeedCPUAdam under optimizer offload).
+  --lr-scheduler    bigclip sets the learning rate every step: a "scheduler" section is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from bigclip.config import TrainConfig
+from bigclip.errors import ConfigError
+
+DS_INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
+AUTO = "auto"
+
+# Top-level keys DeepSpeed 0.19 reads. Anything else would be ignored without a word.
+# fmt: off
+TOP_LEVEL_KEYS = frozenset((
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "managed_gradient_accumulation", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
+    "torch_autocast", "data_types", "gradient_clipping", "prescale_gradients",
+    "gradient_predivide_factor", "gradient_allreduce_op", "communication_data_type",
+    "seq_parallel_communication_data_type", "zero_optimization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "activation_checkpointing", "flops_profiler", "comms_logger",
+    "tensorboard", "wandb", "csv_monitor", "comet", "steps_per_print", "wall_clock_breakdown",
+    "memory_breakdown", "dump_state", "disable_allgather", "disable_python_gc", "dataloader_drop_last",
+    "checkpoint", "aio", "autotuning", "data_efficiency", "curriculum_learning", "weight_quantization",
+    "compile", "timers", "tensor_parallel", "expert_parallel", "hybrid_engine", "pipeline",
+    "datastates_ckpt", "log_level", "use_data_before_expert_parallelism",
+))
+# fmt: on
+# zero_optimization keys whose "auto" is filled from the model width (the Hugging Face convention).
+WIDTH_AUTO = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+OPTIMIZER_PARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+FP16_DEFAULTS = {  # the same dynamic loss scaling as bigclip's DynamicLossScaler (FSDP2)
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 2000,
+    "hysteresis": 1,
+    "min_loss_scale": 1,
+}
+
+
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    """A resolved config and the facts the engine needs from it."""
+
+    config: dict[str, Any]  # what deepspeed.initialize receives
+    stage: int
+    deepspeed_builds_optimizer: bool  # an "optimizer" section: DeepSpeed makes it from model groups
+    offload_optimizer: bool
+    offload_param: bool
+    path: str
+
+
+def import_deepspeed() -> ModuleType:
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ConfigError(
+            f"--engine deepspeed needs DeepSpeed, which cannot be imported ({e}). Install it after "
+            f"torch with: {DS_INSTALL}  (or use --engine fsdp)"
+        ) from e
+    return deepspeed
+
+
+def load_ds_config(path: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"--deepspeed-config {path}: file not found (bigclip ships ds_configs/zero1.json, "
+            "zero2.json, zero3.json, zero3_offload.json)"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed-config {path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--deepspeed-config {path}: expected a JSON object at the top level")
+    return raw
+
+
+def resolve_ds_config(
+    raw: dict[str, Any], cfg: TrainConfig, *, world_size: int, model_width: int, path: str = "ds_config"
+) -> DeepSpeedPlan:
+    """Check placement, fill "auto" from flags, refuse contradictions; returns what DeepSpeed gets."""
+    check_placement(raw, path=path)
+    out = copy.deepcopy(raw)
+    if "bfloat16" in out:  # DeepSpeed's legacy spelling of "bf16"
+        out.setdefault("bf16", out.pop("bfloat16"))
+    _resolve_batch(out, cfg, world_size=world_size, path=path)
+    _resolve_precision(out, cfg.engine.precision, path=path)
+    _settle(out, "gradient_clipping", cfg.optim.grad_clip_norm, flag="--grad-clip-norm", path=path)
+    zero = _resolve_zero(out, model_width=model_width, path=path)
+    ds_optimizer = _resolve_optimizer(out, cfg, offload=zero.offload_optimizer is not None, path=path)
+    if "scheduler" in out:
+        raise ConfigError(
+            f'{path}: remove "scheduler": bigclip sets the learning rate every step from --lr, '
+            "--warmup and --lr-scheduler"
+        )
+    if out.get("managed_gradient_accumulation", True) is not True:
+        raise ConfigError(f'{path}: remove "managed_gradient_accumulation": bigclip drives accumulation')
+    out.setdefault("steps_per_print", 2**31 - 1)  # bigclip logs progress itself
+    return DeepSpeedPlan(
+        config=out,
+        stage=zero.stage,
+        deepspeed_builds_optimizer=ds_optimizer,
+        offload_optimizer=zero.offload_optimizer is not None,
+        offload_param=zero.offload_param is not None,
+        path=path,
+    )
+
+
+def check_placement(raw: dict[str, Any], *, path: str) -> None:
+    """Refuse keys DeepSpeed would ignore, saying which section they belong in."""
+    sections = _section_keys()
+    for key in raw:
+        if key in TOP_LEVEL_KEYS:
+            continue
+        homes = [name for name, keys in sections.items() if key in keys]
+        if homes:
+            raise ConfigError(
+                f'{path}: "{key}" is a {" / ".join(homes)} option, not a top-level one; DeepSpeed '
+                f'would ignore it here. Move it into "{homes[0]}".'
+            )
+        removed = _removed_keys().get(key)
+        hint = removed or "it is not a DeepSpeed option and would be ignored; check the spelling"
+        raise ConfigError(f'{path}: unknown top-level key "{key}": {hint}')
+    zero = raw.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f'{path}: "zero_optimization" must be an object, e.g. {{"stage": 3}}')
+    for key in zero:
+        if key not in sections["zero_optimization"]:
+            offload = [n for n in ("offload_optimizer", "offload_param") if key in sections[n]]
+            where = f'"zero_optimization.{offload[0]}"' if offload else "the DeepSpeed docs"
+            raise ConfigError(f'{path}: "zero_optimization.{key}" is not a ZeRO option; see {where}')
+
+
+def _section_keys() -> dict[str, set[str]]:
+    """Field names (and aliases) of the sections DeepSpeed validates, from its own pydantic models."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    def names(model: type) -> set[str]:
+        return {n for name, f in model.model_fields.items() for n in (name, f.alias) if n}
+
+    return {
+        "zero_optimization": names(DeepSpeedZeroConfig),
+        "offload_optimizer": names(DeepSpeedZeroOffloadOptimizerConfig),
+        "offload_param": names(DeepSpeedZeroOffloadParamConfig),
+        "fp16": names(DeepSpeedFP16Config),
+        "bf16": names(DeepSpeedBF16Config),
+        "optimizer.params": set(OPTIMIZER_PARAM_KEYS),
+    }
+
+
+def _removed_keys() -> dict[str, str]:
+    from deepspeed.runtime import config as ds_config
+
+    return getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})
+
+
+def _same(have: Any, want: Any) -> bool:
+    if isinstance(want, (tuple, list)):
+        return isinstance(have, (tuple, list)) and list(map(float, have)) == list(map(float, want))
+    if isinstance(want, bool) or isinstance(have, bool):
+        return have is want
+    try:
+        return float(have) == float(want)
+    except (TypeError, ValueError):
+        return False
+
+
+def _settle(section: dict, key: str, want: Any, *, flag: str, path: str, where: str = "") -> None:
+    """Fill a missing or "auto" value from a flag; an explicit different value is an error."""
+    have = section.get(key, AUTO)
+    if have != AUTO and not _same(have, want):
+        raise ConfigError(
+            f'{path}: "{where}{key}": {json.dumps(have)} contradicts {flag} ({want}). Set it to "auto" '
+            f"(bigclip fills it from the flag) or change {flag}."
+        )
+    section[key] = list(want) if isinstance(want, tuple) else want
+
+
+def _resolve_batch(out: dict, cfg: TrainConfig, *, world_size: int, path: str) -> None:
+    b, k = cfg.data.batch_size, cfg.optim.accum_freq
+    _settle(out, "train_micro_batch_size_per_gpu", b, flag="--batch-size", path=path)
+    _settle(out, "gradient_accumulation_steps", k, flag="--accum-freq", path=path)
+    global_batch = b * k * world_size
+    _settle(
+        out,
+        "train_batch_size",
+        global_batch,
+        flag=f"--batch-size x --accum-freq x world size ({b} x {k} x {world_size})",
+        path=path,
+    )
+    # bigclip accumulates itself (see the module docstring): DeepSpeed sees one micro-batch per step.
+    out["gradient_accumulation_steps"] = 1
+    out["train_batch_size"] = b * world_size
+
+
+def _resolve_precision(out: dict, precision: str, *, path: str) -> None:
+    flag = f"--precision {precision}"
+    if out.get("torch_autocast", {}).get("enabled", False):
+        raise ConfigError(f'{path}: "torch_autocast" is set by {flag}; remove it')
+    fp16, bf16 = out.setdefault("fp16", {}), out.setdefault("bf16", {})
+    _settle(fp16, "enabled", precision == "amp", flag=flag, path=path, where="fp16.")
+    _settle(bf16, "enabled", precision in ("amp_bf16", "pure_bf16"), flag=flag, path=path, where="bf16.")
+    if precision == "amp":
+        for key, value in FP16_DEFAULTS.items():
+            fp16.setdefault(key, value)
+    if bf16["enabled"]:
+        pure = precision == "pure_bf16"
+        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            _settle(bf16, key, pure, flag=flag, path=path, where="bf16.")
+    _validate_with_deepspeed(fp16, "fp16", path=path)
+    _validate_with_deepspeed(bf16, "bf16", path=path)
+
+
+@dataclass(frozen=True)
+class _Zero:
+    stage: int
+    offload_optimizer: dict | None
+    offload_param: dict | None
+
+
+def _resolve_zero(out: dict, *, model_width: int, path: str) -> _Zero:
+    zero = out.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2, 3):
+        raise ConfigError(
+            f'{path}: "zero_optimization.stage" must be 1, 2 or 3 (got {stage!r}); for plain data '
+            "parallelism use --engine fsdp"
+        )
+    for key, value in list(zero.items()):
+        if value == AUTO:
+            if key not in WIDTH_AUTO:
+                raise ConfigError(f'{path}: "auto" is not understood for "zero_optimization.{key}"')
+            zero[key] = WIDTH_AUTO[key](model_width)
+    offloads = {
+        name: _offload(zero, name, stage=stage, path=path) for name in ("offload_optimizer", "offload_param")
+    }
+    _validate_with_deepspeed(zero, "zero_optimization", path=path)
+    return _Zero(stage, offloads["offload_optimizer"], offloads["offload_param"])
+
+
+def _offload(zero: dict, name: str, *, stage: int, path: str) -> dict | None:
+    section = zero.get(name)
+    if not section or section.get("device", "none") == "none":
+        return None
+    if float(section.get("ratio", 1.0)) != 1.0:
+        raise ConfigError(
+            f'{path}: partial optimizer offload ("zero_optimization.{name}.ratio") is not supported by '
+            "bigclip's checkpoints; remove it"
+        )
+    if section["device"] == "nvme":
+        raise ConfigError(
+            f'{path}: "zero_optimization.{name}.device": "nvme" is not supported by bigclip (its '
+            'checkpoints read partitions in memory); use "cpu"'
+        )
+    if name == "offload_param" and stage != 3:
+        raise ConfigError(f'{path}: "zero_optimization.offload_param" needs "stage": 3 (got {stage})')
+    return section
+
+
+def _validate_with_deepspeed(section: dict, name: str, *, path: str) -> None:
+    """DeepSpeed's own (pydantic) checks of a section, now rather than after the model is built."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    model = {
+        "zero_optimization": DeepSpeedZeroConfig,
+        "fp16": DeepSpeedFP16Config,
+        "bf16": DeepSpeedBF16Config,
+    }
+    try:
+        model[name](**section)
+    except ValidationError as e:
+        raise ConfigError(f'{path}: invalid "{name}": {e}') from None
+
+
+def _resolve_optimizer(out: dict, cfg: TrainConfig, *, offload: bool, path: str) -> bool:
+    """True when DeepSpeed builds the optimizer from the file's (filled-in) "optimizer" section."""
+    section = out.get("optimizer")
+    if section is None:
+        if cfg.optim.optimizer == "adamw8bit":
+            # bitsandbytes' AdamW8bit is not on DeepSpeed's list of ZeRO-tested optimizers; it only
+            # sees flat fp32 partitions, which it handles like any other parameter.
+            out["zero_allow_untested_optimizer"] = True
+        if offload:
+            # The client optimizer steps on the CPU partitions; DeepSpeed refuses that by default.
+            if out.get("zero_force_ds_cpu_optimizer", False):
+                raise ConfigError(
+                    f'{path}: "zero_force_ds_cpu_optimizer" needs an "optimizer" section, e.g. '
+                    '{"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", '
+                    '"weight_decay": "auto"}}'
+                )
+            out["zero_force_ds_cpu_optimizer"] = False
+        return False
+    if cfg.optim.optimizer != "adamw":
+        raise ConfigError(
+            f"{path}: --optimizer {cfg.optim.optimizer} is built by bigclip and handed to DeepSpeed; remove "
+            'the "optimizer" section (or use --optimizer adamw)'
+        )
+    if str(section.get("type", "")).lower() != "adamw":
+        raise ConfigError(
+            f'{path}: "optimizer.type": {json.dumps(section.get("type"))} contradicts --optimizer adamw; '
+            'use "AdamW"'
+        )
+    params = section.setdefault("params", {})
+    if params == AUTO:
+        params = section["params"] = {}
+    o = cfg.optim
+    wanted = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.wd}
+    flags = {"lr": "--lr", "betas": "--beta1/--beta2", "eps": "--eps", "weight_decay": "--wd"}
+    for key, value in wanted.items():
+        _settle(params, key, value, flag=flags[key], path=path, where="optimizer.params.")
+    return True

@@ -1,0 +1,216 @@
+"""DeepSpeed checkpoint state as DCP `Stateful`s keyed by OpenCLIP names with true shapes.
+
+Each rank contributes the fragments it owns (see `deepspeed_layout`) as a `ShardedTensor` of the
+parameter's global shape whose local shards are boxes of it. torch.distributed.checkpoint then
+saves chunks with global offsets, exactly as it does for FSDP2's DTensors, so:
+  - a checkpoint saved at N ranks loads at M ranks (DCP reads whatever chunks overlap);
+  - the layout is the FSDP engine's (`model.<name>`, `optim.optimizer.state.<name>.exp_avg`, ...),
+    so one consolidation tool reads both and a checkpoint can cross engines;
+  - loading is in place: the shard tensors are views of DeepSpeed's master partitions and
+    optimizer states, DCP writes into them, and the compute copy is re-derived afterwards.
+0-dim parameters (logit_scale/bias) are saved whole from every rank, as FSDP2 does.
+
+Optimizer states are fp32 "exp_avg"/"exp_avg_sq" per parameter. bitsandbytes' 8-bit AdamW keeps
+them block-quantised over the flat partition (256-element blocks that straddle parameters), so
+they are dequantised on save and re-quantised on load (`common.read_moments`/`write_moments`)
+over whatever blocks the loading world size has: a load moves the moments by at most one 8-bit
+rounding (weights and steps stay exact), at any world size and across engines.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.checkpoint.stateful import Stateful
+
+from bigclip.engines.common import (
+    MOMENTS,
+    create_optimizer_state,
+    excluded_from_weight_decay,
+    get_step,
+    read_moments,
+    set_step,
+    write_moments,
+)
+from bigclip.engines.deepspeed_layout import ZeroLayout, flat_boxes
+
+
+def sharded(
+    layout: ZeroLayout, name: str, local: torch.Tensor | None, *, dtype: torch.dtype
+) -> ShardedTensor:
+    """A ShardedTensor of parameter `name`'s true shape over every rank's fragment; this rank's
+    shards are views of `local` (its fragment, flat)."""
+    shape, me = layout.shapes[name], dist.get_rank()
+    device = str(local.device) if local is not None else str(layout.flats[0].device)
+    boxes = {rank: flat_boxes(shape, start, start + numel) for rank, start, numel in layout.owners[name]}
+    metas, shards = [], []
+    for rank in range(dist.get_world_size()):
+        pos = 0
+        # A rank without a fragment still gets an empty box: DCP's loader takes a ShardedTensor
+        # with no local shards for a key missing from the state dict (and then misreads the
+        # checkpoint as one written before torch 2.4). It sits past the last row, as DCP's save
+        # planner merges chunks that share an offset.
+        for offsets, sizes in boxes.get(rank) or [([shape[0]] + [0] * (len(shape) - 1), [0, *shape[1:]])]:
+            meta = ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")
+            metas.append(meta)
+            if rank == me:
+                n = math.prod(sizes)
+                data = local[pos : pos + n] if n else torch.empty(0, dtype=dtype, device=device)
+                shards.append(Shard(data.view(sizes), meta))
+                pos += n
+    props = TensorProperties(
+        dtype=dtype, requires_grad=False, pin_memory=bool(local is not None and local.is_pinned())
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, ShardedTensorMetadata(metas, torch.Size(shape), props)
+    )
+
+
+def write_back(value: Any, target: torch.Tensor | None) -> None:
+    """Copy a loaded ShardedTensor's local shards into the flat fragment they describe (a no-op
+    when DCP already loaded in place, i.e. the shards are views of `target`)."""
+    if target is None or not isinstance(value, ShardedTensor):
+        return
+    pos = 0
+    for shard in value.local_shards():
+        piece, n = shard.tensor.reshape(-1), shard.tensor.numel()
+        if piece.data_ptr() != target[pos:].data_ptr():
+            target[pos : pos + n].copy_(piece)
+        pos += n
+
+
+class DeepSpeedModelState(Stateful):
+    """The master weights, one entry per parameter."""
+
+    def __init__(self, layout: ZeroLayout, *, device: torch.device) -> None:
+        self.layout, self.device = layout, device
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.layout.params:
+            if len(self.layout.shapes[name]) == 0:
+                out[name] = self.layout.full_master(name, device=self.device)
+            else:
+                out[name] = sharded(
+                    self.layout, name, self.layout.master(name), dtype=self.layout.flats[0].dtype
+                )
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, value in state_dict.items():
+            if isinstance(value, ShardedTensor):
+                write_back(value, self.layout.master(name))
+            else:
+                self.layout.write_master(name, value.to(self.device))
+        self.layout.refresh_low_precision()
+
+
+class DeepSpeedOptimState(Stateful):
+    """Adam moments and step per parameter, param groups, and the fp16 loss scaler, in the
+    layout of `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`."""
+
+    def __init__(
+        self, layout: ZeroLayout, optimizer: torch.optim.Optimizer, *, device: torch.device, fp16: bool
+    ) -> None:
+        self.layout, self.inner, self.device = layout, optimizer, device
+        self.loss_scaler = layout.optimizer.loss_scaler if fp16 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        ensure_optimizer_state(self.inner, self.layout.flats, self.layout.flat_groups)
+        moments = [read_moments(self.inner.state[flat]) for flat in self.layout.flats]
+        step = torch.tensor(float(get_step(self.inner.state[self.layout.flats[0]])))
+        state = {}
+        for name in self.layout.params:
+            state[name] = {"step": step.clone()}
+            for key in MOMENTS:
+                state[name][key] = self._entry(name, [m[key] for m in moments])
+        out: dict[str, Any] = {"optimizer": {"state": state, "param_groups": self._param_groups()}}
+        if self.loss_scaler is not None:
+            s = self.loss_scaler
+            out["loss_scaler"] = {
+                "scale": float(s.cur_scale),
+                "clean_steps": s.cur_iter - s.last_overflow_iter - 1,
+            }
+        return out
+
+    def _entry(self, name: str, flats: list[torch.Tensor]) -> Any:
+        """One moment of one parameter; `flats` holds it for every flat partition (one dtype:
+        fp32, or bf16 under pure_bf16's bf16_optimizer_states)."""
+        f = self.layout.local[name]
+        local = None if f is None else self.layout.flat_slice(flats[f.flat_index], name)
+        if len(self.layout.shapes[name]) == 0:
+            return _full_scalar(local, self.layout.group, dtype=flats[0].dtype, device=self.device)
+        return sharded(self.layout, name, local, dtype=flats[0].dtype)
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """bigclip's two groups (no weight decay, weight decay) with the optimizer's hyperparameters."""
+        names: list[list[str]] = [[], []]
+        for name, param in self.layout.params.items():
+            names[0 if excluded_from_weight_decay(name, param) else 1].append(name)
+        groups = []
+        for hyper, params in zip(self.inner.param_groups, names):
+            groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": params})
+        return groups
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        ensure_optimizer_state(self.inner, self.layout.flats, self.layout.flat_groups)
+        state = state_dict["optimizer"]["state"]
+        for index, flat in enumerate(self.layout.flats):
+            moments = read_moments(self.inner.state[flat])
+            for name, f in self.layout.local.items():
+                if f is None or f.flat_index != index:
+                    continue
+                for key in MOMENTS:
+                    target = self.layout.flat_slice(moments[key], name)
+                    value = state[name][key]
+                    if isinstance(value, ShardedTensor):
+                        write_back(value, target)
+                    else:
+                        target.copy_(self.layout.fragment_of(name, value.to(target.device)))
+            write_moments(self.inner.state[flat], moments)
+            set_step(self.inner.state[flat], int(next(iter(state.values()))["step"].item()))
+        if self.loss_scaler is not None and "loss_scaler" in state_dict:
+            saved = state_dict["loss_scaler"]
+            self.loss_scaler.cur_scale = saved["scale"]
+            self.loss_scaler.cur_iter, self.loss_scaler.last_overflow_iter = int(saved["clean_steps"]), -1
+
+
+def _full_scalar(
+    local: torch.Tensor | None, group: dist.ProcessGroup | None, *, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    value = torch.zeros(1, dtype=dtype, device=device)
+    if local is not None:
+        value.copy_(local)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+    return value.view(())
+
+
+@torch.no_grad()
+def ensure_optimizer_state(
+    optimizer: torch.optim.Optimizer, flats: list[torch.Tensor], group_ids: list[int]
+) -> None:
+    """Create the state of flat partitions that have not stepped yet, changing no parameter, so a
+    fresh engine has tensors for DCP to load into (torch's DCP helpers do the same).
+
+    ZeRO-3 puts each sub-group's partition into its optimizer group only while stepping it, so
+    the groups are filled here with the missing partitions for the duration."""
+    missing = [(flat, gid) for flat, gid in zip(flats, group_ids) if not optimizer.state.get(flat)]
+    if not missing:
+        return
+    saved = [g["params"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["params"] = []
+    for flat, gid in missing:
+        optimizer.param_groups[gid]["params"].append(flat)
+    try:
+        create_optimizer_state(optimizer, [flat for flat, _ in missing])
+    finally:
+        for g, params in zip(optimizer.param_groups, saved):
+            g["params"] = params
