@@ -1,9 +1,6 @@
-"""The deepspeed launcher itself: `deepspeed --num_gpus 2 ...` on CPU starts two ranks that take
-their rank, world size and local rank from the launcher and train like the unsharded model.
-
-(`bigclip.train` needs the data package; until it is merged the launcher drives
-tests/deepspeed_launch_target.py, which goes through the same setup and engine path.)
-"""
+"""The deepspeed launcher itself, on the real entry point: `deepspeed --num_gpus 2 --module
+bigclip.train --engine deepspeed ...` on CPU trains on demo data and checkpoints; the ZeRO-3
+checkpoint then resumes under FSDP2 on one rank through the same trainer."""
 
 from __future__ import annotations
 
@@ -14,37 +11,32 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from engine_harness import assert_same_weights
-from test_engine_deepspeed import DS_CONFIGS, config, reference
+from train_harness import demo_argv, resume_and_inspect
 
-from bigclip.config import TrainConfig
-from bigclip.distributed import free_port
+from bigclip.distributed import free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-def test_deepspeed_launcher_two_ranks_on_cpu(tmp_path):
-    steps, batch = 4, 4
+def test_deepspeed_launcher_trains_and_its_checkpoint_resumes_under_fsdp(demo_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = demo_argv(demo_data, tmp_path, "--max-steps", "6", "--batch-size", "16", "--checkpoint-dir", str(ckpt),
+                     name="ds")  # fmt: skip
     command = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus", "2",
-        "--master_port", str(free_port()),
-        str(ROOT / "tests" / "deepspeed_launch_target.py"),
-        "--engine", "deepspeed",
-        "--deepspeed-config", str(DS_CONFIGS / "zero3.json"),
-        "--model", "tiny", "--precision", "fp32",
-        "--batch-size", str(batch), "--max-steps", str(steps),
-        "--lr", "1e-3", "--warmup", "0", "--wd", "0.1", "--local-loss", "--gather-with-grad",
-        "--logs", str(tmp_path),
+        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+        "--module", "bigclip.train", "--engine", "deepspeed",
+        "--deepspeed-config", str(ROOT / "ds_configs" / "zero3.json"), *argv,
     ]  # fmt: skip
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads((tmp_path / "launch_result.json").read_text())
-    assert result["world_size"] == 2
-    assert [(r["rank"], r["local_rank"], r["arg"]) for r in result["ranks"]] == [(0, 0, 0), (1, 1, 1)]
-    unsharded = reference(TrainConfig.from_dict(config("fsdp")).validate(), steps, batch * 2)
-    assert result["losses"] == pytest.approx(unsharded["losses"], rel=1e-4)
-    assert_same_weights(unsharded["weights"], torch.load(tmp_path / "weights.pt"), rtol=1e-4)
+    log = (tmp_path / "ds" / "out.log").read_text()
+    assert "2 rank(s), engine deepspeed" in log
+    manifest = json.loads((ckpt / "step_00000006" / "manifest.json").read_text())
+    assert (manifest["engine"], manifest["world_size"]) == ("deepspeed", 2)
+
+    fsdp = demo_argv(demo_data, tmp_path, "--max-steps", "6", "--batch-size", "32", "--checkpoint-dir",
+                     str(tmp_path / "ckpt-fsdp"), "--resume", str(ckpt / "step_00000006"), name="fsdp")  # fmt: skip
+    restored = spawn(resume_and_inspect, 1, fsdp)[0]
+    assert restored["state"]["step"] == 6 and restored["state"]["samples_seen"] == 6 * 32
