@@ -84,8 +84,8 @@ def _new_acc(rows: int, widths: tuple[int, ...], reduce: str, like: torch.Tensor
     )
 
 
-class RingExchange:
-    """Chunks circulate r -> r+1; accumulators follow one hop behind and return to their owner."""
+class _GroupMember:
+    """This rank's place in the exchange's process group."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -97,6 +97,10 @@ class RingExchange:
     @property
     def world(self) -> int:  # looked up per call: the loss may be built before the group exists
         return world_of(self.group)[1]
+
+
+class RingExchange(_GroupMember):
+    """Chunks circulate r -> r+1; accumulators follow one hop behind and return to their owner."""
 
     def stream(
         self,
@@ -197,19 +201,8 @@ def _write(out: tuple[torch.Tensor, ...], rows: slice, values: tuple[torch.Tenso
         o[rows] = v
 
 
-class AllGatherExchange:
+class AllGatherExchange(_GroupMember):
     """All-gather every payload; deliver accumulators with one reduce-scatter or all-to-all."""
-
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-
-    @property
-    def rank(self) -> int:
-        return world_of(self.group)[0]
-
-    @property
-    def world(self) -> int:  # looked up per call: the loss may be built before the group exists
-        return world_of(self.group)[1]
 
     def stream(
         self,
