@@ -39,8 +39,9 @@ class BlobFolder:
         return f"{self.folder}/{stored}" if self.folder else stored
 
     def uri(self, name: str) -> str:
-        """Where `name` is stored (for messages)."""
-        return self.location.child_uri(self._relative(name))
+        """Where `name` is stored (for messages; a mapped object also shows its logical name)."""
+        uri = self.location.child_uri(self._relative(name))
+        return f"{uri} ({name})" if self.names is not None else uri
 
     @cached_property
     def _listing(self) -> dict[str, int]:

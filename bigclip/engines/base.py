@@ -8,17 +8,19 @@ exposes a handful of verbs. The loop never branches on which engine it has:
     with engine.no_sync(): engine.backward(l)   # accumulate without gradient sync
     stats = engine.step(lr=...)                 # clip, step, zero grads, clamp logit scale
     engine.checkpoint_state()                   # DCP Stateful model + optimizer state
+    engine.load_full_weights(values, names)     # --pretrained: whole values in, shards kept
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bigclip.config import TrainConfig
@@ -70,6 +72,38 @@ class Engine(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every parameter gathered whole, on CPU, under its OpenCLIP name.
         For tests and small models; large models are consolidated offline, tensor by tensor."""
+
+    @abstractmethod
+    def full_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's whole (unsharded) shape under its OpenCLIP name; no communication."""
+
+    @abstractmethod
+    def _set_full_param(self, name: str, full: torch.Tensor) -> None:
+        """Keep this rank's shard of `full` (fp32, on the device, the same on every rank)."""
+
+    def _after_full_load(self) -> None:  # noqa: B027 (an optional hook)
+        """Hook after the last `_set_full_param` (e.g. re-derive low-precision copies)."""
+
+    @torch.no_grad()
+    def load_full_weights(self, values: Iterable[torch.Tensor] | None, names: list[str]) -> None:
+        """Collective: set the parameters `names` (the same list on every rank) from whole values.
+
+        Only rank 0 reads: `values` yields each named parameter's whole value (CPU, any float
+        dtype) in order; other ranks pass None. Each value is broadcast from rank 0 and every
+        rank keeps its shard, so no rank holds more than one whole parameter at a time (plus
+        what the reader prefetches on rank 0). Parameters not named keep their initial values.
+        """
+        shapes, device = self.full_param_shapes(), self.runtime.device
+        source = iter(values) if values is not None else None
+        for name in names:
+            if source is not None:
+                full = next(source).to(device=device, dtype=torch.float32).reshape(shapes[name])
+            else:
+                full = torch.empty(shapes[name], dtype=torch.float32, device=device)
+            if self.runtime.world_size > 1:
+                dist.broadcast(full, src=0)
+            self._set_full_param(name, full)
+        self._after_full_load()
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
