@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +34,7 @@ from bigclip.cli import main as cli
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
 from bigclip.errors import StorageError
+from bigclip.loopback_s3 import LoopbackS3
 from bigclip.models import create_model
 
 ENGINES_AT_2 = {"fsdp": config("fsdp"), "zero3": config("zero3"), "zero1": config("zero1")}
@@ -150,3 +156,33 @@ def test_refuses_to_overwrite_and_reports_bad_options(saved, tmp_path):
         consolidate(str(root / "fsdp"), str(out))
     assert cli(["consolidate", str(root / "fsdp"), str(out), "--max-shard-size", "5 parsecs"]) == 2
     assert cli(["consolidate", str(tmp_path / "nothing-here"), str(tmp_path / "x.safetensors")]) == 2
+
+
+@pytest.fixture(scope="module")
+def s3_checkpoint(saved) -> Iterator[str]:
+    """The 2-rank FSDP2 checkpoint on the loopback S3 server."""
+    root, _ = saved
+    with LoopbackS3() as s3:
+        s3.create_bucket("bigclip-consolidate")
+        for path in (root / "fsdp" / "step_00000002").iterdir():
+            s3.client().upload_file(str(path), "bigclip-consolidate", f"run/step_00000002/{path.name}")
+        yield "s3://bigclip-consolidate/run"
+
+
+@pytest.mark.dist
+def test_killed_consolidation_leaves_no_file_that_looks_complete(s3_checkpoint, saved, tmp_path):
+    """SIGKILL mid-stream (reading from S3, writing locally): only a hidden `.partial` file is
+    left, never model.safetensors or its manifest; a rerun completes."""
+    out = tmp_path / "model.safetensors"
+    command = [sys.executable, "-m", "bigclip.cli", "consolidate", s3_checkpoint, str(out), "--no-progress",
+               "--piece-size", "64KiB", "--read-ahead", "1"]  # fmt: skip
+    proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".model.safetensors.partial-*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "consolidation never started writing"
+        time.sleep(0.005)
+    proc.kill()
+    assert proc.wait() == -signal.SIGKILL, "consolidation finished before it could be interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == []
+    assert cli(["consolidate", s3_checkpoint, str(out), "--no-progress"]) == 0
+    assert load_file(out).keys() == saved[1]["fsdp"].keys()

@@ -6,7 +6,7 @@ pickle (dtype, size, stride, storage offset), the storage bytes uncompressed at 
 aligned offset, and a central directory with each record's CRC-32. We read only the zip's head
 and tail (one ranged read each; both are a few hundred bytes), describe the tensor with
 `torch.load(map_location="meta", weights_only=True)` (which reads no storage and runs no code)
-and take the storage record's offset and CRC-32 from the zip directory. The payload can then be
+and take the storage record's CRC-32 and offset from the zip directory and local header. The payload can then be
 streamed in pieces straight from storage, its CRC-32 checked on the way: a tampered or torn
 chunk fails with the object named, at no extra I/O.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -93,25 +94,33 @@ def locate_payload(blobs: BlobFolder, chunk: Chunk, key: str, dtype: torch.dtype
     try:
         meta = torch.load(view, map_location="meta", weights_only=True)
         view.seek(0)
-        records = zipfile.ZipFile(view).infolist()
+        data = [r for r in zipfile.ZipFile(view).infolist() if "/data/" in r.filename]
+        start = _data_start(view, data[0]) if len(data) == 1 else None
     except Exception as e:  # any parse error means the bytes are not what DCP wrote
         raise damaged(blobs, chunk, key, f"cannot be parsed ({type(e).__name__}: {e})") from e
-    return _payload_of(blobs, chunk, key, meta, records)
+    if start is None or data[0].compress_type != zipfile.ZIP_STORED:
+        raise damaged(blobs, chunk, key, "is not a single uncompressed tensor record")
+    return _payload_of(blobs, chunk, key, meta, data[0], start)
+
+
+def _data_start(view: io.RawIOBase, record: zipfile.ZipInfo) -> int:
+    """Where a zip record's bytes begin: after its local header (30 bytes, name, extra field)."""
+    view.seek(record.header_offset)
+    header = view.read(30)
+    if len(header) != 30 or not header.startswith(ZIP_MAGIC):
+        raise ValueError(f"no local header for {record.filename}")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return record.header_offset + 30 + name_length + extra_length
 
 
 def _payload_of(
-    blobs: BlobFolder, chunk: Chunk, key: str, meta: torch.Tensor, records: list[zipfile.ZipInfo]
+    blobs: BlobFolder, chunk: Chunk, key: str, meta: torch.Tensor, record: zipfile.ZipInfo, start: int
 ) -> Payload:
     if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != chunk.sizes:
         raise damaged(
             blobs, chunk, key, f"holds {type(meta).__name__} {getattr(meta, 'shape', '')}, not {chunk.sizes}"
         )
     storage = meta.untyped_storage()
-    start = getattr(storage, "_checkpoint_offset", None)
-    data = [r for r in records if "/data/" in r.filename and not r.filename.endswith("/")]
-    if start is None or len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
-        raise damaged(blobs, chunk, key, "is not a single uncompressed tensor record")
-    record = data[0]
     if record.file_size != storage.nbytes():
         raise damaged(
             blobs, chunk, key, f"stores {record.file_size} bytes, its tensor needs {storage.nbytes()}"

@@ -120,13 +120,15 @@ class DcpReader:
         self.locate(infos)
         tasks = (task for info in infos for task in self._tasks(info, piece_bytes))
         crc = 0
-        for (info, payload, start, nbytes), data in prefetch(tasks, self._fetch, window=window):
+        for (info, payload, start, nbytes), (data, piece_crc) in prefetch(tasks, self._fetch, window=window):
             if payload is None:  # assembled in memory: cut into pieces without copying
                 flat, step = data.reshape(-1), max(1, piece_bytes // info.dtype.itemsize)
                 for i in range(0, flat.numel(), step):
                     yield info, flat[i : i + step]
                 continue
-            crc = zlib.crc32(data, 0 if start == payload.start else crc)
+            if piece_crc is None:  # a payload in several pieces: its CRC runs across them, in order
+                piece_crc = zlib.crc32(data, 0 if start == payload.start else crc)
+            crc = piece_crc
             if start + nbytes == payload.start + payload.nbytes:
                 check_crc(self.blobs, payload, info.name, crc)
             yield info, torch.frombuffer(data, dtype=info.dtype)
@@ -142,13 +144,15 @@ class DcpReader:
             for start in range(p.start, p.start + p.nbytes, step)
         ]
 
-    def _fetch(self, task: _Task) -> Any:
+    def _fetch(self, task: _Task) -> tuple[Any, int | None]:
+        """The task's data, and its CRC-32 when it is a whole payload (computed here, on the
+        read-ahead threads, in parallel: zlib releases the GIL)."""
         info, payload, start, nbytes = task
         if payload is None:
-            return self.read(info.name)
+            return self.read(info.name), None
         buffer = bytearray(nbytes)
         self.blobs.readinto(payload.chunk.file, start, memoryview(buffer))
-        return buffer
+        return buffer, zlib.crc32(buffer) if nbytes == payload.nbytes else None
 
     def _row_major_payloads(self, info: TensorInfo) -> list[Payload] | None:
         """The payloads in tensor order when they tile it as contiguous row-major ranges, else None."""

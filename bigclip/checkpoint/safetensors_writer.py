@@ -16,7 +16,9 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,17 +137,27 @@ def _stream_data(
 ) -> None:
     targets = [(sink, info) for sink, (_, infos) in zip(sinks, plan.files) for info in infos]
     position, remaining = -1, 0
-    for source, piece in pieces:
-        if remaining == 0:  # the next output tensor starts
-            position += 1
-            sink, target = targets[position]
-            remaining = target.numel
-        if piece.numel() > remaining:
-            raise StorageError(f"{source.name}: the source holds more elements than its shape {target.shape}")
-        data = piece.to(target.dtype).view(torch.uint8).numpy() if piece.numel() else b""
-        sink.write(memoryview(data))
-        remaining -= piece.numel()
-        on_bytes(len(data))
+    # One writer thread (hashing and writing release the GIL) overlaps this thread's checks and
+    # conversions; at most two pieces wait for it, in order.
+    with ThreadPoolExecutor(1, thread_name_prefix="bigclip-write") as writer:
+        pending: deque[Future] = deque()
+        for source, piece in pieces:
+            if remaining == 0:  # the next output tensor starts
+                position += 1
+                sink, target = targets[position]
+                remaining = target.numel
+            if piece.numel() > remaining:
+                raise StorageError(
+                    f"{source.name}: the source holds more elements than its shape {target.shape}"
+                )
+            data = piece.to(target.dtype).view(torch.uint8).numpy() if piece.numel() else b""
+            pending.append(writer.submit(sink.write, memoryview(data)))
+            if len(pending) > 2:
+                pending.popleft().result()
+            remaining -= piece.numel()
+            on_bytes(len(data))
+        for future in pending:
+            future.result()
     if position != len(targets) - 1 or remaining:
         raise StorageError("the source ended before every tensor was written; nothing was committed")
 

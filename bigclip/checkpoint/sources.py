@@ -73,6 +73,9 @@ def open_weights(uri: str, *, s3: S3Settings | None = None, registry: str = "") 
 
 
 def _from_checkpoint(location: Location, uri: str) -> WeightSource:
+    for consolidated in ("model" + INDEX_SUFFIX, "model.safetensors"):  # `bigclip consolidate SRC FOLDER`
+        if location.exists(consolidated):
+            return _safetensors_source(SafetensorsReader(BlobFolder(location), consolidated), uri)
     if location.exists(MANIFEST_NAME):
         parent_uri, _, folder = location.uri.rpartition("/")
         location = open_location(parent_uri or "/", s3=getattr(location, "settings", None))
