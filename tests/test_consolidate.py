@@ -148,6 +148,7 @@ def test_damaged_objects_fail_with_the_object_named(saved, tmp_path):
         consolidate(str(folder), str(out))
 
 
+@pytest.mark.dist
 def test_refuses_to_overwrite_and_reports_bad_options(saved, tmp_path):
     root, _ = saved
     out = tmp_path / "model.safetensors"

@@ -156,6 +156,9 @@ def test_rm_refuses_while_leased_and_breaks_only_stale_leases(checkpoint, tmp_pa
     registry = Registry(str(tmp_path / "registry"))
     registry.publish(str(checkpoint), "tiny-v1")
     lease = registry.acquire_lease("tiny-v1", owner="run-a")
+    assert cli(["checkpoints", "show", "tiny-v1", "--registry", registry.uri]) == 0
+    shown = capsys.readouterr().out
+    assert "leases    1" in shown and "(live) owner 'run-a'" in shown and "__0_0.distcp" in shown
     args = ["checkpoints", "rm", "tiny-v1", "--registry", registry.uri]
     assert cli(args + ["--break-stale-leases"]) == 2  # a live lease is never broken
     assert "in use (1 lease(s)); wait for the runs to end" in capsys.readouterr().err
