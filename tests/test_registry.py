@@ -227,3 +227,23 @@ def test_s3_registry_round_trip_and_interrupted_upload(s3, checkpoint, weights, 
         consolidate(str(damaged), "s3://bigclip-registry/out/damaged.safetensors", piece_bytes=1 << 20)
     assert "Contents" not in client.list_objects_v2(Bucket="bigclip-registry", Prefix="out/damaged")
     assert not client.list_multipart_uploads(Bucket="bigclip-registry").get("Uploads")
+
+
+def test_damaged_source_stops_publish_and_a_rerun_completes(checkpoint, tmp_path, capsys):
+    """A source object whose bytes differ from its manifest is caught while copied: nothing is
+    published; once the source is fixed, publishing again completes, keeping what was stored."""
+    source = tmp_path / "src" / "step_00000005"
+    shutil.copytree(checkpoint, source)
+    last = sorted(p for p in source.iterdir() if p.name.endswith(".distcp"))[-1]
+    good = last.read_bytes()
+    last.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    registry = Registry(str(tmp_path / "registry"))
+    with pytest.raises(StorageError, match=f"{last.name}: the source object is damaged"):
+        registry.publish(str(source), "tiny-v1")
+    assert not registry.is_published("tiny-v1")
+    assert cli(["checkpoints", "list", "--registry", registry.uri]) == 0
+    assert "incomplete" in capsys.readouterr().out
+    last.write_bytes(good)
+    published = registry.publish(str(source), "tiny-v1")
+    registry.verify("tiny-v1")
+    assert published.objects[last.name].size == len(good)

@@ -189,9 +189,10 @@ class Registry:
             )
         info, files = expand_source(src, s3=self.s3)
         objects: dict[str, ObjectRecord] = {}
+        stored = self.location.list_files(f"{folder}/objects")  # left by an interrupted publish
         bar = Progress(0, label=f"publish {name}", enabled=progress)
         for file in files:
-            objects[file.path] = self._store(folder, file, bar)
+            objects[file.path] = self._store(folder, file, bar, stored=stored)
         bar.close()
         if not objects:
             raise StorageError(f"{src}: nothing to publish (no files)")
@@ -201,11 +202,11 @@ class Registry:
         log.info("published %s: %d files, %s", name, len(objects), human_bytes(published.stored_bytes))
         return self.get(name)
 
-    def _store(self, folder: str, file: SourceFile, bar: Progress) -> ObjectRecord:
+    def _store(self, folder: str, file: SourceFile, bar: Progress, *, stored: dict[str, int]) -> ObjectRecord:
         expected = file.expected
-        if expected and self.location.list_files(f"{folder}/objects").get(expected.sha256) == expected.size:
+        if expected and stored.get(expected.sha256) == expected.size:
             bar.update(expected.size)
-            return expected  # stored by an earlier, interrupted publish of this NAME
+            return expected  # stored by an earlier, interrupted publish of this NAME (or a twin file)
         key = expected.sha256 if expected else f".staging-{secrets.token_hex(8)}"
         sink = open_sink(self.location, f"{folder}/objects/{key}", overwrite=True)
         try:
@@ -220,6 +221,7 @@ class Registry:
         sink.commit()
         if not expected:
             self._promote(f"{folder}/objects/{key}", f"{folder}/objects/{record.sha256}")
+        stored[record.sha256] = record.size
         return record
 
     def _promote(self, staging: str, final: str) -> None:
