@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from engine_harness import global_batch
 from openclip_ref import open_clip_clip
 from safetensors.torch import save_file
 from test_engine_deepspeed import DS_CONFIGS
+from test_registry import largest_payload
 from train_harness import demo_argv
 
 from bigclip.checkpoint import CheckpointStore
@@ -139,6 +141,12 @@ def test_pretrained_loads_into_both_engines_through_the_trainer(
     registry.publish(str(tmp_path / "run" / "checkpoints"), "tiny-base")
     wrong = dict(reference, text_projection=torch.zeros(32, 64))
     torch.save(wrong, served / "wrong.pt")
+    damaged = tmp_path / "damaged" / "step_00000009"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_00000009", damaged)
+    file, start, size = largest_payload(damaged)
+    data = bytearray((damaged / file).read_bytes())
+    data[start + size // 2] ^= 1  # found by its CRC-32 after earlier tensors were broadcast
+    (damaged / file).write_bytes(bytes(data))
     zero3 = ["--engine", "deepspeed", "--deepspeed-config", str(DS_CONFIGS / "zero3.json")]
     with LoopbackS3() as s3:
         s3.create_bucket("bigclip-weights")
@@ -171,9 +179,10 @@ def test_pretrained_loads_into_both_engines_through_the_trainer(
                 "",
             ),  # fmt: skip
             (demo_argv(demo_data, tmp_path, "--pretrained", f"{url}/wrong.pt", name="wrong"), ""),
+            (demo_argv(demo_data, tmp_path, "--pretrained", str(damaged), name="damaged"), ""),
         ]
         ranks = spawn(start_trainer, 2, cases)
-    http_run, registry_run, s3_run, wrong_run = ranks[0]
+    http_run, registry_run, s3_run, _, _ = ranks[0]
     for run, expected in ((http_run, reference), (registry_run, trained), (s3_run, reference)):
         assert run["weights"].keys() == expected.keys()
         for key, value in expected.items():
@@ -188,3 +197,6 @@ def test_pretrained_loads_into_both_engines_through_the_trainer(
     for rank in ranks:  # every rank fails, with the listing
         assert "ConfigError: --pretrained" in rank[3]["error"]
         assert "text_projection: weights (32, 64) vs model (64, 64)" in rank[3]["error"]
+    # weights damaged mid-way: rank 0 finds it while loading, every rank stops (none hangs)
+    assert f"{file} is damaged" in ranks[0][4]["error"] and "CRC-32" in ranks[0][4]["error"]
+    assert "StorageError: rank 0 could not read the weights: StorageError:" in ranks[1][4]["error"]

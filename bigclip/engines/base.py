@@ -25,6 +25,7 @@ from torch import nn
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
+from bigclip.errors import StorageError
 from bigclip.models import CLIP
 
 
@@ -93,17 +94,40 @@ class Engine(ABC):
         rank keeps its shard, so no rank holds more than one whole parameter at a time (plus
         what the reader prefetches on rank 0). Parameters not named keep their initial values.
         """
-        shapes, device = self.full_param_shapes(), self.runtime.device
+        shapes = self.full_param_shapes()
         source = iter(values) if values is not None else None
         for name in names:
-            if source is not None:
-                full = next(source).to(device=device, dtype=torch.float32).reshape(shapes[name])
-            else:
-                full = torch.empty(shapes[name], dtype=torch.float32, device=device)
+            full, failure = self._next_full(source, shapes[name])
+            self._raise_together(failure)
             if self.runtime.world_size > 1:
                 dist.broadcast(full, src=0)
             self._set_full_param(name, full)
         self._after_full_load()
+
+    def _next_full(
+        self, source: Iterator[torch.Tensor] | None, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor | None, Exception | None]:
+        device = self.runtime.device
+        if source is None:
+            return torch.empty(shape, dtype=torch.float32, device=device), None
+        try:
+            return next(source).to(device=device, dtype=torch.float32).reshape(shape), None
+        except Exception as e:  # damaged or unreachable weights, found mid-way: every rank must stop
+            return None, e
+
+    def _raise_together(self, failure: Exception | None) -> None:
+        """Rank 0's read failure raised on every rank (the others would wait in broadcast forever).
+        One flag per parameter: a host sync that is small beside the parameter's own broadcast."""
+        if self.runtime.world_size > 1:
+            flag = torch.tensor([failure is not None], dtype=torch.int32, device=self.runtime.device)
+            dist.broadcast(flag, src=0)
+            if flag.item():
+                box = [f"{type(failure).__name__}: {failure}" if failure is not None else None]
+                dist.broadcast_object_list(box, src=0)
+                if failure is None:
+                    raise StorageError(f"rank 0 could not read the weights: {box[0]}")
+        if failure is not None:
+            raise failure
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
