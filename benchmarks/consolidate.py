@@ -1,8 +1,8 @@
 """Consolidation: peak memory and time of `bigclip consolidate` vs the tools people use today.
 
 One run on one machine; every tool runs in a fresh process, and its peak RSS is that process's
-`ru_maxrss` (from wait4). The source files are read once before each measurement, so every tool
-reads from the page cache.
+VmHWM, which it reports at exit. The source files are read once before each measurement, so
+every tool reads from the page cache.
 
   A. A ViT-H-14 checkpoint written by the training code (FSDP2 engine, CheckpointStore) on 2 CPU
      ranks, weights only (3.94 GB fp32; its Adam state would add 7.9 GB, which this 24 GiB box,
@@ -221,7 +221,7 @@ def main() -> None:
         "consolidate",
         rows,
         protocol="one run; each tool in a fresh process after its source was read once (page cache warm); "
-        "peak RSS = ru_maxrss of that process; bigclip defaults: 16 MiB pieces, 4 read ahead",
+        "peak RSS = VmHWM of that process (read by itself at exit); bigclip defaults: 16 MiB pieces, 4 read ahead",
     )
 
 
