@@ -214,6 +214,10 @@ class CheckpointConfig:
     allow_batch_size_change: bool = _opt(False, "Allow resuming with a different global batch size.")
     s3_endpoint: str = _opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS).")
     s3_region: str = _opt("", "S3 region (default: AWS_REGION / AWS config, else us-east-1).")
+    registry: str = _opt(
+        "",
+        "Checkpoint registry (a path or s3:// prefix) for --pretrained registry:NAME (default: $BIGCLIP_REGISTRY).",
+    )
 
     def validate(self) -> None:
         if min(self.save_frequency, self.save_every_n_steps, self.keep_last, self.remote_keep_last) < 0:

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bigclip import data
+from bigclip import data, pretrained
 from bigclip.checkpoint import CheckpointStore
+from bigclip.checkpoint.leases import HeldLease
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig, lr_at
 from bigclip.distributed import Runtime, init_distributed
@@ -75,6 +76,7 @@ class Run:
     last_saved_step: int = -1
     preemption: PreemptionWatcher | None = None
     remote_sync: RemoteSync | None = None
+    pretrained_lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
 
     @property
     def global_batch(self) -> int:
@@ -100,9 +102,11 @@ def setup(cfg: TrainConfig) -> Run:
     )
     engine = build_engine(cfg, runtime)
     engine.build(build_model(cfg))
+    # Before --resume, which wins; a resumed run does not read the initial weights at all.
+    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if pretrained.applies(cfg, store) else None
     tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
-    run.preemption = preemption
+    run.preemption, run.pretrained_lease = preemption, lease
     if cfg.log.remote_sync and runtime.is_main:
         remote = f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
         run.remote_sync = RemoteSync(
@@ -191,6 +195,8 @@ def close_run(run: Run) -> None:
     run.store.close()
     run.tensorboard.close()
     run.preemption.close()
+    if run.pretrained_lease is not None:
+        run.pretrained_lease.release()
     if run.remote_sync is not None:
         run.remote_sync.stop(final_sync=True)
 

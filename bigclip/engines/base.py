@@ -8,21 +8,24 @@ exposes a handful of verbs. The loop never branches on which engine it has:
     with engine.no_sync(): engine.backward(l)   # accumulate without gradient sync
     stats = engine.step(lr=...)                 # clip, step, zero grads, clamp logit scale
     engine.checkpoint_state()                   # DCP Stateful model + optimizer state
+    engine.load_full_weights(values, names)     # --pretrained: whole values in, shards kept
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
+from bigclip.errors import StorageError
 from bigclip.models import CLIP
 
 
@@ -70,6 +73,61 @@ class Engine(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every parameter gathered whole, on CPU, under its OpenCLIP name.
         For tests and small models; large models are consolidated offline, tensor by tensor."""
+
+    @abstractmethod
+    def full_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's whole (unsharded) shape under its OpenCLIP name; no communication."""
+
+    @abstractmethod
+    def _set_full_param(self, name: str, full: torch.Tensor) -> None:
+        """Keep this rank's shard of `full` (fp32, on the device, the same on every rank)."""
+
+    def _after_full_load(self) -> None:  # noqa: B027 (an optional hook)
+        """Hook after the last `_set_full_param` (e.g. re-derive low-precision copies)."""
+
+    @torch.no_grad()
+    def load_full_weights(self, values: Iterable[torch.Tensor] | None, names: list[str]) -> None:
+        """Collective: set the parameters `names` (the same list on every rank) from whole values.
+
+        Only rank 0 reads: `values` yields each named parameter's whole value (CPU, any float
+        dtype) in order; other ranks pass None. Each value is broadcast from rank 0 and every
+        rank keeps its shard, so no rank holds more than one whole parameter at a time (plus
+        what the reader prefetches on rank 0). Parameters not named keep their initial values.
+        """
+        shapes = self.full_param_shapes()
+        source = iter(values) if values is not None else None
+        for name in names:
+            full, failure = self._next_full(source, shapes[name])
+            self._raise_together(failure)
+            if self.runtime.world_size > 1:
+                dist.broadcast(full, src=0)
+            self._set_full_param(name, full)
+        self._after_full_load()
+
+    def _next_full(
+        self, source: Iterator[torch.Tensor] | None, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor | None, Exception | None]:
+        device = self.runtime.device
+        if source is None:
+            return torch.empty(shape, dtype=torch.float32, device=device), None
+        try:
+            return next(source).to(device=device, dtype=torch.float32).reshape(shape), None
+        except Exception as e:  # damaged or unreachable weights, found mid-way: every rank must stop
+            return None, e
+
+    def _raise_together(self, failure: Exception | None) -> None:
+        """Rank 0's read failure raised on every rank (the others would wait in broadcast forever).
+        One flag per parameter: a host sync that is small beside the parameter's own broadcast."""
+        if self.runtime.world_size > 1:
+            flag = torch.tensor([failure is not None], dtype=torch.int32, device=self.runtime.device)
+            dist.broadcast(flag, src=0)
+            if flag.item():
+                box = [f"{type(failure).__name__}: {failure}" if failure is not None else None]
+                dist.broadcast_object_list(box, src=0)
+                if failure is None:
+                    raise StorageError(f"rank 0 could not read the weights: {box[0]}")
+        if failure is not None:
+            raise failure
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)

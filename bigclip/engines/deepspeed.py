@@ -182,6 +182,15 @@ class DeepSpeedEngine(Engine):
             for name in self.layout.params
         }
 
+    def full_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.layout.shapes)
+
+    def _set_full_param(self, name: str, full: torch.Tensor) -> None:
+        self.layout.write_master(name, full)  # this rank's fragment of the fp32 master
+
+    def _after_full_load(self) -> None:
+        self.layout.refresh_low_precision()  # collective: compute copies from the new masters
+
     def checkpoint_state(self) -> dict[str, Any]:
         device = self.runtime.device
         inner = self.ds_engine.optimizer.optimizer

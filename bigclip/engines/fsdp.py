@@ -176,6 +176,15 @@ class FSDPEngine(Engine):
     def checkpoint_state(self) -> dict[str, Stateful]:
         return {"model": _ModelState(self.module), "optim": _OptimState(self)}
 
+    def full_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(p.shape) for name, p in self.module.named_parameters()}  # DTensor: global
+
+    def _set_full_param(self, name: str, full: torch.Tensor) -> None:
+        param = self.module.get_parameter(name)
+        if isinstance(param, DTensor):  # a local cut, as in init_sharded_weights: no communication
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(full)
+
 
 class _ModelState(Stateful):
     def __init__(self, model: nn.Module) -> None:
