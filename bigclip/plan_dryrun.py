@@ -7,8 +7,7 @@ at once without moving data, so the engines' own sharding code runs unchanged:
   FSDP2  the FSDP engine's `_shard` (fully_shard per block, then the root) on the meta-device
          model; then, under FakeTensorMode (tensors with shapes and dtypes but no storage), the
          rest of `FSDPEngine.build` (`to_empty`, the optimizer), one forward and backward on a
-         synthetic batch and the engine's real `step`. FSDP2's own memory tracker
-         (torch.distributed._tools.fsdp2_mem_tracker) records the step's peak by category.
+         synthetic batch and the engine's real `step`; gradients are counted after backward.
   ZeRO-3 the DeepSpeed engine's `_materialise` (the model built under `deepspeed.zero.Init`,
          each parameter partitioned as soon as its module exists: rank 0's partitions are real
          CPU tensors, a few MiB at these world sizes) and `deepspeed.initialize`, then the
@@ -70,7 +69,6 @@ def _bytes(tensors: Any) -> int:
 
 def fsdp_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.tensor import DTensor
 
     from bigclip.engines.common import Precision, make_optimizer, param_groups
@@ -91,22 +89,15 @@ def fsdp_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
         engine.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
         engine.optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
         engine.scaler = None
-        tracker = FSDPMemTracker(mod=model, optm=engine.optimizer)
-        batch = synthetic_batch(cfg)
-        tracker.track_inputs(batch)
-        with tracker:
-            loss = contrastive_loss(_dot_loss, engine.forward(*batch))
-            engine.backward(loss)
-            grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
-            engine.step(lr=cfg.optim.lr)
-        optimizer = _optimizer_state_bytes(engine.optimizer)
-        peak = tracker.get_tracker_snapshot("peak")
-    return {
-        "parameters": _bytes(model.parameters()),
-        "gradients": grads,
-        "optimizer": optimizer,
-        "peak_by_category_fake_cpu": _peak_categories(peak),
-    }
+        loss = contrastive_loss(_dot_loss, engine.forward(*synthetic_batch(cfg)))
+        engine.backward(loss)
+        grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+        engine.step(lr=cfg.optim.lr)
+        return {
+            "parameters": _bytes(model.parameters()),
+            "gradients": grads,
+            "optimizer": _optimizer_state_bytes(engine.optimizer),
+        }
 
 
 def _dot_loss(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: Any = None) -> torch.Tensor:
@@ -119,14 +110,6 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return _bytes(
         v for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"
     )
-
-
-def _peak_categories(snapshot: dict) -> dict[str, int]:
-    totals: dict[str, int] = {}
-    for per_device in snapshot.values():
-        for category, value in per_device.items():
-            totals[str(category)] = totals.get(str(category), 0) + int(value)
-    return totals
 
 
 def zero3_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
