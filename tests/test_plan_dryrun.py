@@ -16,12 +16,13 @@ from bigclip.plan_spec import from_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3.json")]
+RECIPE_ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3_vit_bigg.json")]
 BIGG = ["--model", "ViT-bigG-14", "--batch-size", "2"]
 CASES = {
     "fsdp-bigG-256": ["--gpus", "256", *BIGG],
     "fsdp-bigG-1024": ["--gpus", "1024", *BIGG],
-    "zero3-bigG-256": ["--gpus", "256", *BIGG, *ZERO3],
-    "zero3-bigG-1024": ["--gpus", "1024", *BIGG, *ZERO3],
+    "zero3-bigG-256": ["--gpus", "256", *BIGG, *RECIPE_ZERO3],
+    "zero3-bigG-1024": ["--gpus", "1024", *BIGG, *RECIPE_ZERO3],
     # Other dtypes and options: bf16 parameters and moments; fp32 ZeRO-3; checkpointing, dropout.
     "fsdp-B32-pure_bf16-256": ["--gpus", "256", "--model", "ViT-B-32", "--precision", "pure_bf16",
                                "--grad-checkpointing", "--force-patch-dropout", "0.5"],
