@@ -115,10 +115,14 @@ def build_plan(spec: PlanSpec, hardware: Hardware) -> Plan:
     )
 
 
+def human_bytes(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 def report_rows(plan: Plan) -> list[tuple[str, str]]:
     """The plan as (quantity, value) rows, for the terminal and the README."""
     m, s = plan.memory, plan.memory.state
-    gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+    gib = human_bytes
     phase = "end of forward" if m.forward_peak >= m.step_peak else "optimizer step"
     verdict = "yes" if plan.fits else "NO"
     rows = [
@@ -154,7 +158,7 @@ def _checkpoint_rows(plan: Plan) -> list[tuple[str, str]]:
     seconds = plan.s3_requests_per_save / S3_WRITES_PER_PREFIX_PER_S
     return [
         ("checkpoint size", f"{plan.checkpoint_total_bytes / GiB:.1f} GiB"),
-        ("checkpoint per rank", f"{plan.checkpoint_rank0_bytes / 2**20:.1f} MiB"),
+        ("checkpoint per rank", human_bytes(plan.checkpoint_rank0_bytes)),
         (
             "S3 requests per save",
             f"{plan.s3_requests_per_save:,} (>= {seconds:.1f} s at 3,500 writes/s/prefix)",

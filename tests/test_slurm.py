@@ -171,3 +171,27 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes(tmp_path: Path, d
     assert resumed and int(resumed.group(1)) == marker["step"], second.stdout[-3000:]
     assert not (tmp_path / "logs/tiny-fsdp-2gpu/requeue.json").exists()  # finished: nothing to requeue
     assert len((tmp_path / "scontrol.log").read_text().splitlines()) == 1
+
+
+def test_deepspeed_launcher_command_parses_with_both_parsers(tmp_path: Path) -> None:
+    """slurm/deepspeed_launch.sh's command line, recorded by a stand-in `deepspeed`, is accepted by
+    DeepSpeed's own runner parser and (its user arguments) by bigclip's training parser."""
+    subprocess.run([shellcheck(), str(ROOT / "slurm/deepspeed_launch.sh")], check=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "deepspeed").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$RECORD"\n')
+    (bin_dir / "deepspeed").chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text((ROOT / "slurm/hostfile.example").read_text())
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOSTFILE": str(hostfile),
+           "RECORD": str(tmp_path / "argv")}  # fmt: skip
+    subprocess.run(["bash", str(ROOT / "slurm/deepspeed_launch.sh")], env=env, check=True, cwd=ROOT)
+    argv = (tmp_path / "argv").read_bytes().decode().split("\0")[:-1]
+    from deepspeed.launcher.runner import parse_args as deepspeed_args
+
+    ds = deepspeed_args(argv)
+    assert (ds.hostfile, ds.num_nodes, ds.num_gpus, ds.master_addr) == (str(hostfile), 3, 8, "node001")
+    assert ds.module and ds.user_script == "bigclip.train"
+    cfg = parse_train_args(ds.user_args)
+    assert cfg.engine.engine == "deepspeed" and cfg.checkpoint.resume == "latest"
+    assert cfg.log.name == "ViT-bigG-14-deepspeed-24gpu"
