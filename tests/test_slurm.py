@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from bigclip.cli_args import parse_train_args
-from bigclip.distributed import free_port
 from bigclip.errors import ConfigError
 from bigclip.slurm import main as slurm_main
 
@@ -123,9 +124,20 @@ def _stand_ins(bin_dir: Path) -> None:
         (bin_dir / tool).chmod(0o755)
 
 
+def _free_port_between(low: int, high: int) -> int:
+    for port in random.sample(range(low, high), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
 def _job_env(tmp_path: Path, restart: int) -> dict[str, str]:
-    port = free_port()
-    job_id = port - 20000 if port < 40000 else port - 40000  # the script's MASTER_PORT is then `port`
+    # The script's MASTER_PORT is 20000 + SLURM_JOB_ID % 20000: pick a job id that makes it a free port.
+    job_id = _free_port_between(20000, 40000) - 20000
     return {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
             "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
             "SLURM_NTASKS": "2", "SLURM_RESTART_COUNT": str(restart), "PYTHONWARNINGS": "ignore",
