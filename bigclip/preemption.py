@@ -4,14 +4,18 @@ SLURM sends SIGUSR1 ahead of the time limit with `#SBATCH --signal=USR1@SECONDS`
 task of the job step), and SIGTERM when it preempts or cancels. The handler only sets a flag;
 at the next step boundary the ranks agree (one tiny all-reduce over a CPU group, since
 signals reach ranks at different moments), checkpoint, wait for the upload, and exit with
-REQUEUE_EXIT_CODE. The sbatch scripts in slurm/ requeue the job on that code, and the
-requeued job resumes with `--resume latest` at the exact step.
+REQUEUE_EXIT_CODE. Rank 0 also writes RUN_DIR/requeue.json (`announce_requeue`): torchrun
+exits 1 when its workers exit 85, so the sbatch scripts in slurm/ requeue the job on the marker
+(or on 85 from srun). The requeued job resumes with `--resume latest` at the exact step.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
 import torch
@@ -21,6 +25,7 @@ from bigclip.distributed import cpu_group
 
 REQUEUE_EXIT_CODE = 85
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+REQUEUE_MARKER = "requeue.json"  # in the run directory; read by the sbatch scripts
 
 
 class Preempted(Exception):
@@ -56,3 +61,17 @@ class PreemptionWatcher:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def announce_requeue(run_dir: Path, *, step: int, signum: int, is_main: bool) -> None:
+    """Call once the preemption checkpoint is committed. Rank 0 writes the requeue marker
+    (atomically: the batch script may read it at any moment); then every rank waits for the
+    others, so a launcher that kills the remaining ranks as soon as one exits (srun
+    --kill-on-bad-exit, DeepSpeed's launcher) cannot cut the commit or the marker short."""
+    if is_main:
+        marker = Path(run_dir) / REQUEUE_MARKER
+        tmp = marker.with_name(f".{marker.name}.tmp")
+        tmp.write_text(json.dumps({"step": step, "signal": signal.Signals(signum).name}) + "\n")
+        os.replace(tmp, marker)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=cpu_group())

@@ -40,7 +40,7 @@ from bigclip.metrics import (
 )
 from bigclip.models import get_model_config
 from bigclip.ops.contrastive import build_loss
-from bigclip.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher
+from bigclip.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
 from bigclip.run_setup import build_model, prepare_run_dir, seed_everything
 from bigclip.s3 import S3Settings
 from bigclip.sync import RemoteSync
@@ -185,6 +185,7 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
     if run.last_saved_step != run.state.step:
         save_checkpoint(run, data_position=loader.state_dict())
     run.store.wait()
+    announce_requeue(run.run_dir, step=run.state.step, signum=signum, is_main=run.runtime.is_main)
     loader.close()
     close_run(run)
     raise Preempted(run.state.step, signum)
