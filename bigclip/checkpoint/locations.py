@@ -100,7 +100,7 @@ class LocalLocation:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     def delete(self, relative: str) -> None:
         (self.root / relative).unlink(missing_ok=True)
@@ -121,7 +121,8 @@ class LocalLocation:
         return SafeFileSystemReader(self.root / folder)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

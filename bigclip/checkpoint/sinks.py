@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bigclip.checkpoint.hashing import ObjectRecord
-from bigclip.checkpoint.locations import LocalLocation, Location, S3Location
+from bigclip.checkpoint.locations import LocalLocation, Location, S3Location, fsync_dir
 from bigclip.errors import StorageError
 from bigclip.s3 import split_s3_uri
 
@@ -93,20 +93,12 @@ class LocalSink:
         except FileExistsError as e:
             self.abort()
             raise StorageError(f"{self.target} appeared while it was written; nothing was replaced") from e
-        _fsync_dir(self.target.parent)
+        fsync_dir(self.target.parent)
         return self._hash.record()
 
     def abort(self) -> None:
         self._file.close()
         self.tmp.unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class S3Sink:
@@ -207,7 +199,7 @@ def create_exclusive(location: Location, relative: str, data: bytes) -> bool:
             return False
         finally:
             tmp.unlink()
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         return True
     if isinstance(location, S3Location):
         bucket, key = split_s3_uri(location.child_uri(relative))
