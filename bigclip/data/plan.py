@@ -95,22 +95,35 @@ def plan_readers(
     shards: ShardList, start: DataPosition, settings: StreamSettings, *, rank: int
 ) -> ReaderPlan:
     """The saved stream continued when `settings` match it, else the rest of the epoch re-planned."""
-    saved = start.stream
-    changes = settings.changes_from(saved.settings) if saved is not None else []
-    if saved is not None and not changes:
-        origin, stream = DataPosition.from_json(saved.origin), saved.ranks[rank]
+    origin, stream, exact = _continuation(start, settings, rank=rank)
+    if exact:
         origin.check_compatible(shards, epoch=start.epoch, resampled=start.resampled)
-    else:
-        origin, stream = start.without_stream(), RankStream.fresh(settings.readers)
-        if rank == 0 and start.samples:
-            why = ", ".join(changes) if changes else "the position holds no stream state"
-            log.info(
-                "data: re-planning the rest of epoch %d over %d x %d readers (%s): every sample once, "
-                "but not in the order an uninterrupted run would have used",
-                start.epoch, settings.world_size, settings.readers, why,
-            )  # fmt: skip
     tasks: list[list[ShardTask]] = [[] for _ in range(settings.readers)]
     if not start.resampled:
         remaining = remaining_tasks(shards, origin, seed=settings.seed)
         tasks = assign(remaining, shards, world_size=settings.world_size, workers=settings.workers)[rank]
-    return ReaderPlan(origin, tasks, stream, exact=saved is not None and not changes)
+    return ReaderPlan(origin, tasks, stream, exact)
+
+
+def _continuation(
+    start: DataPosition, settings: StreamSettings, *, rank: int
+) -> tuple[DataPosition, RankStream, bool]:
+    """(origin, this rank's stream state, exact): the saved ones, or a fresh stream from `start`."""
+    saved = start.stream
+    changes = settings.changes_from(saved.settings) if saved is not None else []
+    if saved is not None and not changes:
+        if rank == 0:
+            log.info(
+                "data: continuing the saved stream exactly (epoch %d, %d samples in)",
+                start.epoch,
+                start.samples,
+            )
+        return DataPosition.from_json(saved.origin), saved.ranks[rank], True
+    if rank == 0 and start.samples:
+        why = ", ".join(changes) if changes else "the position holds no stream state"
+        log.info(
+            "data: re-planning the rest of epoch %d over %d x %d readers (%s): every sample once, "
+            "but not in the order an uninterrupted run would have used",
+            start.epoch, settings.world_size, settings.readers, why,
+        )  # fmt: skip
+    return start.without_stream(), RankStream.fresh(settings.readers), False

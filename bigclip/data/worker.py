@@ -119,14 +119,10 @@ class Reader:
 
     def __init__(self, stream: ReaderStream, spec: ReaderSpec) -> None:
         self.stream, self.spec = stream, spec
-        state = spec.state
-        self.draws, self.tasks, self.emitted, self.fruitless = (
-            state.draws,
-            state.tasks,
-            state.emitted,
-            state.fruitless,
-        )
-        self.open = [self._reopen(s) for s in state.open]
+        start = spec.state
+        self.draws, self.tasks, self.emitted = start.draws, start.tasks, start.emitted
+        self.fruitless = start.fruitless
+        self.open = [self._reopen(s) for s in start.open]
         self.width = ReaderState.width(stream.interleave)
         self.logged_skips = 0
 
