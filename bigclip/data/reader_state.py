@@ -12,12 +12,16 @@ A reader (one data worker of one rank) is described, between two samples, by:
 Every sample a worker emits carries this state as it was right after that sample (as a row
 of ints, so a batch carries a [B, width] tensor); the consumer keeps, per worker, the row of
 the last sample it consumed. No data is needed to restore it: shard sizes play no part, and
-corrupt samples and truncated shards are handled like everything else.
+corrupt samples and truncated shards are handled like everything else. (Replaying a reader's
+draws from sizes.json instead cannot be exact: skipped corrupt samples and truncated shards
+move its batch boundaries, and those decide the order in which the consumer takes batches.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from bigclip.data.tar_samples import Cursor
 from bigclip.errors import DataError
@@ -27,6 +31,15 @@ PER_SHARD = 6  # shard, read index, read byte, valid index, valid byte, fruitful
 PADDING = -1
 
 
+class ShardProgress(Protocol):
+    """What a row records of an open shard (an `OpenShardState`, or the worker's live one)."""
+
+    shard: int
+    read: Cursor
+    valid: Cursor
+    fruitful: bool
+
+
 @dataclass(frozen=True)
 class OpenShardState:
     shard: int
@@ -34,8 +47,18 @@ class OpenShardState:
     valid: Cursor
     fruitful: bool
 
-    def to_ints(self) -> list[int]:
-        return [self.shard, *self.read.to_json(), *self.valid.to_json(), int(self.fruitful)]
+
+def encode_row(
+    draws: int, tasks: int, emitted: int, fruitless: int, shards: Sequence[ShardProgress], *, width: int = 0
+) -> list[int]:
+    """The flat int row of a reader state; padded with -1 to `width` when given (rows of one tensor).
+
+    Called once per sample by the workers, straight from their live state: no objects made.
+    """
+    row = [draws, tasks, emitted, fruitless, len(shards)]
+    for s in shards:
+        row += (s.shard, s.read.index, s.read.byte, s.valid.index, s.valid.byte, int(s.fruitful))
+    return row + [PADDING] * (width - len(row))
 
 
 @dataclass(frozen=True)
@@ -51,12 +74,8 @@ class ReaderState:
         """Length of a padded row for a reader with up to `interleave` open shards."""
         return HEADER + PER_SHARD * interleave
 
-    def to_ints(self, width: int | None = None) -> list[int]:
-        """Flat ints; padded with -1 to `width` when given (rows of one tensor)."""
-        row = [self.draws, self.tasks, self.emitted, self.fruitless, len(self.open)]
-        for shard in self.open:
-            row += shard.to_ints()
-        return row + [PADDING] * ((width or len(row)) - len(row))
+    def to_ints(self) -> list[int]:
+        return encode_row(self.draws, self.tasks, self.emitted, self.fruitless, self.open)
 
     @classmethod
     def from_ints(cls, row: list[int]) -> ReaderState:

@@ -32,7 +32,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from bigclip.data.decode import decode_sample
 from bigclip.data.plan import ShardTask
 from bigclip.data.randomness import choose, keyed_rng
-from bigclip.data.reader_state import OpenShardState, ReaderState
+from bigclip.data.reader_state import OpenShardState, ReaderState, encode_row
 from bigclip.data.tar_samples import START, Cursor, RawSample, ShardSamples
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.s3 import S3Settings
@@ -61,9 +61,6 @@ class _OpenShard:
     read: Cursor  # where the next sample starts
     valid: Cursor  # cursor after the last sample that decoded (where it was opened if none yet)
     fruitful: bool = False  # a valid sample came from it since it was opened
-
-    def state(self) -> OpenShardState:
-        return OpenShardState(self.shard, self.read, self.valid, self.fruitful)
 
 
 @dataclass
@@ -196,17 +193,15 @@ class Reader:
         pending.keys.append(raw.key)
         pending.shards.append(shard.shard)
         pending.after.append(raw.after.to_json())
-        pending.states.append(self._state().to_ints(self.width))
+        pending.states.append(
+            encode_row(self.draws, self.tasks, self.emitted, self.fruitless, self.open, width=self.width)
+        )
         return True
 
     def _crop_rng(self, shard: int, index: int) -> random.Random:
         if self.stream.resampled:  # a shard may be drawn twice in an epoch: key by this reader's draw instead
             return keyed_rng(self.spec.key, "crop", self.draws)
         return keyed_rng(self.stream.crop_key, shard, index)
-
-    def _state(self) -> ReaderState:
-        opened = tuple(s.state() for s in self.open)
-        return ReaderState(self.draws, self.tasks, self.emitted, self.fruitless, opened)
 
     def _log_skip(self, reason: str, raw: RawSample, url: str) -> None:
         self.logged_skips += 1
