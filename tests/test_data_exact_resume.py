@@ -130,6 +130,15 @@ def test_resume_in_one_process_continues_the_exact_stream(dataset, workers):
     assert result["differed"] == {} and result["steps"] >= 20 and result["replanned_differs"]
 
 
+def test_a_replanned_stream_continues_exactly_from_its_own_origin(dataset):
+    position = run_epoch(0, 1, dataset, workers=2, max_steps=3)[1][-1]
+    batches, positions, final = run_epoch(0, 1, dataset, workers=1, position=position)  # re-planned
+    assert positions[0]["stream"]["origin"]["samples"] == 3 * BATCH  # planned from there, not the epoch start
+    for k in (1, 4):
+        rest, rest_positions, rest_final = run_epoch(0, 1, dataset, workers=1, position=positions[k - 1])
+        assert same_batches(rest, batches[k:]) and rest_positions == positions[k:] and rest_final == final
+
+
 def test_resampled_stream_continues_exactly_at_the_same_settings(dataset):
     result = resume_from_every_step(0, 1, dataset, {"workers": 2, "resampled": True, "max_steps": 12})
     assert result["differed"] == {} and result["steps"] == 12
