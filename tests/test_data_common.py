@@ -24,9 +24,17 @@ def image_bytes(colour: tuple[int, int, int], fmt: str = "PNG", size: int = 12) 
     return out.getvalue()
 
 
-def good_sample(key: str, rng: random.Random) -> dict:
+def noise_image_bytes(rng: random.Random, size: int = 12) -> bytes:
+    """Random pixels: unlike a plain colour, every crop of it looks different."""
+    out = io.BytesIO()
+    Image.frombytes("RGB", (size, size), rng.randbytes(size * size * 3)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def good_sample(key: str, rng: random.Random, *, textured: bool = False) -> dict:
     colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
-    return {"__key__": key, "png": image_bytes(colour), "txt": f"caption of {key}"}
+    image = noise_image_bytes(rng) if textured else image_bytes(colour)
+    return {"__key__": key, "png": image, "txt": f"caption of {key}"}
 
 
 def write_shard(path: str, samples: list[dict]) -> None:
@@ -42,11 +50,18 @@ def bad_sample(key: str) -> dict:
 
 
 def write_dataset(
-    root: str, sizes: list[int], *, seed: int = 0, compressed: tuple[int, ...] = (), bad_every: int = 0
+    root: str,
+    sizes: list[int],
+    *,
+    seed: int = 0,
+    compressed: tuple[int, ...] = (),
+    bad_every: int = 0,
+    textured: bool = False,
 ) -> str:
     """Shards root/NNNNN.tar (.tgz for indices in `compressed`), keys 'sSSSSiIIII', sizes.json; the pattern.
 
     With `bad_every`, every such sample (i % bad_every == bad_every - 1) has undecodable image bytes.
+    With `textured`, images are random pixels, so that crops show in the image tensors.
     """
     rng = random.Random(seed)
     os.makedirs(root, exist_ok=True)
@@ -55,7 +70,9 @@ def write_dataset(
         name = f"{shard:05d}.tgz" if shard in compressed else f"{shard:05d}.tar"
         keys = [f"s{shard:04d}i{i:04d}" for i in range(size)]
         is_bad = [bool(bad_every) and i % bad_every == bad_every - 1 for i in range(size)]
-        samples = [bad_sample(k) if bad else good_sample(k, rng) for k, bad in zip(keys, is_bad)]
+        samples = [
+            bad_sample(k) if bad else good_sample(k, rng, textured=textured) for k, bad in zip(keys, is_bad)
+        ]
         write_shard(os.path.join(root, name), samples)
         names[name] = size
     with open(os.path.join(root, "sizes.json"), "w") as f:

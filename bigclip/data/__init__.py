@@ -9,9 +9,11 @@
     held_out = load_eval_set(cfg.data.val_data, image_size=S, tokenizer=tokenizer)
 
 Module map: shards (patterns, existence, sizes) -> streams (local / S3 bytes) ->
-tar_samples (samples + cursors) -> decode -> worker (read, transform, batch) ->
-batching + loader (consumer side: re-batching, epoch end, position) with plan + position
-(who reads what; what has been consumed). eval, transforms, tokenizer, demo_data stand alone.
+tar_samples (samples + cursors) -> decode -> worker (read, transform, batch; randomness keyed
+by position, reader_state to continue) -> batching + loader (consumer side: worker order,
+re-batching, epoch end, position) with plan + position + stream_state (who reads what; what
+has been consumed; how to continue the same stream). eval, transforms, tokenizer, demo_data
+stand alone.
 """
 
 from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set

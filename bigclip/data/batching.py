@@ -1,44 +1,56 @@
-"""Re-batching worker output into exactly `batch_size` samples, in the consumer process.
+"""The consumer side of the workers' batches: their order, and re-batching into exactly `batch_size`.
 
-Workers send full batches, except the last one of each worker, which is short. Full
-batches pass through without a copy; the short remainders are joined here (first in, first
-out) instead of being dropped per worker, so at most one short remainder per rank is left
-at the end of an epoch. Each shard's samples keep their read order, so what is consumed of
-a shard stays a prefix.
+Order (`WorkerOrder`): the stream is defined as a round robin over the rank's workers, a
+worker leaving it after its last batch (which every worker sends, tagged `last`). That is the
+order torch's DataLoader delivers batches in, so normally nothing waits; but the order is
+taken from the tags, not assumed, so a resumed loader can restart the round robin at any
+worker and stay exact whatever order batches arrive in.
+
+Re-batching (`Rebatcher`): workers send full batches, except the last one of each worker,
+which is short. Full batches pass through without a copy; the short remainders are joined
+here (first in, first out) instead of being dropped per worker, so at most one short
+remainder per rank is left at the end of an epoch. Each shard's samples keep their read
+order, so what is consumed of a shard stays a prefix. The carry is part of the exact
+position: which workers' last batches it holds, oldest first; a resumed loader refetches
+those (their readers regenerate just the unconsumed samples) before anything else.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from bigclip.errors import DataError
+
 
 @dataclass
 class Chunk:
-    """Consecutive samples of one or more worker batches, with each sample's shard and next cursor."""
+    """Consecutive samples of one or more worker batches, with each sample's bookkeeping."""
 
     images: torch.Tensor
     texts: torch.Tensor
     keys: list[str]
     shards: torch.Tensor  # long [n]
     after: torch.Tensor  # long [n, 2]: (index, byte) of the cursor after each sample
+    workers: torch.Tensor  # long [n]: the worker that read each sample
+    states: torch.Tensor  # long [n, width]: that worker's ReaderState row just after the sample
 
     @classmethod
     def of(cls, worker_batch: dict[str, Any]) -> Chunk:
         b = worker_batch
-        return cls(b["images"], b["texts"], list(b["keys"]), b["shards"], b["after"])
+        workers = torch.full((len(b["keys"]),), b["worker"], dtype=torch.long)
+        return cls(b["images"], b["texts"], list(b["keys"]), b["shards"], b["after"], workers, b["states"])
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def split(self, n: int) -> tuple[Chunk, Chunk]:
-        head = Chunk(self.images[:n], self.texts[:n], self.keys[:n], self.shards[:n], self.after[:n])
-        tail = Chunk(self.images[n:], self.texts[n:], self.keys[n:], self.shards[n:], self.after[n:])
-        return head, tail
+        parts = (self.images, self.texts, self.keys, self.shards, self.after, self.workers, self.states)
+        return Chunk(*(p[:n] for p in parts)), Chunk(*(p[n:] for p in parts))
 
     @classmethod
     def cat(cls, chunks: list[Chunk]) -> Chunk:
@@ -50,7 +62,41 @@ class Chunk:
             [k for c in chunks for k in c.keys],
             torch.cat([c.shards for c in chunks]),
             torch.cat([c.after for c in chunks]),
+            torch.cat([c.workers for c in chunks]),
+            torch.cat([c.states for c in chunks]),
         )
+
+
+class WorkerOrder(Iterator[dict[str, Any]]):
+    """Worker batches in round-robin order over `active` (the next worker first), from any source order."""
+
+    def __init__(self, source: Iterator[dict[str, Any]], *, active: list[int]) -> None:
+        self.source = source
+        self.active = deque(active)  # workers still in the round robin, the next to deliver first
+        self.waiting: dict[int, deque[dict[str, Any]]] = defaultdict(deque)  # arrived early
+
+    def __next__(self) -> dict[str, Any]:
+        if not self.active:
+            raise StopIteration
+        worker = self.active.popleft()
+        batch = self.next_from(worker)
+        if not batch["last"]:
+            self.active.append(worker)
+        return batch
+
+    def next_from(self, worker: int) -> dict[str, Any]:
+        """`worker`'s next batch, keeping what other workers send meanwhile."""
+        while not self.waiting[worker]:
+            batch = next(self.source, None)
+            if batch is None:
+                raise RuntimeError(f"data worker {worker} stopped without sending its last batch")
+            self.waiting[batch["worker"]].append(batch)
+        return self.waiting[worker].popleft()
+
+    def close(self) -> None:
+        """Drop the source (so the DataLoader's workers shut down); the order stays readable."""
+        self.source = iter(())
+        self.waiting.clear()
 
 
 class Rebatcher:
@@ -66,8 +112,7 @@ class Rebatcher:
             worker_batch = next(source, None)
             if worker_batch is None:
                 return None
-            self.on_chunk(worker_batch)
-            chunk = Chunk.of(worker_batch)
+            chunk = self.receive(worker_batch)
             if len(chunk) == self.batch_size:
                 # Full batches overtake the carry: a short one is the *last* of its worker, so
                 # no shard has samples in both and every shard's samples stay in read order.
@@ -76,6 +121,29 @@ class Rebatcher:
                 self.carry.append(chunk)
                 self.carried += len(chunk)
         return self._take(self.batch_size)
+
+    def receive(self, worker_batch: dict[str, Any]) -> Chunk:
+        self.on_chunk(worker_batch)
+        return Chunk.of(worker_batch)
+
+    def refill(self, worker_batch: dict[str, Any]) -> None:
+        """Put a refetched short last batch back into the carry (resume: oldest first)."""
+        if not worker_batch["last"]:
+            # Its reader regenerated more than the rest of its last batch: the same shard names
+            # now hold other samples. Carrying on would break the order that keeps resume exact.
+            raise DataError(
+                f"data worker {worker_batch['worker']} read more after the checkpoint than before it: the "
+                "shards' contents changed since the checkpoint was saved. Restore the shards, or resume "
+                "with another --workers to re-plan the rest of the epoch"
+            )
+        chunk = self.receive(worker_batch)
+        if len(chunk):
+            self.carry.append(chunk)
+            self.carried += len(chunk)
+
+    def carry_workers(self) -> list[int]:
+        """Whose last batches the carry holds (partly consumed ones included), oldest first."""
+        return [int(chunk.workers[0]) for chunk in self.carry]
 
     def _take(self, n: int) -> Chunk:
         parts: list[Chunk] = []

@@ -18,18 +18,21 @@ the next epoch reshuffles all shards. The plan balances remaining samples across
 this is typically under one shard per rank. `state_dict()` at that point still lists them
 as unconsumed: nothing is lost silently.
 
-Resume: `position=` takes a `state_dict()` from any world size and worker count; the
-unfinished shards are re-planned over this run's readers and continue at their cursors,
-so no sample of the epoch is seen twice or skipped. With --dataset-resampled, shards are
-drawn with replacement and exactness is impossible by construction: the position keeps only
-the epoch and samples consumed, and resume starts a fresh stream seeded from
-(seed, epoch, samples consumed), with the same remaining step budget.
+Resume: `position=` takes a `state_dict()` from any world size and worker count. At the same
+settings (world size, --workers, --batch-size, --shard-interleave, --seed, shards) the stream
+continues exactly: every rank gets the batches, samples and crops an uninterrupted run would
+have had (stream_state.py). Otherwise the unfinished shards are re-planned over this run's
+readers and continue at their cursors, so no sample of the epoch is seen twice or skipped,
+and a log line says why the order changed. With --dataset-resampled, shards are drawn with
+replacement: at the same settings the stream continues exactly as well; at others there is
+no exactly-once to keep, and resume starts a fresh stream keyed by (seed, epoch, samples
+consumed), with the same remaining step budget.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
+import time
 from collections import Counter
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -40,17 +43,22 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from bigclip.config import DataConfig
-from bigclip.data.batching import Chunk, Rebatcher
-from bigclip.data.plan import assign, draw_shard, remaining_tasks
+from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
+from bigclip.data.plan import ReaderPlan, plan_readers
 from bigclip.data.position import DataPosition, RankProgress
+from bigclip.data.randomness import stream_key
+from bigclip.data.reader_state import ReaderState
 from bigclip.data.shards import ShardList, validate_shards
+from bigclip.data.stream_state import RankStream, StreamSettings, StreamState
 from bigclip.data.tar_samples import Cursor
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.data.transforms import train_transform
-from bigclip.data.worker import ReaderStream
+from bigclip.data.worker import ReaderSpec, ReaderStream
 from bigclip.distributed import cpu_group
 from bigclip.errors import DataError
 from bigclip.s3 import S3Settings
+
+FORK_SETTLE_S = 0.05  # see _settle_before_fork
 
 
 @dataclass
@@ -161,6 +169,9 @@ class TrainLoader:
         self._dataset = self._reader_stream(seed=seed, image_size=image_size, tokenizer=tokenizer, s3=s3)
         self._iterated = False
         self._batches: Generator[TrainBatch, None, None] | None = None
+        self._order: WorkerOrder | None = None
+        self._rebatcher: Rebatcher | None = None
+        self._stream_ended = False  # the epoch ended because some rank ran out of data
 
     def _start_position(self, position: dict[str, Any] | None, epoch: int) -> DataPosition:
         resampled = self.cfg.dataset_resampled
@@ -173,24 +184,40 @@ class TrainLoader:
     def _reader_stream(
         self, *, seed: int, image_size: int, tokenizer: Tokenizer, s3: S3Settings | None
     ) -> ReaderStream:
-        start = self.start
-        if start.resampled:
-            plan, draw = [], functools.partial(draw_shard, self.shards)
-        else:
-            tasks = remaining_tasks(self.shards, start, seed=seed)
-            plan = assign(tasks, self.shards, world_size=self.world_size, workers=self.cfg.workers)[self.rank]
-            draw = None
+        cfg, epoch = self.cfg, self.start.epoch
+        self.settings = StreamSettings(
+            self.world_size, cfg.workers, cfg.batch_size, cfg.shard_interleave, seed
+        )
+        plan = plan_readers(self.shards, self.start, self.settings, rank=self.rank)
+        self.origin, self.initial = plan.origin, plan.stream
+        self.exact_resume = plan.exact  # continues a saved stream exactly (same settings)
+        # Per worker, the reader's state after the last sample consumed from it (as a row of ints).
+        self.reader_rows = [r.to_ints() for r in plan.stream.readers]
         return ReaderStream(
-            plan=plan,
-            draw=draw,
-            batch_size=self.cfg.batch_size,
-            interleave=self.cfg.shard_interleave,
+            readers=self._reader_specs(plan, seed=seed),
+            urls=self.shards.urls,
+            resampled=self.start.resampled,
+            batch_size=cfg.batch_size,
+            interleave=cfg.shard_interleave,
             transform=train_transform(image_size),
             tokenizer=tokenizer,
-            # Resampled resume: a fresh stream seeded from (seed, epoch, samples consumed).
-            seed=f"{seed}-{start.epoch}-{self.rank}-{start.samples}",
+            crop_key=f"bigclip-crop/{seed}/{epoch}",
             s3=s3,
         )
+
+    def _reader_specs(self, plan: ReaderPlan, *, seed: int) -> list[ReaderSpec]:
+        """Data worker i runs the i-th: the carry's readers first, then the round robin from its next
+        worker, so that the DataLoader's own round robin already delivers batches in stream order."""
+        epoch, origin = self.start.epoch, self.origin.samples
+        return [
+            ReaderSpec(
+                worker=w,
+                key=stream_key(seed=seed, epoch=epoch, origin=origin, rank=self.rank, worker=w),
+                plan=plan.tasks[w],
+                state=plan.stream.readers[w],
+            )
+            for w in plan.stream.carry + plan.stream.active
+        ]
 
     @property
     def samples_consumed(self) -> int:
@@ -219,16 +246,24 @@ class TrainLoader:
 
     def _generate(self) -> Iterator[TrainBatch]:
         started_empty = self.start.samples == 0
+        self._settle_before_fork()
         source = iter(self._dataloader())
-        rebatcher = Rebatcher(self.cfg.batch_size, on_chunk=self._learn)
+        order = self._order = WorkerOrder(source, active=self.initial.active)
+        rebatcher = self._rebatcher = Rebatcher(self.cfg.batch_size, on_chunk=self._learn)
         try:
+            for worker in self.initial.carry:  # resumed: the unconsumed tails of last batches, oldest first
+                rebatcher.refill(order.next_from(worker))
             while self.steps_remaining > 0:
-                chunk = rebatcher.next_batch(source)
+                chunk = rebatcher.next_batch(order)
                 if not self._all_ranks_have(chunk is not None):
+                    # Some rank ran dry: batches fetched here stay unconsumed, so the stream state no
+                    # longer describes a stream to continue (the position still counts them unconsumed).
+                    self._stream_ended = True
                     break
                 yield self._consume(chunk)
         finally:
-            del source  # shuts the worker processes down
+            order.close()  # drops the DataLoader iterator: shuts the worker processes down
+            del source
         if self.steps == 0 and started_empty:
             self._raise_no_batch()
 
@@ -245,6 +280,21 @@ class TrainLoader:
             pin_memory=pin,
             multiprocessing_context=context,
         )
+
+    def _settle_before_fork(self) -> None:
+        """Give torch.distributed's threads time to finish with Python before the workers are forked.
+
+        CPython before 3.11.10 can leave a forked child deadlocked for good if another thread
+        is creating a Python thread state at the moment of fork (CPython gh-112275): a hung
+        data worker, a hung run. gloo's worker threads do just that right after a collective
+        completes (they take the GIL to release its tensors), and a loader is typically built
+        right after one (validate_data's broadcast, the last step's all-reduce, a checkpoint).
+        Sleeping releases the GIL, so they finish first. Seen here (Python 3.11.7, 2 ranks): of
+        loaders built right after a broadcast, about one in 500 hung without this, none of
+        1,500 with it.
+        """
+        if self.cfg.workers > 0 and dist.is_initialized() and sys.version_info < (3, 11, 10):
+            time.sleep(FORK_SETTLE_S)
 
     def _all_ranks_have(self, has_batch: bool) -> bool:
         if self.group is None:
@@ -263,6 +313,8 @@ class TrainLoader:
     def _consume(self, chunk: Chunk) -> TrainBatch:
         for shard, after in zip(chunk.shards.tolist(), chunk.after.tolist()):
             self.progress.consume(shard, Cursor.from_json(after))
+        for worker, row in zip(chunk.workers.tolist(), chunk.states.tolist()):
+            self.reader_rows[worker] = row
         self.steps += 1
         self.stats.samples += len(chunk.keys)
         images, texts = chunk.images, chunk.texts
@@ -282,12 +334,24 @@ class TrainLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch's position, merged over all ranks (collective: call it on every rank). JSON-able."""
+        self.progress.stream = None if self._stream_ended else self._rank_stream()
         if self.group is None:
             gathered = [self.progress]
         else:
             gathered = [None] * self.world_size
             dist.all_gather_object(gathered, self.progress, group=self.group)
-        return self.start.merge(gathered).to_json()
+        merged = self.start.merge(gathered)
+        if all(p.stream is not None for p in gathered):
+            ranks = [p.stream for p in gathered]
+            merged.stream = StreamState(self.settings, self.origin.to_json(), ranks)
+        return merged.to_json()
+
+    def _rank_stream(self) -> RankStream:
+        """Where this rank's stream stands: readers after their last consumed sample, order, carry."""
+        readers = [ReaderState.from_ints(row) for row in self.reader_rows]
+        if self._order is None:  # not iterated yet
+            return RankStream(readers, list(self.initial.active), list(self.initial.carry))
+        return RankStream(readers, list(self._order.active), self._rebatcher.carry_workers())
 
 
 def build_train_loader(

@@ -7,17 +7,26 @@ untouched ones in epoch order) are dealt greedily to the least-loaded rank, then
 rank to its least-loaded worker. Load is the remaining sample count (sizes.json; the mean
 size where unknown), so ranks end the epoch close together even after a resume has left
 partial shards of very different lengths. With equal shards this is round robin.
+
+A plan is made once per stream, from its origin: the epoch's start, or the position a run
+resumed from at other settings. A resume at the same settings (stream_state.py) recomputes
+the plan from the saved origin instead of re-dealing what is left, and restarts every reader
+where it was; `plan_readers` decides which, and logs why when it cannot continue exactly.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import random
 from dataclasses import dataclass
 
 from bigclip.data.position import DataPosition
 from bigclip.data.shards import ShardList
+from bigclip.data.stream_state import RankStream, StreamSettings
 from bigclip.data.tar_samples import Cursor
+
+log = logging.getLogger("bigclip.data")
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,49 @@ def assign(
     return [_deal([0.0] * readers, [(weight_of[t.shard], t) for t in rank_tasks]) for rank_tasks in per_rank]
 
 
-def draw_shard(shards: ShardList, rng: random.Random) -> ShardTask:
-    """One shard drawn with replacement, read from its start (--dataset-resampled)."""
-    shard = rng.randrange(len(shards))
-    return ShardTask(shard, shards.urls[shard], Cursor(0, 0))
+@dataclass
+class ReaderPlan:
+    """One rank's readers for a stream: the origin their plan comes from, their shards, where they start."""
+
+    origin: DataPosition
+    tasks: list[list[ShardTask]]  # per worker, in reading order (empty with --dataset-resampled)
+    stream: RankStream  # readers' states, the round robin's place, the re-batcher's carry
+    exact: bool  # continues the saved stream exactly
+
+
+def plan_readers(
+    shards: ShardList, start: DataPosition, settings: StreamSettings, *, rank: int
+) -> ReaderPlan:
+    """The saved stream continued when `settings` match it, else the rest of the epoch re-planned."""
+    origin, stream, exact = _continuation(start, settings, rank=rank)
+    if exact:
+        origin.check_compatible(shards, epoch=start.epoch, resampled=start.resampled)
+    tasks: list[list[ShardTask]] = [[] for _ in range(settings.readers)]
+    if not start.resampled:
+        remaining = remaining_tasks(shards, origin, seed=settings.seed)
+        tasks = assign(remaining, shards, world_size=settings.world_size, workers=settings.workers)[rank]
+    return ReaderPlan(origin, tasks, stream, exact)
+
+
+def _continuation(
+    start: DataPosition, settings: StreamSettings, *, rank: int
+) -> tuple[DataPosition, RankStream, bool]:
+    """(origin, this rank's stream state, exact): the saved ones, or a fresh stream from `start`."""
+    saved = start.stream
+    changes = settings.changes_from(saved.settings) if saved is not None else []
+    if saved is not None and not changes:
+        if rank == 0:
+            log.info(
+                "data: continuing the saved stream exactly (epoch %d, %d samples in)",
+                start.epoch,
+                start.samples,
+            )
+        return DataPosition.from_json(saved.origin), saved.ranks[rank], True
+    if rank == 0 and start.samples:
+        why = ", ".join(changes) if changes else "the position holds no stream state"
+        log.info(
+            "data: re-planning the rest of epoch %d over %d x %d readers (%s): every sample once, "
+            "but not in the order an uninterrupted run would have used",
+            start.epoch, settings.world_size, settings.readers, why,
+        )  # fmt: skip
+    return start.without_stream(), RankStream.fresh(settings.readers), False

@@ -14,15 +14,19 @@ Each rank records its own `RankProgress` on the consumer side (the main process,
 are handed to the training loop, not as workers prefetch them); `merge` combines all ranks'
 progress with the position the loader started from. `to_json` is small: a bitmap of done
 shards (5 KB for 41k shards) plus one cursor per shard being read.
+
+`stream`, when present, is what it takes to continue the exact same stream at the same
+settings (stream_state.py); a resume at other settings ignores it.
 """
 
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bigclip.data.shards import ShardList
+from bigclip.data.stream_state import RankStream, StreamState
 from bigclip.data.tar_samples import Cursor
 from bigclip.errors import DataError
 
@@ -48,6 +52,7 @@ class RankProgress:
     cursors: dict[int, Cursor] = field(default_factory=dict)  # consumed up to here
     ends: dict[int, Cursor] = field(default_factory=dict)  # a shard's reader found no valid sample after this
     samples: int = 0
+    stream: RankStream | None = None  # filled in just before the gather
 
     def consume(self, shard: int, after: Cursor) -> None:
         self.cursors[shard] = after
@@ -63,6 +68,7 @@ class DataPosition:
     samples: int = 0
     done: set[int] = field(default_factory=set)
     cursors: dict[int, Cursor] = field(default_factory=dict)
+    stream: StreamState | None = None
 
     @classmethod
     def start_of(cls, epoch: int, shards: ShardList, *, resampled: bool) -> DataPosition:
@@ -71,8 +77,14 @@ class DataPosition:
     def cursor(self, shard: int) -> Cursor:
         return self.cursors.get(shard, Cursor(0, 0))
 
+    def without_stream(self) -> DataPosition:
+        return replace(self, done=set(self.done), cursors=dict(self.cursors), stream=None)
+
     def merge(self, progress: list[RankProgress]) -> DataPosition:
-        """This position advanced by every rank's progress (each shard is read by one rank only)."""
+        """This position advanced by every rank's progress (each shard is read by one rank only).
+
+        The result has no stream state: only the loader knows the settings and origin to add.
+        """
         merged = DataPosition(
             epoch=self.epoch,
             num_shards=self.num_shards,
@@ -94,6 +106,7 @@ class DataPosition:
         return merged
 
     def to_json(self) -> dict[str, Any]:
+        stream = {"stream": self.stream.to_json()} if self.stream is not None else {}
         return {
             "format": FORMAT,
             "epoch": self.epoch,
@@ -102,7 +115,7 @@ class DataPosition:
             "shards": {"count": self.num_shards, "fingerprint": self.fingerprint},
             "done": encode_bitmap(self.done, self.num_shards),
             "cursors": {str(s): c.to_json() for s, c in sorted(self.cursors.items())},
-        }
+        } | stream
 
     @classmethod
     def from_json(cls, state: dict[str, Any]) -> DataPosition:
@@ -118,6 +131,7 @@ class DataPosition:
                 samples=int(state["samples"]),
                 done=decode_bitmap(state["done"], count),
                 cursors={int(s): Cursor.from_json(c) for s, c in state["cursors"].items()},
+                stream=StreamState.from_json(state["stream"]) if "stream" in state else None,
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise DataError(

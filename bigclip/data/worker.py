@@ -1,14 +1,20 @@
 """What runs in each data-loader worker: read its shards, decode, transform, batch.
 
-A worker (one reader of the plan) keeps `interleave` shards open and takes each next
-sample from a randomly chosen one. This mixes samples without a shuffle buffer, which
+A reader (one per data worker) keeps `interleave` shards open and takes each next sample
+from one of them chosen at random. This mixes samples without a shuffle buffer, which
 matters for exact resume: a shuffle buffer would consume shards out of order, while here
 every shard is still read front to back, so its consumed part stays a prefix.
 
+Every random choice is keyed by position (randomness.py): the n-th interleave choice by the
+reader's key and n, a sample's crop by (seed, epoch, shard, sample index). A reader started
+from a `ReaderState` (reader_state.py) therefore continues the very stream it was on.
+
 Each batch carries, besides images / token ids / keys, the bookkeeping the consumer needs:
-every sample's shard and the cursor just after it, the shards found to have no valid sample
-left (`ends`), and counts of skipped samples by reason. The last batch of a worker may be
-short, or even empty but for that bookkeeping; the consumer re-batches.
+the worker it comes from and whether it is that worker's last; every sample's shard, the
+cursor just after it and the reader's state just after it; the shards found to have no valid
+sample left (`ends`); counts of skipped samples by reason. A worker's batches end where its
+count of emitted samples reaches a multiple of batch_size, so the last batch may be short,
+or even empty but for that bookkeeping; the consumer re-batches.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from bigclip.data.decode import decode_sample
 from bigclip.data.plan import ShardTask
-from bigclip.data.tar_samples import Cursor, RawSample, ShardSamples
+from bigclip.data.randomness import choose, keyed_rng
+from bigclip.data.reader_state import OpenShardState, ReaderState, encode_row
+from bigclip.data.tar_samples import START, Cursor, RawSample, ShardSamples
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.s3 import S3Settings
 
@@ -36,11 +44,23 @@ MAX_FRUITLESS_DRAWS = 100  # --dataset-resampled: give up after this many useles
 
 
 @dataclass
+class ReaderSpec:
+    """One reader: its worker index on this rank, the key of its random choices, its shards, its start."""
+
+    worker: int
+    key: str  # randomness.stream_key(...)
+    plan: list[ShardTask]  # shards to read in order (unused with --dataset-resampled: drawn instead)
+    state: ReaderState = field(default_factory=ReaderState)
+
+
+@dataclass
 class _OpenShard:
-    task: ShardTask
+    shard: int
     reader: ShardSamples
     samples: Iterator[RawSample]
-    last_valid: Cursor  # cursor after the last sample that decoded (the start if none yet)
+    read: Cursor  # where the next sample starts
+    valid: Cursor  # cursor after the last sample that decoded (where it was opened if none yet)
+    fruitful: bool = False  # a valid sample came from it since it was opened
 
 
 @dataclass
@@ -52,117 +72,155 @@ class _Pending:
     keys: list[str] = field(default_factory=list)
     shards: list[int] = field(default_factory=list)
     after: list[list[int]] = field(default_factory=list)
+    states: list[list[int]] = field(default_factory=list)
     ends: dict[int, list[int]] = field(default_factory=dict)
     skipped: Counter = field(default_factory=Counter)
     broken: list[str] = field(default_factory=list)
 
-    def has_news(self) -> bool:
-        return bool(self.keys or self.ends or self.skipped or self.broken)
-
 
 class ReaderStream(IterableDataset):
-    """An IterableDataset whose worker `w` reads `plan[w]` (or draws shards forever, when resampled)."""
+    """An IterableDataset whose data worker `i` runs `readers[i]` (workers past the end yield nothing)."""
 
     def __init__(
         self,
         *,
-        plan: list[list[ShardTask]],
-        draw: Callable[[random.Random], ShardTask] | None,
+        readers: list[ReaderSpec],
+        urls: tuple[str, ...],
+        resampled: bool,
         batch_size: int,
         interleave: int,
         transform: Callable[..., torch.Tensor],
         tokenizer: Tokenizer,
-        seed: str,
+        crop_key: str,
         s3: S3Settings | None,
     ) -> None:
-        self.plan = plan
-        self.draw = draw  # set for --dataset-resampled: an endless stream of drawn shards
+        self.readers = readers
+        self.urls = urls
+        self.resampled = resampled  # shards drawn with replacement, forever, instead of a plan
         self.batch_size = batch_size
         self.interleave = interleave
         self.transform = transform
         self.tokenizer = tokenizer
-        self.seed = seed
+        self.crop_key = crop_key  # (seed, epoch): with (shard, sample index), keys a sample's crop
         self.s3 = s3
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
-        worker = info.id if info is not None else 0
-        rng = random.Random(f"{self.seed}-worker-{worker}")
-        self._logged_skips = 0
-        self._fruitless = 0  # shards in a row closed without one valid sample
-        for pending in self._batches(self._tasks(worker, rng), rng):
-            yield self._emit(pending)
+        index = info.id if info is not None else 0
+        if index < len(self.readers):
+            yield from Reader(self, self.readers[index]).batches()
 
-    def _tasks(self, worker: int, rng: random.Random) -> Iterator[ShardTask]:
-        if self.draw is None:
-            yield from self.plan[worker] if worker < len(self.plan) else ()
-            return
-        while self._fruitless < MAX_FRUITLESS_DRAWS:
-            yield self.draw(rng)
-        # An endless stream of unreadable shards would hang the run; ending it lets the loader
-        # stop every rank and report the skip counts instead.
-        log.error("%d drawn shards in a row held no valid sample; stopping this data worker", self._fruitless)
 
-    def _open(self, task: ShardTask) -> _OpenShard:
-        reader = ShardSamples(task.url, start=task.start, s3=self.s3)
-        return _OpenShard(task, reader, iter(reader), last_valid=task.start)
+class Reader:
+    """One reader's mutable state while it runs, in its data worker."""
 
-    def _batches(self, tasks: Iterator[ShardTask], rng: random.Random) -> Iterator[_Pending]:
-        """Full batches, then whatever is left (short, or only bookkeeping) when the shards run out."""
-        open_shards: list[_OpenShard] = []
+    def __init__(self, stream: ReaderStream, spec: ReaderSpec) -> None:
+        self.stream, self.spec = stream, spec
+        start = spec.state
+        self.draws, self.tasks, self.emitted = start.draws, start.tasks, start.emitted
+        self.fruitless = start.fruitless
+        self.open = [self._reopen(s) for s in start.open]
+        self.width = ReaderState.width(stream.interleave)
+        self.logged_skips = 0
+
+    def batches(self) -> Iterator[dict[str, Any]]:
+        """Batches ending at multiples of batch_size emitted samples, then the last (short or empty) one."""
         pending = _Pending()
-        while True:
-            while len(open_shards) < self.interleave and (task := next(tasks, None)) is not None:
-                open_shards.append(self._open(task))
-            if not open_shards:
-                break
-            which = rng.randrange(len(open_shards))
-            current = open_shards[which]
+        while self._fill():
+            which = choose(self.spec.key, self.draws, len(self.open))
+            self.draws += 1
+            current = self.open[which]
             raw = next(current.samples, None)
             if raw is None:
-                del open_shards[which]
+                del self.open[which]
                 self._close(current, pending)
                 continue
-            self._add(raw, current, pending, rng)
-            if len(pending.keys) == self.batch_size:
-                yield pending
+            current.read = raw.after
+            if self._add(raw, current, pending) and self.emitted % self.stream.batch_size == 0:
+                yield self._emit(pending, last=False)
                 pending = _Pending()
-        if pending.has_news():
-            yield pending
+        if self.stream.resampled and self.fruitless >= MAX_FRUITLESS_DRAWS:
+            # An endless stream of unreadable shards would hang the run; ending it lets the loader
+            # stop every rank and report the skip counts instead.
+            log.error(
+                "%d drawn shards in a row held no valid sample; stopping this data worker", self.fruitless
+            )
+        yield self._emit(pending, last=True)
+
+    def _fill(self) -> bool:
+        """Open shards up to `interleave`; False when none is left open."""
+        while len(self.open) < self.stream.interleave and (task := self._next_task()) is not None:
+            reader = ShardSamples(task.url, start=task.start, s3=self.stream.s3)
+            self.open.append(_OpenShard(task.shard, reader, iter(reader), read=task.start, valid=task.start))
+        return bool(self.open)
+
+    def _next_task(self) -> ShardTask | None:
+        if not self.stream.resampled:
+            if self.tasks >= len(self.spec.plan):
+                return None
+            task = self.spec.plan[self.tasks]
+        elif self.fruitless >= MAX_FRUITLESS_DRAWS:
+            return None
+        else:
+            shard = choose(f"{self.spec.key}/shard", self.tasks, len(self.stream.urls))
+            task = ShardTask(shard, self.stream.urls[shard], START)
+        self.tasks += 1
+        return task
+
+    def _reopen(self, state: OpenShardState) -> _OpenShard:
+        reader = ShardSamples(self.stream.urls[state.shard], start=state.read, s3=self.stream.s3)
+        return _OpenShard(state.shard, reader, iter(reader), state.read, state.valid, state.fruitful)
 
     def _close(self, shard: _OpenShard, pending: _Pending) -> None:
-        pending.ends[shard.task.shard] = shard.last_valid.to_json()
-        self._fruitless = self._fruitless + 1 if shard.last_valid == shard.task.start else 0
+        pending.ends[shard.shard] = shard.valid.to_json()
+        self.fruitless = 0 if shard.fruitful else self.fruitless + 1
         if shard.reader.error:
-            pending.broken.append(shard.task.url)
-            log.warning("shard %s ends early, keeping what was read: %s", shard.task.url, shard.reader.error)
+            url = self.stream.urls[shard.shard]
+            pending.broken.append(url)
+            log.warning("shard %s ends early, keeping what was read: %s", url, shard.reader.error)
 
-    def _add(self, raw: RawSample, shard: _OpenShard, pending: _Pending, rng: random.Random) -> None:
+    def _add(self, raw: RawSample, shard: _OpenShard, pending: _Pending) -> bool:
+        """Decode, transform and append one sample; False when it is skipped as corrupt."""
         decoded = decode_sample(raw)
         if isinstance(decoded, str):
             pending.skipped[decoded] += 1
-            self._log_skip(decoded, raw, shard.task.url)
-            return
-        shard.last_valid = raw.after
-        pending.images.append(self.transform(decoded.image, rng))
+            self._log_skip(decoded, raw, self.stream.urls[shard.shard])
+            return False
+        shard.valid, shard.fruitful = raw.after, True
+        self.emitted += 1
+        pending.images.append(self.stream.transform(decoded.image, self._crop_rng(shard.shard, raw.index)))
         pending.captions.append(decoded.caption)
         pending.keys.append(raw.key)
-        pending.shards.append(shard.task.shard)
+        pending.shards.append(shard.shard)
         pending.after.append(raw.after.to_json())
+        pending.states.append(
+            encode_row(self.draws, self.tasks, self.emitted, self.fruitless, self.open, width=self.width)
+        )
+        return True
+
+    def _crop_rng(self, shard: int, index: int) -> random.Random:
+        if self.stream.resampled:  # a shard may be drawn twice in an epoch: key by this reader's draw instead
+            return keyed_rng(self.spec.key, "crop", self.draws)
+        return keyed_rng(self.stream.crop_key, shard, index)
 
     def _log_skip(self, reason: str, raw: RawSample, url: str) -> None:
-        self._logged_skips += 1
-        if self._logged_skips <= LOGGED_SKIPS_PER_WORKER:
+        self.logged_skips += 1
+        if self.logged_skips <= LOGGED_SKIPS_PER_WORKER:
             log.warning("skipping sample %r of %s: %s", raw.key, url, reason)
 
-    def _emit(self, pending: _Pending) -> dict[str, Any]:
+    def _emit(self, pending: _Pending, *, last: bool) -> dict[str, Any]:
         empty = not pending.keys
         return {
+            "worker": self.spec.worker,
+            "last": last,
             "images": torch.stack(pending.images) if not empty else torch.empty(0),
-            "texts": self.tokenizer(pending.captions) if not empty else torch.empty(0, dtype=torch.long),
+            "texts": self.stream.tokenizer(pending.captions)
+            if not empty
+            else torch.empty(0, dtype=torch.long),
             "keys": pending.keys,
             "shards": torch.tensor(pending.shards, dtype=torch.long),
             "after": torch.tensor(pending.after, dtype=torch.long).reshape(-1, 2),
+            "states": torch.tensor(pending.states, dtype=torch.long).reshape(-1, self.width),
             "ends": pending.ends,
             "skipped": dict(pending.skipped),
             "broken": pending.broken,
