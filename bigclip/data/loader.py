@@ -279,6 +279,10 @@ class TrainLoader:
             num_workers=self.cfg.workers,
             pin_memory=pin,
             multiprocessing_context=context,
+            # The workers' randomness is keyed by position (randomness.py), so their base seed is
+            # unused; drawing it from a private generator leaves the training process's RNG
+            # (patch dropout) untouched, which exact resume relies on.
+            generator=torch.Generator().manual_seed(0),
         )
 
     def _settle_before_fork(self) -> None:
