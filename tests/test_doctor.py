@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from bigclip.checkpoint import CheckpointStore
-from bigclip.checkpoint.preflight import PROBE_FOLDER
+from bigclip.checkpoint.locations import LocalLocation
+from bigclip.checkpoint.preflight import PROBE_PREFIX, check_access
 from bigclip.cli import main as bigclip_main
 from bigclip.distributed import free_port
 from bigclip.errors import StorageError
@@ -28,13 +31,22 @@ def test_doctor_passes_and_measures_throughput_on_a_healthy_bucket(s3, capsys):
         assert any(line.startswith("PASS") and f" {check} " in line + " " for line in lines), check
     assert sum("MB/s" in line for line in lines) == 2
     assert lines[-1] == "all checks passed"
-    assert not CheckpointStore("s3://doctor-ok/runs", s3=s3.settings()).location.list_files(PROBE_FOLDER)
+    left = s3.client().list_objects_v2(Bucket="doctor-ok", Prefix=f"runs/{PROBE_PREFIX}")
+    assert left["KeyCount"] == 0
 
 
 def test_doctor_checks_a_local_folder(tmp_path, capsys):
     assert bigclip_main(["doctor", str(tmp_path / "ckpt"), "--size-mb", "1"]) == 0
     assert "FAIL" not in capsys.readouterr().out
-    assert not (tmp_path / "ckpt" / PROBE_FOLDER).exists()
+    assert not list((tmp_path / "ckpt").glob(f"{PROBE_PREFIX}*"))
+
+
+def test_nodes_probing_one_shared_folder_at_once_do_not_trip_each_other(tmp_path):
+    # Every node's first rank probes the same checkpoint folder at the same moment.
+    location = LocalLocation(str(tmp_path / "shared"))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: check_access(location), range(200)))
+    assert not list((tmp_path / "shared").glob(f"{PROBE_PREFIX}*"))
 
 
 @pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from bigclip.checkpoint.locations import Location, open_location
-from bigclip.checkpoint.preflight import PROBE_FOLDER, CheckResult, access_checks, probe_name, run_check
+from bigclip.checkpoint.preflight import CheckResult, access_checks, probe_name, run_check
 from bigclip.cli_args import _add_field
 from bigclip.config import CheckpointConfig
 from bigclip.s3 import S3Settings, is_s3
@@ -57,8 +57,6 @@ def throughput_checks(location: Location, *, size_mb: int) -> list[tuple[str, Ca
 
     def cleanup() -> str:
         location.delete(key)
-        if not location.list_files(PROBE_FOLDER):
-            location.delete_folder(PROBE_FOLDER)
         return "test object deleted"
 
     return [(f"upload {size_mb} MB", upload), (f"download {size_mb} MB", download), ("cleanup", cleanup)]

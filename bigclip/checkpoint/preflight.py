@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from bigclip.checkpoint.locations import LocalLocation, Location, S3Location
 from bigclip.errors import StorageError
 
-PROBE_FOLDER = ".bigclip-preflight"
+# Probe objects sit beside the checkpoints, each under its own name: no shared folder that one
+# node could delete while another is writing into it (all nodes probe a shared filesystem at once).
+PROBE_PREFIX = ".bigclip-preflight-"
 
 
 @dataclass
@@ -33,7 +35,7 @@ class CheckResult:
 
 
 def probe_name() -> str:
-    return f"{PROBE_FOLDER}/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f"{PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def run_check(name: str, fn: Callable[[], str], *, timeout_s: float = 20.0) -> CheckResult:
@@ -168,8 +170,6 @@ def _local_checks(location: LocalLocation) -> list[tuple[str, Callable[[], str]]
         location.delete(key)
         if location.exists(key):
             raise StorageError("the probe file is still there after deleting it")
-        if not location.list_files(PROBE_FOLDER):  # leave no trace (other ranks' probes excepted)
-            location.delete_folder(PROBE_FOLDER)
         return "deleted"
 
     return [("folder", folder), ("put", put), ("get", get), ("delete", delete)]

@@ -18,7 +18,6 @@ save, so any engine (FSDP2 now, DeepSpeed later) can use it.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 import warnings
@@ -41,6 +40,7 @@ from bigclip.checkpoint.pending import AsyncSave
 from bigclip.checkpoint.preflight import check_access, explain_error
 from bigclip.checkpoint.safe_load import SafeLoadPlanner, unwrap_checkpoint_exception
 from bigclip.config import CheckpointConfig
+from bigclip.distributed import launch_env
 from bigclip.errors import StorageError
 from bigclip.s3 import S3Settings, is_s3
 
@@ -88,11 +88,11 @@ class CheckpointStore:
     def check_access(self) -> None:
         """Preflight, collective: StorageError on every rank, in seconds, if the root is unusable.
 
-        One rank per node (LOCAL_RANK 0) probes: credentials usually differ by node (instance
-        roles), and 1024 ranks probing at once could themselves be throttled.
+        One rank per node (local rank 0, whichever launcher set it) probes: credentials usually
+        differ by node (instance roles), and 1024 ranks probing at once could be throttled.
         """
         error = None
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if launch_env()[2] == 0:
             try:
                 check_access(self.location)
             except StorageError as e:
