@@ -17,6 +17,11 @@ the loopback server spent in a phase: when it is close to the wall time, the ser
 the client, sets the pace.
 
     PYTHONPATH=. python benchmarks/checkpoint_io.py [--gib 1.0] [--ranks 2] [--repeats 3]
+
+moto parses every request in one Python process (~9 CPU-s per GB), so on a small machine it,
+not either client, sets the pace. `--endpoint URL [--server-pid PID]` runs the same comparison
+against an S3-compatible server you started (s3rver, MinIO) or, with AWS_* credentials and
+`--endpoint aws`, against S3 itself; the bucket (`--bucket`) is created when missing.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -39,7 +45,6 @@ from bigclip.checkpoint import CheckpointStore  # noqa: E402
 from bigclip.distributed import spawn  # noqa: E402
 from bigclip.loopback_s3 import LoopbackS3  # noqa: E402
 
-BUCKET = "bench-checkpoint-io"
 TENSOR_MIB = 32
 
 
@@ -71,16 +76,20 @@ def timed(fn) -> float:
     return float(elapsed)
 
 
-def server_cpu_s(pid: int) -> float:
-    """CPU seconds the loopback server process has used so far (it runs on this machine)."""
+def server_cpu_s(pid: int | None) -> float:
+    """CPU seconds the S3 server process has used so far (0 when it is not on this machine)."""
+    if pid is None:
+        return 0.0
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_round(
-    store: CheckpointStore, state: dict, round_: int, folder: Path, client, server_pid: int
+    store: CheckpointStore, state: dict, round_: int, folder: Path, client, server_pid: int | None
 ) -> dict[str, float]:
-    key, path = f"baseline/round{round_}/rank{dist.get_rank()}.pt", folder / f"rank{dist.get_rank()}.pt"
+    bucket, run_prefix = store.location.bucket, store.location.prefix.removesuffix("/bigclip")
+    key = f"{run_prefix}/baseline/round{round_}/rank{dist.get_rank()}.pt"
+    path = folder / f"rank{dist.get_rank()}.pt"
     times: dict[str, float] = {}
 
     def measure(name: str, fn) -> None:
@@ -100,11 +109,11 @@ def one_round(
             "baseline_torch_save",
             lambda: torch.save({k: v.to_local() for k, v in state["model"].items()}, path),
         )
-        measure("baseline_upload", lambda: client.upload_file(str(path), BUCKET, key))
+        measure("baseline_upload", lambda: client.upload_file(str(path), bucket, key))
         path.unlink()
 
     def baseline_load() -> None:
-        measure("baseline_download", lambda: client.download_file(BUCKET, key, str(path)))
+        measure("baseline_download", lambda: client.download_file(bucket, key, str(path)))
 
         def read_into_state() -> None:
             loaded = torch.load(path, map_location="cpu", weights_only=True)
@@ -133,13 +142,19 @@ def one_round(
     # Free the loopback server's memory (it keeps objects in RAM) before the next round.
     if dist.get_rank() == 0:
         store.apply_retention(keep_last=1)
-    client.delete_object(Bucket=BUCKET, Key=key)
+    client.delete_object(Bucket=bucket, Key=key)
     dist.barrier()
     return times
 
 
 def _rank_main(
-    rank: int, world: int, total_bytes: int, repeats: int, endpoint_env: dict, server_pid: int
+    rank: int,
+    world: int,
+    total_bytes: int,
+    repeats: int,
+    endpoint_env: dict,
+    server_pid: int | None,
+    root: str,
 ) -> dict:
     os.environ.update(endpoint_env)
     from bigclip.s3 import S3Settings
@@ -147,7 +162,7 @@ def _rank_main(
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
     state = sharded_state(world, total_bytes, device)
     settings = S3Settings.resolve()
-    store = CheckpointStore(f"s3://{BUCKET}/bigclip", s3=settings)
+    store = CheckpointStore(f"{root}/bigclip", s3=settings)
     client = settings.boto3_client()
     rounds = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_LOCAL_DIR")) as tmp:
@@ -215,11 +230,22 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="State size across all ranks, GiB.")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--endpoint", default="", help="An S3-compatible URL, or 'aws' (default: moto).")
+    parser.add_argument("--server-pid", type=int, default=None, help="That server's pid, for its CPU time.")
+    parser.add_argument("--bucket", default="bench-checkpoint-io")
+    parser.add_argument("--name", default="checkpoint_io", help="Results file benchmarks/results/NAME.json.")
     args = parser.parse_args()
-    with LoopbackS3() as s3:
-        s3.create_bucket(BUCKET)
+    with ExitStack() as stack:
+        endpoint_env, server_pid, endpoint = endpoint_for(args, stack)
         results = spawn(
-            _rank_main, args.ranks, int(args.gib * 2**30), args.repeats, s3.env, s3._proc.pid, timeout_s=3600
+            _rank_main,
+            args.ranks,
+            int(args.gib * 2**30),
+            args.repeats,
+            endpoint_env,
+            server_pid,
+            f"s3://{args.bucket}/checkpoint-io-{os.getpid()}",  # this run's objects only
+            timeout_s=3600,
         )
     rows, extra = summarize(results)
     print_table(rows)
@@ -229,13 +255,25 @@ def main() -> None:
         "async_blocked_fraction_of_sync_save",
     ):
         print(f"{name}: {extra[name]:.3f}")
-    write_results(
-        "checkpoint_io",
-        rows,
-        ranks=args.ranks,
-        endpoint="loopback S3 (moto server, objects in RAM, one Python process)",
-        **extra,
-    )
+    write_results(args.name, rows, ranks=args.ranks, endpoint=endpoint, **extra)
+
+
+def endpoint_for(args: argparse.Namespace, stack: ExitStack) -> tuple[dict, int | None, str]:
+    """(environment for the ranks, server pid or None, description) for --endpoint."""
+    if not args.endpoint:
+        s3 = stack.enter_context(LoopbackS3())
+        s3.create_bucket(args.bucket)
+        return s3.env, s3._proc.pid, "loopback S3 (moto server, objects in RAM, one Python process)"
+    env = {} if args.endpoint == "aws" else {"AWS_ENDPOINT_URL": args.endpoint}
+    os.environ.update(env)
+    from bigclip.s3 import S3Settings
+
+    client = S3Settings.resolve().boto3_client()
+    try:
+        client.head_bucket(Bucket=args.bucket)
+    except client.exceptions.ClientError:
+        client.create_bucket(Bucket=args.bucket)
+    return env, args.server_pid, f"{args.endpoint} (bucket {args.bucket})"
 
 
 if __name__ == "__main__":
