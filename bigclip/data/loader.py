@@ -358,31 +358,6 @@ class TrainLoader:
         return RankStream(readers, list(self._order.active), self._rebatcher.carry_workers())
 
 
-def build_train_loader(
-    cfg: DataConfig,
-    *,
-    rank: int,
-    world_size: int,
-    seed: int,
-    epoch: int,
-    image_size: int,
-    tokenizer: Tokenizer,
-    position: dict[str, Any] | None = None,
-    device: torch.device | str | None = None,
-    s3: S3Settings | None = None,
-    shards: ShardList | None = None,
-) -> TrainLoader:
-    """Build this rank's loader; validates the shards first (DataError in seconds) unless `shards` is given."""
-    return TrainLoader(
-        cfg,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        epoch=epoch,
-        image_size=image_size,
-        tokenizer=tokenizer,
-        position=position,
-        device=device,
-        s3=s3,
-        shards=shards,
-    )
+# The public name the trainer and tools build loaders by (the class validates the shards first,
+# a DataError in seconds, unless `shards` is given).
+build_train_loader = TrainLoader
