@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from dcp_harness import whole_checkpoint
 from openclip_ref import open_clip_clip
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_engine_deepspeed import config, make_engine, run_steps
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.checkpoint.blobs import BlobFolder
@@ -64,23 +64,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return root, weights
 
 
-def reference_state(folder: Path) -> dict:
-    """DCP's own reader: the whole checkpoint loaded in memory, flattened to checkpoint keys."""
-    target = folder.parent / f"{folder.name}.pt"
-    dcp_to_torch_save(folder, target)
-    flat: dict = {}
-
-    def walk(prefix: str, value: object) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}{k}.", v)
-        else:
-            flat[prefix[:-1]] = value
-
-    walk("", torch.load(target, weights_only=False))
-    return flat
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("engine", ["fsdp", "zero3", "zero1", "fsdp-3"])
 def test_round_trip_is_bit_exact_and_loads_into_openclip(saved, engine, tmp_path):
@@ -110,7 +93,7 @@ def test_with_optimizer_sharded_bf16_matches_dcp_reader(saved, tmp_path):
     state = {}
     for f in files:
         state |= load_file(tmp_path / "out" / f)
-    reference = reference_state(root / "zero3" / "step_00000002")
+    reference = whole_checkpoint(root / "zero3" / "step_00000002")
     for key, value in reference.items():
         if key.startswith("model."):
             assert torch.equal(state[key[6:]], value.to(torch.bfloat16)), key

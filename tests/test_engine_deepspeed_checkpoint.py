@@ -8,14 +8,12 @@ continues the original one. Both spawned worlds serve all tests (DeepSpeed's sta
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_harness import whole_checkpoint
 from engine_harness import assert_same_weights
 from test_engine_deepspeed import config, make_engine, run_steps
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
@@ -49,26 +47,6 @@ def resume_and_continue(rank: int, world: int, plan: list[tuple[dict, int]], roo
         losses = run_steps(engine, cfg, range(BEFORE, BEFORE + AFTER), BATCH)
         out.append({"losses": losses, "weights": engine.full_state_dict()})
     return out
-
-
-def whole(folder: Path) -> dict:
-    """A DCP checkpoint read back as full tensors, flattened to 'a.b.c' keys."""
-    target = folder.parent / (folder.name + ".pt")
-    dcp_to_torch_save(folder, target)
-    flat: dict = {}
-
-    def walk(prefix: str, value: object) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}{k}.", v)
-        elif isinstance(value, list):
-            for k, v in enumerate(value):
-                walk(f"{prefix}{k}.", v)
-        else:
-            flat[prefix[:-1]] = value
-
-    walk("", torch.load(target, weights_only=False))
-    return flat
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
@@ -107,8 +85,8 @@ def runs(tmp_path_factory) -> dict:
     out = {"original": dict(zip(names, original)), "saved": {}, "resumed": {}}
     for n, ((engine, source), run) in enumerate(zip(RESUMES, resumed)):
         folder = root / str(names.index(source))
-        out["saved"][source] = whole(folder / "saved")
-        out["resumed"][(engine, source)] = {**run, "resaved": whole(folder / f"resaved-{n}")}
+        out["saved"][source] = whole_checkpoint(folder / "saved")
+        out["resumed"][(engine, source)] = {**run, "resaved": whole_checkpoint(folder / f"resaved-{n}")}
     return out
 
 
