@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import print_table, write_results  # noqa: E402
 from bigclip.checkpoint import CheckpointStore  # noqa: E402
+from bigclip.demo.loopback_s3 import LoopbackS3  # noqa: E402
 from bigclip.distributed import spawn  # noqa: E402
-from bigclip.loopback_s3 import LoopbackS3  # noqa: E402
 
 TENSOR_MIB = 32
 
@@ -157,7 +157,7 @@ def _rank_main(
     root: str,
 ) -> dict:
     os.environ.update(endpoint_env)
-    from bigclip.s3 import S3Settings
+    from bigclip.storage.s3 import S3Settings
 
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
     state = sharded_state(world, total_bytes, device)
@@ -266,7 +266,7 @@ def endpoint_for(args: argparse.Namespace, stack: ExitStack) -> tuple[dict, int 
         return s3.env, s3._proc.pid, "loopback S3 (moto server, objects in RAM, one Python process)"
     env = {} if args.endpoint == "aws" else {"AWS_ENDPOINT_URL": args.endpoint}
     os.environ.update(env)
-    from bigclip.s3 import S3Settings
+    from bigclip.storage.s3 import S3Settings
 
     client = S3Settings.resolve().boto3_client()
     try:

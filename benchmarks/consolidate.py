@@ -46,7 +46,7 @@ GB = 1e9
 
 def build_engine_for(rank: int, world: int, model: str, ds_config: str = ""):  # noqa: ANN201
     from bigclip.engines import build_engine
-    from bigclip.run_setup import build_model
+    from bigclip.models.from_config import build_model
 
     cfg = TrainConfig()
     cfg.model.model, cfg.engine.precision, cfg.data.batch_size = model, "fp32", 1

@@ -27,13 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, write_results  # noqa: E402
 from bigclip.config import DataConfig  # noqa: E402
 from bigclip.data import build_tokenizer, build_train_loader  # noqa: E402
-from bigclip.data.demo_data import write_demo_data  # noqa: E402
 from bigclip.data.loader import cpu_group  # noqa: E402
-from bigclip.data.position import DataPosition  # noqa: E402
+from bigclip.data.resume.position import DataPosition  # noqa: E402
 from bigclip.data.shards import validate_shards  # noqa: E402
 from bigclip.data.tar_samples import Cursor, ShardSamples  # noqa: E402
+from bigclip.demo.data import write_demo_data  # noqa: E402
+from bigclip.demo.loopback_s3 import LoopbackS3  # noqa: E402
 from bigclip.distributed import spawn  # noqa: E402
-from bigclip.loopback_s3 import LoopbackS3  # noqa: E402
 
 BUCKET = "bigclip-bench"
 IMAGE_SIZE = 64

@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, write_results  # noqa: E402
 from bigclip.config import DataConfig  # noqa: E402
 from bigclip.data import build_tokenizer, build_train_loader, load_eval_set  # noqa: E402
-from bigclip.data.demo_data import write_demo_data  # noqa: E402
+from bigclip.demo.data import write_demo_data  # noqa: E402
 from bigclip.models import create_model  # noqa: E402
-from bigclip.ops.contrastive import ClipLoss  # noqa: E402
+from bigclip.ops.loss.contrastive import ClipLoss  # noqa: E402
 
 
 @torch.no_grad()

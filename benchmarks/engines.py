@@ -44,11 +44,11 @@ from common import print_table, write_results  # noqa: E402
 from bigclip.config import TrainConfig  # noqa: E402
 from bigclip.distributed import Runtime, free_port, init_distributed, spawn  # noqa: E402
 from bigclip.engines import Engine, build_engine  # noqa: E402
-from bigclip.engines.common import LocalShardOptimizer, local_tensor  # noqa: E402
+from bigclip.engines.optim import LocalShardOptimizer, local_tensor  # noqa: E402
 from bigclip.models import CLIPConfig, count_parameters, create_model, get_model_config  # noqa: E402
-from bigclip.ops.contrastive import build_loss  # noqa: E402
-from bigclip.run_setup import build_model  # noqa: E402
-from bigclip.train_step import contrastive_loss  # noqa: E402
+from bigclip.models.from_config import build_model  # noqa: E402
+from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
+from bigclip.train.step import contrastive_loss  # noqa: E402
 
 _ZERO = [("deepspeed", "zero1"), ("deepspeed", "zero2"), ("deepspeed", "zero3")]
 CPU_RUNS = [  # (engine, ds_config, optimizer, precision); the first row of each precision is the baseline

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from bigclip.distributed import spawn
-from bigclip.ops.contrastive import ChunkedContrastiveLoss, ClipLoss
+from bigclip.ops.loss.contrastive import ChunkedContrastiveLoss, ClipLoss
 
 METHODS = ("unchunked", "ring", "allgather")
 DIM = 1280

@@ -30,11 +30,11 @@ from common import print_table, write_results  # noqa: E402
 from bigclip.cli_args import parse_train_args  # noqa: E402
 from bigclip.distributed import free_port, init_distributed  # noqa: E402
 from bigclip.engines import build_engine  # noqa: E402
-from bigclip.ops.contrastive import build_loss  # noqa: E402
-from bigclip.plan import Hardware, build_plan  # noqa: E402
-from bigclip.plan_spec import from_train_config  # noqa: E402
-from bigclip.run_setup import build_model  # noqa: E402
-from bigclip.train_step import train_step  # noqa: E402
+from bigclip.models.from_config import build_model  # noqa: E402
+from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
+from bigclip.plan.report import Hardware, build_plan  # noqa: E402
+from bigclip.plan.spec import from_train_config  # noqa: E402
+from bigclip.train.step import train_step  # noqa: E402
 
 COMMON = ["--precision", "amp_bf16", "--grad-checkpointing", "--loss-chunk-size", "1024", "--lr", "1e-4"]
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3_vit_bigg.json")]

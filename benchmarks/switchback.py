@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from benchmarks.common import print_table, write_results
-from bigclip.ops.switchback import LINEAR_CLASSES, apply_int8
-from bigclip.ops.switchback_ops import BACKEND_ENV
+from bigclip.ops.int8.custom_ops import BACKEND_ENV
+from bigclip.ops.int8.switchback import LINEAR_CLASSES, apply_int8
 
 SHAPES = [(1664, 8192), (8192, 1664), (1280, 5120), (5120, 1280)]
 GPU_TOKENS = [8192, 16384, 32768, 65536, 131072]
@@ -135,7 +135,7 @@ def bench_e2e(model_name: str, batch: int, device: torch.device, *, steps: int) 
     """A training step (amp_bf16: fp32 weights, bf16 autocast; ClipLoss; fused AdamW): plain, then
     the same model and optimizer with each int8 variant swapped in (apply_int8 swaps in place)."""
     from bigclip.models import create_model
-    from bigclip.ops.contrastive import ClipLoss
+    from bigclip.ops.loss.contrastive import ClipLoss
 
     model = create_model(model_name, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)

@@ -12,16 +12,16 @@ import sys
 from bigclip.errors import BigclipError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("bigclip.train", "Train a CLIP model (same flags as `python -m bigclip.train`)."),
-    "demo": ("bigclip.demo", "End-to-end demo on CPU: data, S3, 2-rank training, resume, retrieval."),
-    "make-demo-data": ("bigclip.data.demo_data", "Write synthetic captioned-image webdataset shards."),
+    "train": ("bigclip.train.loop", "Train a CLIP model (same flags as `python -m bigclip.train`)."),
+    "demo": ("bigclip.demo.runner", "End-to-end demo on CPU: data, S3, 2-rank training, resume, retrieval."),
+    "make-demo-data": ("bigclip.demo.data", "Write synthetic captioned-image webdataset shards."),
     "models": ("bigclip.models.registry", "List model configs with their parameter counts."),
-    "doctor": ("bigclip.checkpoint.doctor", "Check S3 credentials, permissions and throughput."),
-    "consolidate": ("bigclip.checkpoint.consolidate", "Stream a sharded checkpoint into safetensors."),
-    "publish": ("bigclip.checkpoint.registry", "Publish an immutable named checkpoint."),
-    "checkpoints": ("bigclip.checkpoint.registry_cli", "List, show, verify or remove published checkpoints."),
-    "plan": ("bigclip.plan", "Per-GPU memory, FLOPs and checkpoint plan for a run."),
-    "slurm": ("bigclip.slurm", "Render an sbatch script for a multi-node run."),
+    "doctor": ("bigclip.storage.doctor", "Check S3 credentials, permissions and throughput."),
+    "consolidate": ("bigclip.weights.consolidate", "Stream a sharded checkpoint into safetensors."),
+    "publish": ("bigclip.registry.store", "Publish an immutable named checkpoint."),
+    "checkpoints": ("bigclip.registry.cli", "List, show, verify or remove published checkpoints."),
+    "plan": ("bigclip.plan.report", "Per-GPU memory, FLOPs and checkpoint plan for a run."),
+    "slurm": ("bigclip.launch.slurm", "Render an sbatch script for a multi-node run."),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bigclip.data.demo_data import DemoData, write_demo_data
+from bigclip.demo.data import DemoData, write_demo_data
 
 
 @pytest.fixture(scope="session")

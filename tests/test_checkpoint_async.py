@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from bigclip.checkpoint import CheckpointStore
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
-from bigclip.loopback_s3 import LoopbackS3
 
 
 def sharded_state(world: int, seed: int) -> dict:

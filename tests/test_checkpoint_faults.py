@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from s3_fault_proxy import FaultProxy
+from support.s3_fault_proxy import FaultProxy
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.checkpoint.manifest import MANIFEST_NAME
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.errors import StorageError
-from bigclip.loopback_s3 import LoopbackS3
-from bigclip.s3 import S3Settings
+from bigclip.storage.s3 import S3Settings
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

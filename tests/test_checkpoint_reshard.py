@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
 from bigclip.checkpoint import CheckpointStore
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
-from bigclip.loopback_s3 import LoopbackS3
 from bigclip.models.clip import CLIP, init_weights
 from bigclip.models.registry import get_model_config
 

@@ -14,10 +14,10 @@ import torch.distributed.checkpoint as dcp
 
 from bigclip.checkpoint import CheckpointStore, keep_last_for
 from bigclip.checkpoint.manifest import MANIFEST_NAME
-from bigclip.checkpoint.redact import REDACTED, redact
 from bigclip.config import CheckpointConfig, TrainConfig
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import StorageError
-from bigclip.loopback_s3 import LoopbackS3
+from bigclip.storage.redact import REDACTED, redact
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -19,23 +19,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from dcp_harness import whole_checkpoint
-from openclip_ref import open_clip_clip
 from safetensors import safe_open
 from safetensors.torch import load_file
+from support.dcp_harness import whole_checkpoint
+from support.openclip_ref import open_clip_clip
 from test_engine_deepspeed import config, make_engine, run_steps
 
 from bigclip.checkpoint import CheckpointStore
-from bigclip.checkpoint.blobs import BlobFolder
-from bigclip.checkpoint.consolidate import consolidate
-from bigclip.checkpoint.dcp_reader import DcpReader
-from bigclip.checkpoint.locations import LocalLocation
 from bigclip.cli import main as cli
 from bigclip.config import TrainConfig
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.errors import StorageError
-from bigclip.loopback_s3 import LoopbackS3
 from bigclip.models import create_model
+from bigclip.storage.blobs import BlobFolder
+from bigclip.storage.locations import LocalLocation
+from bigclip.weights.consolidate import consolidate
+from bigclip.weights.dcp_reader import DcpReader
 
 ENGINES_AT_2 = {"fsdp": config("fsdp"), "zero3": config("zero3"), "zero1": config("zero1")}
 BATCH = 12

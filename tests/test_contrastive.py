@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from openclip_ref import open_clip_model_module
+from support.openclip_ref import open_clip_model_module
 
 from bigclip.cli_args import parse_train_args
 from bigclip.config import LossConfig
 from bigclip.errors import ConfigError, NonFiniteLossError
-from bigclip.ops.contrastive import ChunkedContrastiveLoss, ClipLoss, SigLipLoss, build_loss
+from bigclip.ops.loss.contrastive import ChunkedContrastiveLoss, ClipLoss, SigLipLoss, build_loss
 
 # (local batch, chunk): chunks that divide the local batch, that do not, local batch 1, chunk > batch.
 SHAPES = [(8, 4), (6, 4), (5, 2), (1, 4), (7, 100)]

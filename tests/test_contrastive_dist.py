@@ -22,7 +22,7 @@ from test_contrastive import SHAPES, Inputs, Result, assert_matches, make_inputs
 
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError, NonFiniteLossError
-from bigclip.ops.contrastive import ChunkedContrastiveLoss, ClipLoss, SigLipLoss
+from bigclip.ops.loss.contrastive import ChunkedContrastiveLoss, ClipLoss, SigLipLoss
 
 pytestmark = pytest.mark.dist
 
@@ -52,7 +52,7 @@ def _loss_for(label: str, kind: str, rank: int, world: int) -> torch.nn.Module:
     if label == "baseline":
         return ClipLoss(local_loss=True, gather_with_grad=True) if kind == "clip" else SigLipLoss()
     if label == "openclip":
-        from openclip_ref import open_clip_model_module
+        from support.openclip_ref import open_clip_model_module
 
         open_clip_model_module()
         loss = importlib.import_module("open_clip.loss")

@@ -10,9 +10,9 @@ import pytest
 
 from bigclip.cli import main as bigclip_main
 from bigclip.data.decode import decode_sample
-from bigclip.data.demo_data import BACKGROUNDS, COLOURS, POSITIONS, all_attributes, write_demo_data
 from bigclip.data.shards import validate_shards
 from bigclip.data.tar_samples import ShardSamples
+from bigclip.demo.data import BACKGROUNDS, COLOURS, POSITIONS, all_attributes, write_demo_data
 from bigclip.errors import DataError
 
 

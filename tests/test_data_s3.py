@@ -8,10 +8,10 @@ import torch
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, write_dataset
 
 from bigclip.data import build_train_loader, iter_eval_samples, validate_shards
-from bigclip.data.demo_data import write_demo_data
 from bigclip.data.streams import S3ObjectStream, s3_client
+from bigclip.demo.data import write_demo_data
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import DataError
-from bigclip.loopback_s3 import LoopbackS3
 
 BUCKET = "bigclip-data-test"
 SIZES = [9, 14, 6, 11]

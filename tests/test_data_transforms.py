@@ -8,7 +8,6 @@ import pytest
 import torch
 from PIL import Image
 
-from bigclip.data.demo_data import all_attributes
 from bigclip.data.tokenizer import HashingTokenizer, build_tokenizer
 from bigclip.data.transforms import (
     OPENAI_CLIP_MEAN,
@@ -20,6 +19,7 @@ from bigclip.data.transforms import (
     to_normalized_tensor,
     train_transform,
 )
+from bigclip.demo.data import all_attributes
 from bigclip.errors import ConfigError
 
 

@@ -7,13 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bigclip.checkpoint import CheckpointStore
-from bigclip.checkpoint.locations import LocalLocation
-from bigclip.checkpoint.preflight import PROBE_PREFIX, check_access
 from bigclip.cli import main as bigclip_main
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import free_port
 from bigclip.errors import StorageError
-from bigclip.loopback_s3 import LoopbackS3
-from bigclip.s3 import S3Settings
+from bigclip.storage.locations import LocalLocation
+from bigclip.storage.preflight import PROBE_PREFIX, check_access
+from bigclip.storage.s3 import S3Settings
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import assert_same_weights, global_batch, tiny_config
+from support.engine_harness import assert_same_weights, global_batch, tiny_config
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import Engine, build_engine
-from bigclip.engines.common import make_optimizer, param_groups
 from bigclip.engines.fsdp import MAX_LOGIT_SCALE
+from bigclip.engines.optim import make_optimizer, param_groups
 from bigclip.models import create_model
-from bigclip.ops.contrastive import build_loss
-from bigclip.run_setup import build_model
-from bigclip.train_step import train_step
+from bigclip.models.from_config import build_model
+from bigclip.ops.loss.contrastive import build_loss
+from bigclip.train.step import train_step
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # CPU tests: spawned ranks inherit it before importing DeepSpeed
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_harness import whole_checkpoint
-from engine_harness import assert_same_weights
+from support.dcp_harness import whole_checkpoint
+from support.engine_harness import assert_same_weights
 from test_engine_deepspeed import config, make_engine, run_steps
 
 from bigclip.config import TrainConfig

@@ -10,15 +10,15 @@ import sys
 
 import pytest
 import torch
-from engine_harness import tiny_config
+from support.engine_harness import tiny_config
 from test_engine_deepspeed import DS_CONFIGS, STAGES
 
 from bigclip.cli_args import parse_train_args
 from bigclip.distributed import Runtime
 from bigclip.engines import build_engine
-from bigclip.engines.common import read_moments, write_moments
 from bigclip.engines.deepspeed_config import DS_INSTALL, load_ds_config, resolve_ds_config
 from bigclip.engines.deepspeed_layout import flat_boxes
+from bigclip.engines.optim import read_moments, write_moments
 from bigclip.errors import ConfigError
 
 WIDTH = 64  # the tiny model's width

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_harness import demo_argv, resume_and_inspect
+from support.train_harness import demo_argv, resume_and_inspect
 
 from bigclip.distributed import free_port, spawn
 

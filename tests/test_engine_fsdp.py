@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from engine_harness import assert_same_weights, run_engine, tiny_config
+from support.engine_harness import assert_same_weights, run_engine, tiny_config
 
 from bigclip.distributed import spawn
 from bigclip.models import create_model

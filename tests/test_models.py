@@ -5,7 +5,7 @@ import tracemalloc
 
 import pytest
 import torch
-from openclip_ref import open_clip_clip
+from support.openclip_ref import open_clip_clip
 
 from bigclip.errors import ConfigError
 from bigclip.models import count_parameters, create_model, init_weights, list_models

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from s3_fault_proxy import FaultProxy  # tests/ is on sys.path (rootdir conftest)
+from support.s3_fault_proxy import FaultProxy  # tests/ is on sys.path (rootdir conftest)
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.checkpoint.catalog import read_manifest, step_folder
 from bigclip.cli_args import parse_train_args
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError
-from bigclip.loopback_s3 import LoopbackS3
 from bigclip.models.transformer import ResidualAttentionBlock
-from bigclip.ops.switchback import apply_int8
-from bigclip.plan import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, main, s3_requests
-from bigclip.plan_memory import Tower, block_saved_per_token, loss_buffer_bytes
-from bigclip.plan_spec import PlanSpec, from_train_config
-from bigclip.s3 import S3Settings
+from bigclip.ops.int8.switchback import apply_int8
+from bigclip.plan.memory import Tower, block_saved_per_token, loss_buffer_bytes
+from bigclip.plan.report import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, main, s3_requests
+from bigclip.plan.spec import PlanSpec, from_train_config
+from bigclip.storage.s3 import S3Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,9 +10,9 @@ import pytest
 
 from bigclip.cli_args import parse_train_args
 from bigclip.errors import ConfigError
-from bigclip.plan import Hardware, build_plan
-from bigclip.plan_dryrun import run_dry_run, split_gpus
-from bigclip.plan_spec import from_train_config
+from bigclip.plan.dryrun import run_dry_run, split_gpus
+from bigclip.plan.report import Hardware, build_plan
+from bigclip.plan.spec import from_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3.json")]

@@ -3,10 +3,10 @@
 import signal
 
 import pytest
-from launch_harness import read_keys, srun_like, wait_all, wait_for_step
-from train_harness import demo_argv
+from support.launch_harness import read_keys, srun_like, wait_all, wait_for_step
+from support.train_harness import demo_argv
 
-from bigclip.preemption import REQUEUE_EXIT_CODE
+from bigclip.train.preemption import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.dist
 

@@ -15,23 +15,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import global_batch
-from openclip_ref import open_clip_clip
 from safetensors.torch import save_file
+from support.engine_harness import global_batch
+from support.openclip_ref import open_clip_clip
+from support.train_harness import demo_argv
 from test_engine_deepspeed import DS_CONFIGS
 from test_registry import largest_payload
-from train_harness import demo_argv
 
 from bigclip.checkpoint import CheckpointStore
-from bigclip.checkpoint.consolidate import consolidate
-from bigclip.checkpoint.registry import Registry
-from bigclip.checkpoint.sources import open_weights
 from bigclip.cli_args import parse_train_args
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.errors import BigclipError, ConfigError
-from bigclip.loopback_s3 import LoopbackS3
 from bigclip.models import create_model
-from bigclip.pretrained import match_weights
+from bigclip.registry.store import Registry
+from bigclip.weights.consolidate import consolidate
+from bigclip.weights.pretrained import match_weights
+from bigclip.weights.sources import open_weights
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def leases_on(registry: str, name: str) -> int:
 def start_trainer(rank: int, world: int, cases: list[tuple[list[str], str]]) -> list[dict]:
     """Worker: for each case, set up a run (the real trainer's setup), report its weights and
     whether rank 0 held a lease while it lived, then end it."""
-    from bigclip.train import close_run, setup
+    from bigclip.train.loop import close_run, setup
 
     out = []
     for argv, registry in cases:

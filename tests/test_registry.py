@@ -23,18 +23,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bigclip.checkpoint import CheckpointStore, sinks
-from bigclip.checkpoint.blobs import BlobFolder
-from bigclip.checkpoint.consolidate import consolidate
-from bigclip.checkpoint.dcp_chunks import locate_payload
-from bigclip.checkpoint.dcp_reader import DcpReader
-from bigclip.checkpoint.leases import HeldLease
-from bigclip.checkpoint.locations import LocalLocation
-from bigclip.checkpoint.registry import Registry
+from bigclip.checkpoint import CheckpointStore
 from bigclip.cli import main as cli
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError, StorageError
-from bigclip.loopback_s3 import LoopbackS3
 from bigclip.models import create_model
+from bigclip.registry.leases import HeldLease
+from bigclip.registry.store import Registry
+from bigclip.storage import sinks
+from bigclip.storage.blobs import BlobFolder
+from bigclip.storage.locations import LocalLocation
+from bigclip.weights.consolidate import consolidate
+from bigclip.weights.dcp_chunks import locate_payload
+from bigclip.weights.dcp_reader import DcpReader
 
 
 @pytest.fixture(scope="module")

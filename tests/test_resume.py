@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from train_harness import demo_argv, resume_and_inspect, train_and_weights
+from support.train_harness import demo_argv, resume_and_inspect, train_and_weights
 
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from support.train_harness import train_and_weights
 from test_resume import _argv
-from train_harness import train_and_weights
 
 from bigclip.distributed import spawn
 

@@ -19,7 +19,7 @@ import pytest
 
 from bigclip.cli_args import parse_train_args
 from bigclip.errors import ConfigError
-from bigclip.slurm import main as slurm_main
+from bigclip.launch.slurm import main as slurm_main
 
 ROOT = Path(__file__).resolve().parents[1]
 BIGG = ["--model", "ViT-bigG-14", "--batch-size", "160", "--grad-checkpointing", "--loss-chunk-size", "1024",

@@ -1,5 +1,5 @@
 """SwitchBack int8 linears on the PyTorch path: numerics against fp32 nn.Linear within the error
-bound derived in bigclip.ops.switchback, quantisation rules, bad input, and the model swap."""
+bound derived in bigclip.ops.int8.switchback, quantisation rules, bad input, and the model swap."""
 
 import math
 
@@ -11,8 +11,9 @@ from torch import nn
 from bigclip.errors import ConfigError
 from bigclip.models import create_model
 from bigclip.models.clip import CLIP, CLIPConfig, TextConfig, VisionConfig
-from bigclip.ops import switchback_ops, switchback_torch
-from bigclip.ops.switchback import (
+from bigclip.ops.int8 import custom_ops as switchback_ops
+from bigclip.ops.int8 import torch_path as switchback_torch
+from bigclip.ops.int8.switchback import (
     INT8_MODES,
     LINEAR_CLASSES,
     SwitchBackLinear,
@@ -293,7 +294,7 @@ TRAIN_STEPS = 12
 
 
 def _train_tiny(mode: str, steps: int) -> list[float]:
-    from bigclip.ops.contrastive import ClipLoss
+    from bigclip.ops.loss.contrastive import ClipLoss
 
     model = create_model("tiny", device="cpu", seed=0)
     if mode != "none":

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bigclip.distributed import spawn
 from bigclip.models import create_model, param_generator, param_initializers
-from bigclip.ops.switchback import SwitchBackLinear, apply_int8
+from bigclip.ops.int8.switchback import SwitchBackLinear, apply_int8
 
 pytestmark = pytest.mark.dist
 

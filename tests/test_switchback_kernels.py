@@ -50,7 +50,7 @@ def _int8_pair(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _matmul_case(dtype: torch.dtype, per_row: bool, with_bias: bool) -> Case:
     def run(backend: ModuleType) -> list[torch.Tensor]:
-        from bigclip.ops import switchback_torch as ref
+        from bigclip.ops.int8 import torch_path as ref
 
         g = torch.Generator().manual_seed(1)
         x, w = _hard_rows(40, 64, dtype), torch.randn(48, 64, generator=g).to(dtype)
@@ -66,10 +66,12 @@ def _layer_case(quantization: str) -> Case:
     """The whole autograd path (incl. transposed weight quantisation in backward) on one backend."""
 
     def run(backend: ModuleType) -> list[torch.Tensor]:
-        from bigclip.ops import switchback_ops
-        from bigclip.ops.switchback import LINEAR_CLASSES
+        from bigclip.ops.int8 import custom_ops as switchback_ops
+        from bigclip.ops.int8.switchback import LINEAR_CLASSES
 
-        os.environ[switchback_ops.BACKEND_ENV] = "torch" if backend.__name__.endswith("_torch") else "triton"
+        os.environ[switchback_ops.BACKEND_ENV] = (
+            "torch" if backend.__name__.endswith("torch_path") else "triton"
+        )
         assert switchback_ops.backend_for(torch.empty(0)) is backend
         torch.manual_seed(0)
         layer = LINEAR_CLASSES[quantization].from_linear(nn.Linear(64, 96))
@@ -83,7 +85,7 @@ def _layer_case(quantization: str) -> Case:
 
 def _dequantize_case(dtype: torch.dtype) -> Case:
     def run(backend: ModuleType) -> list[torch.Tensor]:
-        from bigclip.ops import switchback_torch as ref
+        from bigclip.ops.int8 import torch_path as ref
 
         return [backend.dequantize_rows(*ref.quantize_rows(_hard_rows(19, 80, torch.float32)), dtype)]
 
@@ -121,7 +123,8 @@ CASES = _cases()
 
 def run_all_cases(out_path: str) -> None:
     """In the subprocess: each case on the Triton kernels (interpreted) and on the PyTorch path."""
-    from bigclip.ops import switchback_kernels, switchback_torch
+    from bigclip.ops.int8 import kernels as switchback_kernels
+    from bigclip.ops.int8 import torch_path as switchback_torch
 
     assert switchback_kernels.interpreting()
     results = {name: (case(switchback_kernels), case(switchback_torch)) for name, case in CASES.items()}
@@ -234,7 +237,7 @@ def test_kernels_compile_for_nvidia_gpus(arch):
     the GEMM must use int8 tensor-core instructions and a multi-stage pipeline of async copies."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("kernels are interpreted in this process")
-    from bigclip.ops import switchback_kernels as kernels
+    from bigclip.ops.int8 import kernels
 
     _compile(kernels._quantize_rows_kernel, _ROWS_SIGNATURE, {"BLOCK": 8192}, arch, num_warps=8)
     for per_column, transpose in [(False, False), (False, True), (True, True)]:

@@ -8,7 +8,7 @@ from torch import nn
 
 from bigclip.distributed import spawn
 from bigclip.models.transformer import Transformer
-from bigclip.ops.switchback import SwitchBackLinear, SwitchBackProjection, apply_int8
+from bigclip.ops.int8.switchback import SwitchBackLinear, SwitchBackProjection, apply_int8
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -10,12 +10,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from s3_fault_proxy import FaultProxy
+from support.s3_fault_proxy import FaultProxy
 
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError, StorageError
-from bigclip.loopback_s3 import LoopbackS3
-from bigclip.s3 import S3Settings
-from bigclip.sync import RemoteSync
+from bigclip.storage.s3 import S3Settings
+from bigclip.train.remote_sync import RemoteSync
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_failures_are_logged_retried_and_never_raised(tmp_path, s3, caplog):
         settings = S3Settings(region="us-east-1", endpoint=proxy.endpoint)
         sync = RemoteSync(run, f"s3://sync-tests/{prefix}", s3=settings)
         proxy.add_rule("slowdown", method="PUT", path_contains="out.log", times=-1)
-        with caplog.at_level(logging.WARNING, logger="bigclip.sync"):
+        with caplog.at_level(logging.WARNING, logger="bigclip.train.remote_sync"):
             report = sync.sync_once()
         assert list(report.failed) == ["out.log"] and "out.log not copied" in caplog.text
         proxy.clear_rules()

@@ -4,8 +4,8 @@ import math
 from pathlib import Path
 
 import pytest
+from support.train_harness import demo_argv, train_worker
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from train_harness import demo_argv, train_worker
 
 from bigclip.distributed import spawn
 

@@ -1,11 +1,10 @@
-"""Checkpoints: storage (local / S3), commit manifest, async save, resume, consolidation.
-
-The training loop needs only `CheckpointStore` (see `store.py` for the protocol) and
-`keep_last_for`; `bigclip doctor` lives in `doctor.py`.
+"""The training-time checkpoint store: sharded DCP saves committed by a manifest (store, manifest,
+catalog), async saves, their own process group, and loading without trusting the bytes.
+May import storage, config, distributed and errors. The loop needs `CheckpointStore`.
 """
 
+from bigclip.checkpoint.async_save import AsyncSave
 from bigclip.checkpoint.manifest import Manifest
-from bigclip.checkpoint.pending import AsyncSave
 from bigclip.checkpoint.store import LATEST, CheckpointStore, keep_last_for
 
 __all__ = ["LATEST", "AsyncSave", "CheckpointStore", "Manifest", "keep_last_for"]

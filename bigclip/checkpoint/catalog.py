@@ -13,8 +13,8 @@ import logging
 import re
 from dataclasses import dataclass
 
-from bigclip.checkpoint.locations import Location
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
+from bigclip.storage.locations import Location
 
 log = logging.getLogger("bigclip.checkpoint")
 

@@ -15,10 +15,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bigclip.checkpoint.hashing import CHECKSUM_ALGORITHM, ObjectRecord, sha256_of_stream
-from bigclip.checkpoint.locations import Location
-from bigclip.checkpoint.redact import redact
 from bigclip.errors import StorageError
+from bigclip.storage.hashing import CHECKSUM_ALGORITHM, ObjectRecord, sha256_of_stream
+from bigclip.storage.locations import Location
+from bigclip.storage.redact import redact
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "bigclip-checkpoint"

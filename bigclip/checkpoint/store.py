@@ -32,17 +32,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from bigclip.checkpoint import catalog
+from bigclip.checkpoint.async_save import AsyncSave
 from bigclip.checkpoint.coordination import CheckpointGroup
-from bigclip.checkpoint.hashing import HashingFileSystem
-from bigclip.checkpoint.locations import Location, open_location
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
-from bigclip.checkpoint.pending import AsyncSave
-from bigclip.checkpoint.preflight import check_access, explain_error
 from bigclip.checkpoint.safe_load import SafeLoadPlanner, unwrap_checkpoint_exception
 from bigclip.config import CheckpointConfig
 from bigclip.distributed import launch_env
 from bigclip.errors import StorageError
-from bigclip.s3 import S3Settings, is_s3
+from bigclip.storage.hashing import HashingFileSystem
+from bigclip.storage.locations import Location, open_location
+from bigclip.storage.preflight import check_access, explain_error
+from bigclip.storage.s3 import S3Settings, is_s3
 
 log = logging.getLogger("bigclip.checkpoint")
 

@@ -1,4 +1,6 @@
-"""Data: webdataset pipeline (local or S3), transforms, tokenizer, demo-data generator.
+"""Training and evaluation data: webdataset shards from disk or S3, decoded, transformed,
+tokenized and batched by workers, with an exact, world-size-free position (resume/).
+May import storage, config, distributed and errors.
 
     shards = validate_data(cfg.data, world_size=n)   # before building the model: DataError in seconds
     tokenizer = build_tokenizer(cfg.data.tokenizer, context_length=L, vocab_size=V)
@@ -9,11 +11,10 @@
     held_out = load_eval_set(cfg.data.val_data, image_size=S, tokenizer=tokenizer)
 
 Module map: shards (patterns, existence, sizes) -> streams (local / S3 bytes) ->
-tar_samples (samples + cursors) -> decode -> worker (read, transform, batch; randomness keyed
-by position, reader_state to continue) -> batching + loader (consumer side: worker order,
-re-batching, epoch end, position) with plan + position + stream_state (who reads what; what
-has been consumed; how to continue the same stream). eval, transforms, tokenizer, demo_data
-stand alone.
+tar_samples (samples + cursors) -> decode -> worker (read, transform, batch) -> batching +
+loader (consumer side: worker order, re-batching, epoch end). resume/ holds who reads what
+(assignment), what has been consumed (position) and how to continue the same stream
+(reader_state, stream_state, randomness). eval, transforms and tokenizer stand alone.
 """
 
 from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set

@@ -19,7 +19,7 @@ from bigclip.data.shards import validate_shards
 from bigclip.data.tar_samples import ShardSamples
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.data.transforms import eval_transform
-from bigclip.s3 import S3Settings
+from bigclip.storage.s3 import S3Settings
 
 
 @dataclass

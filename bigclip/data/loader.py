@@ -44,19 +44,19 @@ from torch.utils.data import DataLoader
 
 from bigclip.config import DataConfig
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
-from bigclip.data.plan import ReaderPlan, plan_readers
-from bigclip.data.position import DataPosition, RankProgress
-from bigclip.data.randomness import stream_key
-from bigclip.data.reader_state import ReaderState
+from bigclip.data.resume.assignment import ReaderPlan, plan_readers
+from bigclip.data.resume.position import DataPosition, RankProgress
+from bigclip.data.resume.randomness import stream_key
+from bigclip.data.resume.reader_state import ReaderState
+from bigclip.data.resume.stream_state import RankStream, StreamSettings, StreamState
 from bigclip.data.shards import ShardList, validate_shards
-from bigclip.data.stream_state import RankStream, StreamSettings, StreamState
 from bigclip.data.tar_samples import Cursor
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.data.transforms import train_transform
 from bigclip.data.worker import ReaderSpec, ReaderStream
 from bigclip.distributed import cpu_group
 from bigclip.errors import DataError
-from bigclip.s3 import S3Settings
+from bigclip.storage.s3 import S3Settings
 
 FORK_SETTLE_S = 0.05  # see _settle_before_fork
 

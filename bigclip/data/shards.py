@@ -26,7 +26,7 @@ from braceexpand import braceexpand
 
 from bigclip.data.streams import s3_client
 from bigclip.errors import DataError
-from bigclip.s3 import S3Settings, is_s3, join_s3_uri, split_s3_uri
+from bigclip.storage.s3 import S3Settings, is_s3, join_s3_uri, split_s3_uri
 
 log = logging.getLogger("bigclip.data")
 

@@ -16,7 +16,7 @@ import os
 from typing import Any, BinaryIO
 
 from bigclip.errors import DataError
-from bigclip.s3 import S3Settings, is_s3, split_s3_uri
+from bigclip.storage.s3 import S3Settings, is_s3, split_s3_uri
 
 READ_BUFFER_BYTES = 1 << 20
 S3_REOPEN_ATTEMPTS = 5

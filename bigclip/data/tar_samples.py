@@ -24,7 +24,7 @@ from webdataset.tariterators import base_plus_ext
 
 from bigclip.data.streams import open_shard
 from bigclip.errors import DataError
-from bigclip.s3 import S3Settings
+from bigclip.storage.s3 import S3Settings
 
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz")
 

@@ -30,12 +30,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from bigclip.data.decode import decode_sample
-from bigclip.data.plan import ShardTask
-from bigclip.data.randomness import choose, keyed_rng
-from bigclip.data.reader_state import OpenShardState, ReaderState, encode_row
+from bigclip.data.resume.assignment import ShardTask
+from bigclip.data.resume.randomness import choose, keyed_rng
+from bigclip.data.resume.reader_state import OpenShardState, ReaderState, encode_row
 from bigclip.data.tar_samples import START, Cursor, RawSample, ShardSamples
 from bigclip.data.tokenizer import Tokenizer
-from bigclip.s3 import S3Settings
+from bigclip.storage.s3 import S3Settings
 
 log = logging.getLogger("bigclip.data")
 

@@ -1,4 +1,7 @@
-"""Sharding engines behind one interface (`Engine`): torch FSDP2 and DeepSpeed ZeRO."""
+"""Sharding engines behind one interface (`Engine`): torch FSDP2 and DeepSpeed ZeRO 1/2/3, with one
+optim module (parameter groups, AdamW / 8-bit, clipping, loss scaling, moments).
+May import models, ops, config, distributed and errors; DeepSpeed and bitsandbytes only lazily.
+"""
 
 from __future__ import annotations
 

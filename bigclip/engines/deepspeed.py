@@ -35,7 +35,6 @@ from torch import nn
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.engines.base import Engine, StepStats
-from bigclip.engines.common import Precision, make_optimizer, param_groups, set_lr
 from bigclip.engines.deepspeed_config import (
     DeepSpeedPlan,
     import_deepspeed,
@@ -44,6 +43,7 @@ from bigclip.engines.deepspeed_config import (
 )
 from bigclip.engines.deepspeed_layout import ZeroLayout
 from bigclip.engines.deepspeed_state import DeepSpeedModelState, DeepSpeedOptimState
+from bigclip.engines.optim import Precision, make_optimizer, param_groups, set_lr
 from bigclip.errors import ConfigError
 from bigclip.models import CLIP, get_model_config, param_generator, param_initializers
 
@@ -101,7 +101,7 @@ class DeepSpeedEngine(Engine):
     def _materialise(self, model: CLIP) -> CLIP:
         if self.plan.stage != 3:
             return model.to_empty(device=self.runtime.device) if _on_meta(model) else model
-        from bigclip.run_setup import build_model
+        from bigclip.models.from_config import build_model
 
         with self.deepspeed.zero.Init(config_dict_or_path=self.plan.config):
             # Inside zero.Init each module's parameters are partitioned right after it is built;

@@ -29,7 +29,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.stateful import Stateful
 
-from bigclip.engines.common import (
+from bigclip.engines.deepspeed_layout import ZeroLayout, flat_boxes
+from bigclip.engines.optim import (
     MOMENTS,
     create_optimizer_state,
     excluded_from_weight_decay,
@@ -38,7 +39,6 @@ from bigclip.engines.common import (
     set_step,
     write_moments,
 )
-from bigclip.engines.deepspeed_layout import ZeroLayout, flat_boxes
 
 
 def sharded(

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bigclip.engines.base import Engine, StepStats
-from bigclip.engines.common import (
+from bigclip.engines.optim import (
     DynamicLossScaler,
     LocalShardOptimizer,
     Precision,

@@ -1,4 +1,7 @@
-"""OpenCLIP-compatible CLIP models. Plain nn.Modules: no distributed code lives here."""
+"""OpenCLIP-compatible CLIP models: plain nn.Modules, OpenCLIP's JSON configs and weight names,
+and `build_model(cfg)` (from_config), which applies a run's model options. No distributed code.
+May import config, errors and ops (int8 swap); never engines, data or train.
+"""
 
 from bigclip.models.clip import CLIP, CLIPConfig, init_weights, param_generator, param_initializers
 from bigclip.models.registry import count_parameters, create_model, get_model_config, list_models

@@ -36,7 +36,7 @@ class Attention(nn.Module):
     """Multi-head self-attention with nn.MultiheadAttention's parameter layout.
 
     `in_proj` is the function that applies the fused QKV projection; int8 layers replace it
-    (see bigclip.ops.switchback) while the parameters keep their names.
+    (see bigclip.ops.int8.switchback) while the parameters keep their names.
     """
 
     def __init__(self, width: int, heads: int, *, device: torch.device | str | None = None) -> None:

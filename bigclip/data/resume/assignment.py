@@ -1,0 +1,129 @@
+"""Which reader (rank x data worker) reads which shards, for an epoch or the rest of one.
+
+Every rank computes the same plan from (shards, position, seed, world size, workers), so
+no communication is needed. The epoch's shard order is a seeded shuffle of all shards;
+the remaining shards (partial ones first, so in-progress work finishes early, then the
+untouched ones in epoch order) are dealt greedily to the least-loaded rank, then within a
+rank to its least-loaded worker. Load is the remaining sample count (sizes.json; the mean
+size where unknown), so ranks end the epoch close together even after a resume has left
+partial shards of very different lengths. With equal shards this is round robin.
+
+A plan is made once per stream, from its origin: the epoch's start, or the position a run
+resumed from at other settings. A resume at the same settings (stream_state.py) recomputes
+the plan from the saved origin instead of re-dealing what is left, and restarts every reader
+where it was; `plan_readers` decides which, and logs why when it cannot continue exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+from dataclasses import dataclass
+
+from bigclip.data.resume.position import DataPosition
+from bigclip.data.resume.stream_state import RankStream, StreamSettings
+from bigclip.data.shards import ShardList
+from bigclip.data.tar_samples import Cursor
+
+log = logging.getLogger("bigclip.data")
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    shard: int  # index into ShardList.urls
+    url: str
+    start: Cursor
+
+
+def epoch_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
+    order = list(range(num_shards))
+    # A str seed is hashed with SHA-512: the same shuffle in every process and Python version.
+    random.Random(f"bigclip-shards-{seed}-{epoch}").shuffle(order)
+    return order
+
+
+def remaining_tasks(shards: ShardList, position: DataPosition, *, seed: int) -> list[ShardTask]:
+    order = epoch_order(len(shards), seed=seed, epoch=position.epoch)
+    partial = [s for s in order if s in position.cursors and s not in position.done]
+    untouched = [s for s in order if s not in position.cursors and s not in position.done]
+    return [ShardTask(s, shards.urls[s], position.cursor(s)) for s in partial + untouched]
+
+
+def _remaining_samples(task: ShardTask, shards: ShardList, mean_size: float) -> float:
+    size = shards.sizes[task.shard]
+    total = float(size) if size is not None else mean_size
+    return max(total - task.start.index, 1.0)
+
+
+def _deal(loads: list[float], items: list[tuple[float, ShardTask]]) -> list[list[ShardTask]]:
+    """Greedy: each item, in order, to the least-loaded bin (lowest index on ties)."""
+    bins: list[list[ShardTask]] = [[] for _ in loads]
+    heap = [(load, i) for i, load in enumerate(loads)]
+    heapq.heapify(heap)
+    for weight, task in items:
+        load, i = heapq.heappop(heap)
+        bins[i].append(task)
+        heapq.heappush(heap, (load + weight, i))
+    return bins
+
+
+def assign(
+    tasks: list[ShardTask], shards: ShardList, *, world_size: int, workers: int
+) -> list[list[list[ShardTask]]]:
+    """tasks -> plan[rank][worker] = shards that reader reads, in order."""
+    known = [s for s in shards.sizes if s is not None]
+    mean_size = sum(known) / len(known) if known else 1.0
+    weighted = [(_remaining_samples(t, shards, mean_size), t) for t in tasks]
+    weight_of = {t.shard: w for w, t in weighted}
+    per_rank = _deal([0.0] * world_size, weighted)
+    readers = max(1, workers)
+    return [_deal([0.0] * readers, [(weight_of[t.shard], t) for t in rank_tasks]) for rank_tasks in per_rank]
+
+
+@dataclass
+class ReaderPlan:
+    """One rank's readers for a stream: the origin their plan comes from, their shards, where they start."""
+
+    origin: DataPosition
+    tasks: list[list[ShardTask]]  # per worker, in reading order (empty with --dataset-resampled)
+    stream: RankStream  # readers' states, the round robin's place, the re-batcher's carry
+    exact: bool  # continues the saved stream exactly
+
+
+def plan_readers(
+    shards: ShardList, start: DataPosition, settings: StreamSettings, *, rank: int
+) -> ReaderPlan:
+    """The saved stream continued when `settings` match it, else the rest of the epoch re-planned."""
+    origin, stream, exact = _continuation(start, settings, rank=rank)
+    if exact:
+        origin.check_compatible(shards, epoch=start.epoch, resampled=start.resampled)
+    tasks: list[list[ShardTask]] = [[] for _ in range(settings.readers)]
+    if not start.resampled:
+        remaining = remaining_tasks(shards, origin, seed=settings.seed)
+        tasks = assign(remaining, shards, world_size=settings.world_size, workers=settings.workers)[rank]
+    return ReaderPlan(origin, tasks, stream, exact)
+
+
+def _continuation(
+    start: DataPosition, settings: StreamSettings, *, rank: int
+) -> tuple[DataPosition, RankStream, bool]:
+    """(origin, this rank's stream state, exact): the saved ones, or a fresh stream from `start`."""
+    saved = start.stream
+    changes = settings.changes_from(saved.settings) if saved is not None else []
+    if saved is not None and not changes:
+        if rank == 0:
+            log.info(
+                "data: continuing the saved stream exactly (epoch %d, %d samples in)",
+                start.epoch,
+                start.samples,
+            )
+        return DataPosition.from_json(saved.origin), saved.ranks[rank], True
+    if rank == 0 and start.samples:
+        why = ", ".join(changes) if changes else "the position holds no stream state"
+        log.info(
+            "data: re-planning the rest of epoch %d over %d x %d readers (%s): every sample once, "
+            "but not in the order an uninterrupted run would have used",
+            start.epoch, settings.world_size, settings.readers, why,
+        )  # fmt: skip
+    return start.without_stream(), RankStream.fresh(settings.readers), False

@@ -1,0 +1,258 @@
+"""`bigclip plan`: per-GPU memory, FLOPs, step time and checkpoint traffic of a run, before running it.
+
+    bigclip plan --gpus 1024 --gpu-memory-gib 80 --model ViT-bigG-14 --batch-size 160 \\
+        --grad-checkpointing --loss-chunk-size 1024 [any other training flag]   [--dry-run] [--json]
+
+It takes the training command's own flags, so the plan describes the run they would start.
+Memory (rank 0, the largest shard) comes from `plan_state` (model state, replaying each engine's
+sharding; checked against a fake-process-group dry run of the real engines, `--dry-run`) and
+`plan_memory` (activations from each block's saved tensors, loss and communication buffers).
+FLOPs count every matmul of the forward (2 per multiply-add; patch dropout shortens the vision
+sequence), x3 for forward + backward; recomputation under --grad-checkpointing is hardware work,
+not model work, so it is not in the model FLOPs that MFU divides. Checkpoints hold, per parameter,
+the master weight and two Adam moments (4 + 8 bytes; 2 + 4 with pure_bf16). S3 requests follow what
+a save does (measured against a loopback endpoint, tests/test_plan.py): per rank one HEAD of
+.metadata and `io_threads` multipart uploads of (2 + parts) requests each; rank 0 adds 12 (clear
+the step folder, write and rename .metadata, write the manifest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bigclip.cli_args import parse_train_args
+from bigclip.errors import ConfigError
+from bigclip.models import get_model_config
+from bigclip.plan.memory import MemoryPlan, plan_memory, towers
+from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
+from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes, from_train_config, model_params
+
+GiB = 2**30
+S3_WRITES_PER_PREFIX_PER_S = 3500  # AWS's documented PUT/COPY/POST/DELETE rate per partitioned prefix
+RANK0_EXTRA_REQUESTS = 12  # HEAD+LIST (clear the folder), .metadata (3 + HEAD x2, copy, delete), manifest (3)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_memory_gib: float = 80.0
+    headroom: float = 0.08  # CUDA context, NCCL buffers, allocator fragmentation
+    peak_tflops: float = 989.0  # H100 SXM dense bf16
+    mfu: float = 0.40
+    part_size_mib: float = 8.0  # s3torchconnector's multipart part size
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: PlanSpec
+    hardware: Hardware
+    memory: MemoryPlan
+    forward_flops_per_sample: float
+    checkpoint_total_bytes: int
+    checkpoint_rank0_bytes: int
+    s3_requests_per_save: int
+
+    @property
+    def fits(self) -> bool:
+        usable = self.hardware.gpu_memory_gib * (1 - self.hardware.headroom) * GiB
+        return self.memory.peak <= usable
+
+    @property
+    def model_flops_per_step(self) -> float:
+        return 3 * self.forward_flops_per_sample * self.spec.global_batch
+
+    @property
+    def step_time_s(self) -> float:
+        per_gpu = self.model_flops_per_step / self.spec.gpus
+        return per_gpu / (self.hardware.mfu * self.hardware.peak_tflops * 1e12)
+
+
+def forward_flops(spec: PlanSpec) -> float:
+    """Forward FLOPs of one image-text pair: 2 per multiply-add of every matmul."""
+    cfg = get_model_config(spec.model)
+    v = cfg.vision_cfg
+    total = 0.0
+    for tower in towers(spec).values():
+        w, s = tower.width, tower.tokens
+        total += tower.layers * s * (2 * (4 * w * w + 2 * w * tower.mlp) + 4 * s * w)
+    patches = (v.image_size // v.patch_size) ** 2
+    total += 2 * 3 * v.patch_size**2 * v.width * patches  # the patch embedding sees every patch
+    return total + 2 * (v.width + cfg.text_cfg.width) * cfg.embed_dim
+
+
+def rank0_numel(spec: PlanSpec, params: list[ParamInfo]) -> int:
+    """Elements of model state rank 0 owns (and so checkpoints)."""
+    if spec.engine == "fsdp":
+        return sum(fsdp_shard_numel(p, spec.gpus) for p in params)
+    if spec.engine == "zero3":
+        return sum(zero3_partition_numel(p, spec.gpus) for p in params)
+    return math.ceil(sum(p.numel for p in params) / spec.gpus)
+
+
+def s3_requests(object_sizes: list[int], *, part_size: int) -> int:
+    """Requests of one rank's multipart uploads (create, parts, complete) and its HEAD of .metadata."""
+    return 1 + sum(2 + max(1, math.ceil(size / part_size)) for size in object_sizes)
+
+
+def build_plan(spec: PlanSpec, hardware: Hardware) -> Plan:
+    params = model_params(spec)
+    per_element = 3 * dtype_bytes(spec.dtypes.param_dtype)  # master weight + two moments
+    rank0 = rank0_numel(spec, params) * per_element
+    files = [math.ceil(rank0 / spec.io_threads)] * spec.io_threads
+    part = int(hardware.part_size_mib * 2**20)
+    return Plan(
+        spec=spec,
+        hardware=hardware,
+        memory=plan_memory(spec, params),
+        forward_flops_per_sample=forward_flops(spec),
+        checkpoint_total_bytes=sum(p.numel for p in params) * per_element,
+        checkpoint_rank0_bytes=rank0,
+        s3_requests_per_save=spec.gpus * s3_requests(files, part_size=part) + RANK0_EXTRA_REQUESTS,
+    )
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def report_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The plan as (quantity, value) rows, for the terminal and the README."""
+    m, s = plan.memory, plan.memory.state
+    gib = human_bytes
+    phase = "end of forward" if m.forward_peak >= m.step_peak else "optimizer step"
+    verdict = "yes" if plan.fits else "NO"
+    rows = [
+        ("parameters", gib(s.parameters)),
+        ("gradients", gib(s.gradients)),
+        ("optimizer state", gib(s.optimizer)),
+        ("activations", gib(m.activations + m.backward_workspace)),
+        ("loss buffers", gib(m.loss_buffers)),
+        ("communication buffers", gib(m.communication)),
+        ("optimizer-step temporaries", gib(m.step_temporaries)),
+        ("peak per GPU", f"{gib(m.peak)} ({phase})"),
+        (
+            f"fits {plan.hardware.gpu_memory_gib:g} GiB",
+            f"{verdict} ({1 - plan.hardware.headroom:.0%} usable)",
+        ),
+    ]
+    if s.host_total:
+        rows.append(("CPU memory per rank (offload)", gib(s.host_total)))
+    return rows + _throughput_rows(plan) + _checkpoint_rows(plan)
+
+
+def _throughput_rows(plan: Plan) -> list[tuple[str, str]]:
+    hw = plan.hardware
+    return [
+        ("global batch", f"{plan.spec.global_batch:,}"),
+        ("model FLOPs per step", f"{plan.model_flops_per_step:.3e}"),
+        (f"step time at {hw.mfu:.0%} MFU", f"{plan.step_time_s:.2f} s ({hw.peak_tflops:g} TFLOP/s peak)"),
+        ("samples per second", f"{plan.spec.global_batch / plan.step_time_s:,.0f}"),
+    ]
+
+
+def _checkpoint_rows(plan: Plan) -> list[tuple[str, str]]:
+    seconds = plan.s3_requests_per_save / S3_WRITES_PER_PREFIX_PER_S
+    return [
+        ("checkpoint size", f"{plan.checkpoint_total_bytes / GiB:.1f} GiB"),
+        ("checkpoint per rank", human_bytes(plan.checkpoint_rank0_bytes)),
+        (
+            "S3 requests per save",
+            f"{plan.s3_requests_per_save:,} (>= {seconds:.1f} s at 3,500 writes/s/prefix)",
+        ),
+    ]
+
+
+def format_rows(rows: list[tuple[str, str]], *, markdown: bool = False) -> str:
+    if markdown:
+        return "\n".join(["| quantity | value |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)])
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    m = plan.memory
+    return {
+        "spec": asdict(plan.spec),
+        "hardware": asdict(plan.hardware),
+        "memory_bytes": {
+            **asdict(m.state),
+            "activations": m.activations,
+            "backward_workspace": m.backward_workspace,
+            "loss_buffers": m.loss_buffers,
+            "communication": m.communication,
+            "step_temporaries": m.step_temporaries,
+            "persistent_gradients": m.persistent_gradients,
+            "forward_peak": m.forward_peak,
+            "step_peak": m.step_peak,
+            "peak": m.peak,
+        },  # fmt: skip
+        "fits": plan.fits,
+        "forward_flops_per_sample": plan.forward_flops_per_sample,
+        "model_flops_per_step": plan.model_flops_per_step,
+        "step_time_s": plan.step_time_s,
+        "checkpoint_total_bytes": plan.checkpoint_total_bytes,
+        "checkpoint_rank0_bytes": plan.checkpoint_rank0_bytes,
+        "s3_requests_per_save": plan.s3_requests_per_save,
+    }
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bigclip plan",
+        description="Plan a run: takes --gpus and the planner options below, plus any `bigclip train` flag.",
+    )
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the run (one rank each).")
+    p.add_argument("--gpu-memory-gib", type=float, default=Hardware.gpu_memory_gib, help="Memory per GPU.")
+    p.add_argument("--headroom", type=float, default=Hardware.headroom,
+                   help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")  # fmt: skip
+    p.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, help="Dense bf16 peak per GPU.")
+    p.add_argument("--mfu", type=float, default=Hardware.mfu, help="Model FLOPs utilisation to assume.")
+    p.add_argument(
+        "--part-size-mib", type=float, default=Hardware.part_size_mib, help="S3 multipart part size."
+    )
+    p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    p.add_argument("--markdown", action="store_true", help="Print the table as Markdown.")
+    p.add_argument("--dry-run", action="store_true",
+                   help="Also build rank 0's real sharded model under a fake process group and compare.")  # fmt: skip
+    return p
+
+
+def hardware_from(args: argparse.Namespace) -> Hardware:
+    if not 0 < args.mfu <= 1 or not 0 <= args.headroom < 1:
+        raise ConfigError("--mfu must be in (0, 1] and --headroom in [0, 1)")
+    return Hardware(args.gpu_memory_gib, args.headroom, args.peak_tflops, args.mfu, args.part_size_mib)
+
+
+def dry_run_rows(plan: Plan, train_argv: list[str]) -> list[tuple[str, str]]:
+    from bigclip.plan.dryrun import run_dry_run
+
+    measured = run_dry_run(["--gpus", str(plan.spec.gpus), *train_argv])
+    rows = []
+    for key in ("parameters", "gradients", "optimizer"):
+        planned = getattr(plan.memory.state, key) + getattr(plan.memory.state, f"host_{key}")
+        error = planned / measured[key] - 1 if measured[key] else 0.0
+        rows.append((f"dry run: {key}", f"{measured[key] / 2**20:.2f} MiB (plan {error:+.2%})"))
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    args, train_argv = plan_parser().parse_known_args(argv)
+    cfg = parse_train_args(train_argv)
+    plan = build_plan(from_train_config(cfg, gpus=args.gpus), hardware_from(args))
+    if args.json:
+        print(json.dumps(to_json(plan), indent=2))
+        return 0
+    rows = report_rows(plan)
+    if args.dry_run:
+        rows += dry_run_rows(plan, train_argv)
+    print(f"{plan.spec.model} on {plan.spec.gpus} GPUs, {plan.spec.engine}, {plan.spec.precision}, rank 0:")
+    print(format_rows(rows, markdown=args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""What the planner plans: a run's shape (`PlanSpec`) and its model's parameter shapes.
+
+A PlanSpec is built from the same flags as training (`from_train_config`), so `bigclip plan`
+describes exactly the run a training command would start: the engine and ZeRO stage come from
+--engine and the DeepSpeed JSON (resolved by the engine's own `resolve_ds_config`, which fills
+bucket sizes and checks the file), sizes from the model config built on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from bigclip.config import TrainConfig
+from bigclip.engines.optim import Precision
+from bigclip.errors import ConfigError
+from bigclip.models import get_model_config
+
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+ENGINE_KINDS = ("fsdp", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    block: int  # index into CLIP.blocks(), or -1 for the root (embeddings, norms, projections)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The DeepSpeed knobs that change memory (element counts, as DeepSpeed reads them)."""
+
+    reduce_bucket_size: int = 0
+    prefetch_bucket_size: int = 0
+    persistence_threshold: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    model: str
+    gpus: int
+    batch_size: int  # per GPU, per micro-batch
+    engine: str = "fsdp"  # one of ENGINE_KINDS
+    precision: str = "amp_bf16"
+    optimizer: str = "adamw"
+    accum_freq: int = 1
+    grad_checkpointing: bool = False
+    patch_dropout: float = 0.0
+    int8: str = "none"
+    int8_attention: bool = False
+    loss: str = "clip"
+    loss_chunk_size: int = 0
+    loss_exchange: str = "ring"
+    local_loss: bool = False
+    gather_with_grad: bool = False
+    reshard_after_forward: bool = True
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    io_threads: int = 4  # checkpoint files per rank (CheckpointStore's default)
+
+    @property
+    def dtypes(self) -> Precision:
+        return Precision.from_name(self.precision)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.accum_freq * self.gpus
+
+    def validate(self) -> PlanSpec:
+        if self.gpus < 1 or self.batch_size < 1 or self.accum_freq < 1:
+            raise ConfigError("--gpus, --batch-size and --accum-freq must be at least 1")
+        if self.engine not in ENGINE_KINDS:
+            raise ConfigError(f"engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}")
+        get_model_config(self.model)  # raises, listing the valid names
+        return self
+
+
+def from_train_config(cfg: TrainConfig, *, gpus: int) -> PlanSpec:
+    """The plan of a training command's configuration on `gpus` GPUs (one rank per GPU)."""
+    engine, zero = "fsdp", ZeroSettings()
+    if cfg.engine.engine == "deepspeed":
+        engine, zero = _deepspeed_settings(cfg, gpus)
+    return PlanSpec(
+        model=cfg.model.model, gpus=gpus, batch_size=cfg.data.batch_size, engine=engine,
+        precision=cfg.engine.precision, optimizer=cfg.optim.optimizer, accum_freq=cfg.optim.accum_freq,
+        grad_checkpointing=cfg.model.grad_checkpointing, patch_dropout=cfg.model.force_patch_dropout,
+        int8=cfg.model.int8, int8_attention=cfg.model.int8_attention, loss=cfg.loss.loss,
+        loss_chunk_size=cfg.loss.loss_chunk_size, loss_exchange=cfg.loss.loss_exchange,
+        local_loss=cfg.loss.local_loss, gather_with_grad=cfg.loss.gather_with_grad,
+        reshard_after_forward=cfg.engine.reshard_after_forward, zero=zero,
+    ).validate()  # fmt: skip
+
+
+def _deepspeed_settings(cfg: TrainConfig, gpus: int) -> tuple[str, ZeroSettings]:
+    from bigclip.engines.deepspeed_config import load_ds_config, resolve_ds_config
+
+    path = cfg.engine.deepspeed_config
+    width = model_width(cfg.model.model)
+    plan = resolve_ds_config(load_ds_config(path), cfg, world_size=gpus, model_width=width, path=path)
+    z = plan.config["zero_optimization"]
+    settings = ZeroSettings(
+        reduce_bucket_size=int(z.get("reduce_bucket_size", 5e8)),
+        prefetch_bucket_size=int(z.get("stage3_prefetch_bucket_size", 5e7)),
+        persistence_threshold=int(z.get("stage3_param_persistence_threshold", 1e5)),
+        offload_optimizer=plan.offload_optimizer,
+        offload_param=plan.offload_param,
+    )
+    return f"zero{plan.stage}", settings
+
+
+def model_width(name: str) -> int:
+    cfg = get_model_config(name)
+    return max(cfg.vision_cfg.width, cfg.text_cfg.width)
+
+
+def model_params(spec: PlanSpec) -> list[ParamInfo]:
+    """Every parameter of the model with its shape and residual block (built on the meta device)."""
+    from bigclip.models import create_model
+
+    model = create_model(spec.model, device="meta", **_loss_init(spec.loss))
+    block_of = {id(p): i for i, block in enumerate(model.blocks()) for p in block.parameters()}
+    return [ParamInfo(n, tuple(p.shape), block_of.get(id(p), -1)) for n, p in model.named_parameters()]
+
+
+def _loss_init(loss: str) -> dict[str, float]:
+    from bigclip.models.from_config import SIGLIP_INIT
+
+    return dict(SIGLIP_INIT) if loss == "siglip" else {}
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return DTYPE_BYTES[dtype]

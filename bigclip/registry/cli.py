@@ -1,0 +1,104 @@
+"""`bigclip checkpoints list|show|verify|rm --registry URI`: inspect and manage published checkpoints.
+
+bigclip checkpoints list                      names, model, step, storage used, leases
+bigclip checkpoints show NAME                 the manifest: source, files, sizes, leases
+bigclip checkpoints verify NAME               re-hash every object (or PATH: a checkpoint folder)
+bigclip checkpoints rm NAME [--break-stale-leases]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bigclip.errors import ConfigError
+from bigclip.registry.leases import list_leases
+from bigclip.registry.store import Registry, add_registry_args, open_registry
+from bigclip.storage.progress import human_bytes
+from bigclip.storage.s3 import S3Settings
+
+
+def list_command(registry: Registry) -> None:
+    rows = [("NAME", "KIND", "MODEL", "STEP", "STORED", "LEASES", "CREATED")]
+    for name in registry.names():
+        leases = len(list_leases(registry.location, name))
+        if not registry.is_published(name):
+            rows.append(
+                (name, "(incomplete: no manifest; rerun publish or rm it)", "", "", "", str(leases), "")
+            )
+            continue
+        p = registry.get(name)
+        step = "" if p.step is None else str(p.step)
+        rows.append((name, p.kind, p.model, step, human_bytes(p.stored_bytes), str(leases), p.created))
+    if len(rows) == 1:
+        print(f"no checkpoints in {registry.uri}")
+        return
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def show_command(registry: Registry, name: str) -> None:
+    p = registry.get(name)
+    print(f"name      {p.name}\nuri       {p.uri}\nkind      {p.kind} (entry: {p.entry or '-'})")
+    print(f"model     {p.model or '-'}\nstep      {'-' if p.step is None else p.step}\nsource    {p.source}")
+    print(f"created   {p.created}\nfiles     {len(p.objects)}, {human_bytes(p.total_bytes)}")
+    print(f"stored    {human_bytes(p.stored_bytes)}")
+    for path, record in sorted(p.objects.items()):
+        print(f"  {path:<48} {human_bytes(record.size):>12}  sha256:{record.sha256[:16]}")
+    leases = list_leases(registry.location, name)
+    print(f"leases    {len(leases)}")
+    for lease in leases:
+        print(f"  {lease.describe()}")
+
+
+def verify_command(args: argparse.Namespace) -> None:
+    target = args.name
+    if "/" in target or target.startswith("."):  # a checkpoint folder or run root, not a NAME
+        from bigclip.checkpoint.store import CheckpointStore
+
+        s3 = S3Settings.resolve(endpoint=args.s3_endpoint, region=args.s3_region)
+        parent, _, _ = target.rstrip("/").rpartition("/")
+        store = CheckpointStore(parent or ".", s3=s3)
+        try:
+            manifest = store.verify(target)
+        finally:
+            store.close()
+        print(f"ok: {manifest.uri} ({len(manifest.objects)} objects, {human_bytes(manifest.total_bytes)})")
+        return
+    p = open_registry(args).verify(target, progress=not args.no_progress)
+    print(
+        f"ok: {p.name} ({len(set(r.sha256 for r in p.objects.values()))} objects, {human_bytes(p.stored_bytes)})"
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bigclip checkpoints", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command, text in (
+        ("list", "List published checkpoints."),
+        ("show", "Show one checkpoint's manifest and leases."),
+        ("verify", "Re-hash every object of NAME (or of a checkpoint PATH)."),
+        ("rm", "Remove NAME unless a run holds a lease on it."),
+    ):
+        sub = commands.add_parser(command, help=text)
+        if command != "list":
+            sub.add_argument("name")
+        if command == "rm":
+            sub.add_argument("--break-stale-leases", action="store_true",
+                             help="Delete leases of runs that died (expired, or dead pid on this host).")  # fmt: skip
+        add_registry_args(sub)
+    args = parser.parse_args(argv)
+    if args.command == "verify":
+        verify_command(args)
+        return 0
+    registry = open_registry(args)
+    if args.command == "list":
+        list_command(registry)
+    elif args.command == "show":
+        show_command(registry, args.name)
+    elif args.command == "rm":
+        freed = registry.remove(args.name, break_stale_leases=args.break_stale_leases)
+        print(f"removed {args.name} ({human_bytes(freed)} freed)")
+    else:  # argparse restricts the choices
+        raise ConfigError(f"unknown command {args.command}")
+    return 0

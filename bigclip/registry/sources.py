@@ -1,0 +1,259 @@
+"""What `bigclip publish SRC` copies: SRC expanded into files, each read once, in order.
+
+SRC may be
+  - a bigclip checkpoint (a committed step folder, or a run's checkpoint root: its newest
+    commit), local or S3: its manifest's objects plus the manifest, with their recorded sizes
+    and SHA-256, so a damaged source object is caught while it is copied;
+  - a consolidated file (`X.safetensors` with `X.manifest.json` beside it): the files that
+    manifest lists, plus the manifest;
+  - any other local file or folder (walked recursively), an `s3://` object, an `s3://` prefix
+    written with a trailing `/` (copied whole), or an `http(s)://` URL;
+  - an archive (`.tar`, `.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`, `.zip`) from any of those,
+    extracted on the fly (tar streams; zip needs random access, so a remote zip is spooled to
+    a temporary file first).
+Paths inside archives are checked: absolute paths and `..` are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import re
+import shutil
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from bigclip.checkpoint import catalog
+from bigclip.checkpoint.manifest import MANIFEST_NAME
+from bigclip.errors import StorageError
+from bigclip.storage.hashing import ObjectRecord
+from bigclip.storage.locations import Location, open_location
+from bigclip.storage.redact import redact_text
+from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.weights.safetensors_format import INDEX_SUFFIX
+from bigclip.weights.safetensors_writer import FORMAT as CONSOLIDATED_FORMAT
+from bigclip.weights.safetensors_writer import MANIFEST_SUFFIX
+
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+ARCHIVE_SUFFIXES = (*TAR_SUFFIXES, ".zip")
+
+
+@dataclass
+class SourceFile:
+    path: str  # where it goes inside the publication
+    stream: BinaryIO  # consume before asking for the next file
+    size: int | None = None
+    expected: ObjectRecord | None = None  # from the source's own manifest
+
+
+@dataclass
+class SourceInfo:
+    uri: str
+    model: str = ""
+    step: int | None = None
+
+
+def is_http(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def expand_source(src: str, *, s3: S3Settings | None = None) -> tuple[SourceInfo, Iterator[SourceFile]]:
+    if is_http(src):
+        return SourceInfo(redact_text(src)), _http_files(src)
+    if is_s3(src):
+        return _s3_source(src, s3=s3)
+    path = Path(src).expanduser()
+    if not path.exists():
+        raise StorageError(f"{src}: no such file or folder")
+    if path.is_dir():
+        return _folder_source(path)
+    return _file_source(path)
+
+
+# -- bigclip checkpoints and consolidated files ----------------------------------------------
+
+
+def _checkpoint_folder(location: Location) -> tuple[Location, str] | None:
+    """(parent, folder) of a committed checkpoint at `location`, or of a run root's newest one."""
+    if location.exists(MANIFEST_NAME):
+        parent_uri, _, name = location.uri.rstrip("/").rpartition("/")
+        return open_location(parent_uri or "/", s3=getattr(location, "settings", None)), name
+    entry = catalog.latest_committed(location)
+    return (location, entry.folder) if entry else None
+
+
+def _checkpoint_files(parent: Location, folder: str) -> tuple[SourceInfo, Iterator[SourceFile]]:
+    manifest = catalog.read_manifest(parent, folder)
+    info = SourceInfo(manifest.uri, manifest.model, manifest.step)
+
+    def files() -> Iterator[SourceFile]:
+        for name, record in manifest.objects.items():
+            with parent.open_read(f"{folder}/{name}") as stream:
+                yield SourceFile(name, stream, record.size, record)
+        yield _bytes_file(MANIFEST_NAME, parent.read_bytes(f"{folder}/{MANIFEST_NAME}"))
+
+    return info, files()
+
+
+def _consolidated_files(location: Location, manifest_name: str) -> tuple[SourceInfo, Iterator[SourceFile]]:
+    raw = location.read_bytes(manifest_name)
+    body = json.loads(raw)
+    info = SourceInfo(location.child_uri(manifest_name), body.get("model", ""), body.get("step"))
+
+    def files() -> Iterator[SourceFile]:
+        for name, record in body["files"].items():
+            with location.open_read(name) as stream:
+                yield SourceFile(name, stream, record["size"], ObjectRecord(**record))
+        yield _bytes_file(manifest_name, raw)
+
+    return info, files()
+
+
+def _consolidated_manifest(location: Location, file_name: str) -> str | None:
+    """The consolidation manifest beside `file_name` that lists it (or that it is), if any."""
+    shard = re.fullmatch(r"(.*)-\d{5}-of-\d{5}\.safetensors", file_name)
+    stem = shard.group(1) if shard else file_name
+    for suffix in (MANIFEST_SUFFIX, INDEX_SUFFIX, ".safetensors"):
+        stem = stem.removesuffix(suffix)
+    candidate = stem + MANIFEST_SUFFIX
+    if not location.exists(candidate):
+        return None
+    try:
+        body = json.loads(location.read_bytes(candidate))
+    except ValueError:
+        return None
+    listed = file_name == candidate or file_name in body.get("files", {})
+    return candidate if body.get("format") == CONSOLIDATED_FORMAT and listed else None
+
+
+def _bytes_file(path: str, data: bytes) -> SourceFile:
+    return SourceFile(path, io.BytesIO(data), len(data))
+
+
+# -- local -------------------------------------------------------------------------------
+
+
+def _folder_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
+    found = _checkpoint_folder(open_location(str(path)))
+    if found:
+        return _checkpoint_files(*found)
+    return SourceInfo(str(path.absolute())), _walk(path)
+
+
+def _walk(root: Path) -> Iterator[SourceFile]:
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        with open(path, "rb") as stream:
+            yield SourceFile(path.relative_to(root).as_posix(), stream, path.stat().st_size)
+
+
+def _file_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
+    location = open_location(str(path.parent))
+    manifest = _consolidated_manifest(location, path.name)
+    if manifest:
+        return _consolidated_files(location, manifest)
+    info = SourceInfo(str(path.absolute()))
+    if path.name.endswith(ARCHIVE_SUFFIXES):
+        return info, _archive_files(path.name, open(path, "rb"), local_path=path)
+    return info, _single(path.name, lambda: open(path, "rb"), path.stat().st_size)
+
+
+def _single(name: str, opener, size: int | None) -> Iterator[SourceFile]:  # noqa: ANN001
+    with opener() as stream:
+        yield SourceFile(name, stream, size)
+
+
+# -- S3 and HTTP ---------------------------------------------------------------------------
+
+
+def _s3_source(src: str, *, s3: S3Settings | None) -> tuple[SourceInfo, Iterator[SourceFile]]:
+    location = open_location(src.rstrip("/"), s3=s3)
+    if src.endswith("/"):
+        found = _checkpoint_folder(location)
+        if found:
+            return _checkpoint_files(*found)
+        return SourceInfo(src), _s3_prefix_files(location)
+    parent_uri, _, name = src.rpartition("/")
+    parent = open_location(parent_uri, s3=s3)
+    if parent.exists(name):
+        manifest = _consolidated_manifest(parent, name)
+        if manifest:
+            return _consolidated_files(parent, manifest)
+        if name.endswith(ARCHIVE_SUFFIXES):
+            return SourceInfo(src), _archive_files(name, parent.open_read(name))
+        return SourceInfo(src), _single(name, lambda: parent.open_read(name), None)
+    found = _checkpoint_folder(location)
+    if found:
+        return _checkpoint_files(*found)
+    raise StorageError(f"{src}: no such object (to copy a whole prefix, end the URI with '/')")
+
+
+def _s3_prefix_files(location: Location) -> Iterator[SourceFile]:
+    files = location.list_files("")
+    if not files:
+        raise StorageError(f"{location.uri}/ holds no objects")
+    for name, size in sorted(files.items()):
+        with location.open_read(name) as stream:
+            yield SourceFile(name, stream, size)
+
+
+def _http_files(url: str) -> Iterator[SourceFile]:
+    name = posixpath.basename(urllib.request.urlparse(url).path) or "download"
+    try:
+        response = urllib.request.urlopen(url, timeout=60)
+    except (urllib.error.URLError, OSError) as e:
+        raise StorageError(f"cannot download {redact_text(url)}: {e}") from e
+    with response:
+        if name.endswith(ARCHIVE_SUFFIXES):
+            yield from _archive_files(name, response)
+        else:
+            length = response.headers.get("Content-Length")
+            yield SourceFile(name, response, int(length) if length else None)
+
+
+# -- archives ------------------------------------------------------------------------------
+
+
+def _archive_files(name: str, stream: BinaryIO, *, local_path: Path | None = None) -> Iterator[SourceFile]:
+    with stream:
+        if name.endswith(".zip"):
+            yield from _zip_files(name, stream, local_path)
+            return
+        try:
+            with tarfile.open(fileobj=stream, mode="r|*") as archive:
+                for member in archive:
+                    if member.isfile():
+                        yield SourceFile(
+                            _safe_path(member.name, name), archive.extractfile(member), member.size
+                        )
+        except tarfile.TarError as e:
+            raise StorageError(f"{name}: not a readable tar archive ({e})") from e
+
+
+def _zip_files(name: str, stream: BinaryIO, local_path: Path | None) -> Iterator[SourceFile]:
+    with tempfile.TemporaryFile() if local_path is None else open(local_path, "rb") as seekable:
+        if local_path is None:
+            shutil.copyfileobj(stream, seekable, 16 << 20)
+        try:
+            archive = zipfile.ZipFile(seekable)
+        except zipfile.BadZipFile as e:
+            raise StorageError(f"{name}: not a readable zip archive ({e})") from e
+        for member in archive.infolist():
+            if not member.is_dir():
+                with archive.open(member) as entry:
+                    yield SourceFile(_safe_path(member.filename, name), entry, member.file_size)
+
+
+def _safe_path(path: str, archive: str) -> str:
+    posix = path.replace("\\", "/")
+    clean = posixpath.normpath(posix)
+    if posix.startswith("/") or clean in (".", "") or clean == ".." or clean.startswith("../"):
+        raise StorageError(f"{archive}: refusing entry {path!r} (absolute or outside the archive)")
+    return clean

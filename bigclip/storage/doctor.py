@@ -1,0 +1,91 @@
+"""`bigclip doctor s3://bucket/prefix`: test a checkpoint location before a long run.
+
+Runs the same access checks as the training preflight (credentials, list, put, get,
+delete), then times one upload and one download of `--size-mb` through the client
+checkpoints use, printing a PASS/FAIL line per check. Exit status 0 only if all passed.
+Works on a local folder too (then it measures the disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+
+from bigclip.cli_args import _add_field
+from bigclip.config import CheckpointConfig
+from bigclip.storage.locations import Location, open_location
+from bigclip.storage.preflight import CheckResult, access_checks, probe_name, run_check
+from bigclip.storage.s3 import S3Settings, is_s3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bigclip doctor", description="Check a checkpoint location's permissions and throughput."
+    )
+    parser.add_argument("location", help="s3://bucket/prefix or a local folder, as for --checkpoint-dir")
+    group = parser.add_argument_group("S3")
+    fields = {f.name: f for f in dataclasses.fields(CheckpointConfig)}
+    for name in ("s3_endpoint", "s3_region"):  # same flags, same help as `bigclip train`
+        _add_field(group, fields[name], CheckpointConfig)
+    parser.add_argument(
+        "--size-mb", type=int, default=64, help="Object size for the throughput test (0: skip)."
+    )
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="Give up on a check after this long.")
+    return parser
+
+
+def throughput_checks(location: Location, *, size_mb: int) -> list[tuple[str, Callable[[], str]]]:
+    """Upload, download and delete one object of `size_mb`; detail lines carry MB/s."""
+    key = probe_name() + ".bin"
+    payload = os.urandom(1 << 20) * size_mb  # incompressible, built once
+
+    def upload() -> str:
+        started = time.perf_counter()
+        location.write_bytes(key, payload)
+        return _rate(size_mb, time.perf_counter() - started)
+
+    def download() -> str:
+        started = time.perf_counter()
+        data = location.read_bytes(key)
+        seconds = time.perf_counter() - started
+        if data != payload:
+            raise RuntimeError("downloaded bytes differ from the uploaded ones")
+        return _rate(size_mb, seconds)
+
+    def cleanup() -> str:
+        location.delete(key)
+        return "test object deleted"
+
+    return [(f"upload {size_mb} MB", upload), (f"download {size_mb} MB", download), ("cleanup", cleanup)]
+
+
+def _rate(size_mb: int, seconds: float) -> str:
+    return f"{size_mb / seconds:.1f} MB/s ({seconds:.2f}s)"
+
+
+def print_result(result: CheckResult) -> None:
+    status = "PASS" if result.ok else "FAIL"
+    print(f"{status}  {result.name:<18} {result.detail}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    settings = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
+    location = open_location(args.location, s3=settings if is_s3(args.location) else None, max_attempts=2)
+    print(f"bigclip doctor: {location.uri}")
+    checks = access_checks(location)
+    if args.size_mb > 0:
+        checks += throughput_checks(location, size_mb=args.size_mb)
+    failed = 0
+    for name, fn in checks:
+        result = run_check(name, fn, timeout_s=args.timeout_s)
+        print_result(result)
+        if not result.ok:
+            failed += 1
+            if name in ("credentials", "list", "folder", "put") or name.startswith("upload"):
+                break  # later checks need this one; their failures would only repeat it
+    print("all checks passed" if not failed else f"{failed} check(s) failed")
+    return 0 if not failed else 1

@@ -1,0 +1,218 @@
+"""Where checkpoints live: a local folder or an S3 prefix, behind one small interface.
+
+A `Location` is a root (a path or `s3://bucket/prefix`) that holds one sub-folder per
+checkpoint. It knows how to list sub-folders and files, read and atomically write small
+objects (the manifest), delete a checkpoint, and build DCP storage writers and readers.
+All S3 traffic goes through s3torchconnector (the CRT client): DCP's `S3StorageWriter` /
+`S3StorageReader` for sharded state, the same client for small objects; nothing is staged
+on local disk. The DCP classes take no endpoint argument, so their `.fs` is replaced by one
+built on our client (endpoint and path-style addressing from `bigclip.storage.s3.S3Settings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+from s3torchconnector import S3ReaderConstructor, S3Writer
+from s3torchconnector._s3client import S3Client
+from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
+from s3torchconnectorclient._mountpoint_s3_client import S3Exception
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from bigclip.errors import StorageError
+from bigclip.storage.hashing import HashingFileSystem
+from bigclip.storage.s3 import S3Settings, is_s3, join_s3_uri, split_s3_uri
+from bigclip.storage.safe_metadata import SafeMetadataMixin
+
+
+class Location(Protocol):
+    uri: str
+
+    def child_uri(self, name: str) -> str: ...
+    def list_folders(self) -> list[str]: ...
+    def list_files(self, folder: str) -> dict[str, int]: ...
+    def exists(self, relative: str) -> bool: ...
+    def read_bytes(self, relative: str) -> bytes: ...
+    def write_bytes(self, relative: str, data: bytes) -> None: ...
+    def delete(self, relative: str) -> None: ...
+    def delete_folder(self, folder: str) -> None: ...
+    def open_read(self, relative: str) -> BinaryIO: ...
+    def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]: ...
+    def dcp_reader(self, folder: str) -> FileSystemReader: ...
+
+
+def open_location(uri: str, *, s3: S3Settings | None = None, max_attempts: int | None = None) -> Location:
+    """The Location for a local path or an s3:// URI."""
+    if is_s3(uri):
+        return S3Location(uri, settings=s3 or S3Settings.resolve(), max_attempts=max_attempts)
+    if "://" in uri:
+        raise StorageError(f"{uri!r}: checkpoint locations are local paths or s3://bucket/prefix URIs")
+    return LocalLocation(uri)
+
+
+class SafeFileSystemReader(SafeMetadataMixin, FileSystemReader):
+    """DCP's local reader, reading `.metadata` with a restricted unpickler."""
+
+
+class SafeS3StorageReader(SafeMetadataMixin, S3StorageReader):
+    """s3torchconnector's DCP reader, reading `.metadata` with a restricted unpickler."""
+
+
+class LocalLocation:
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.uri = str(self.root)
+
+    def child_uri(self, name: str) -> str:
+        return str(self.root / name)
+
+    def list_folders(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+    def list_files(self, folder: str) -> dict[str, int]:
+        path = self.root / folder
+        if not path.is_dir():
+            return {}
+        return {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+
+    def exists(self, relative: str) -> bool:
+        return (self.root / relative).exists()
+
+    def read_bytes(self, relative: str) -> bytes:
+        return (self.root / relative).read_bytes()
+
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        """Write, fsync, then rename into place (and fsync the folder): all or nothing."""
+        target = self.root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+
+    def delete(self, relative: str) -> None:
+        (self.root / relative).unlink(missing_ok=True)
+
+    def delete_folder(self, folder: str) -> None:
+        shutil.rmtree(self.root / folder, ignore_errors=True)
+
+    def open_read(self, relative: str) -> BinaryIO:
+        return open(self.root / relative, "rb")
+
+    def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:
+        writer = FileSystemWriter(self.root / folder, sync_files=True, thread_count=threads)
+        hashing = HashingFileSystem(FileSystem())
+        writer.fs = hashing
+        return writer, hashing
+
+    def dcp_reader(self, folder: str) -> FileSystemReader:
+        return SafeFileSystemReader(self.root / folder)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class S3Location:
+    def __init__(self, uri: str, *, settings: S3Settings, max_attempts: int | None = None) -> None:
+        """`max_attempts` overrides the CRT client's retry budget (default 10, with back-off)."""
+        self.bucket, key = split_s3_uri(uri)
+        self.prefix = key.strip("/")
+        self.uri = join_s3_uri(self.bucket, self.prefix).rstrip("/")
+        self.settings = settings
+        config = settings.s3torch_client_config()
+        if max_attempts is not None:
+            config = dataclasses.replace(config, max_attempts=max_attempts)
+        self.client = S3Client(settings.region, endpoint=settings.endpoint, s3client_config=config)
+
+    def _key(self, relative: str) -> str:
+        return f"{self.prefix}/{relative}" if self.prefix else relative
+
+    def child_uri(self, name: str) -> str:
+        return join_s3_uri(self.bucket, self._key(name))
+
+    def _list(self, prefix: str, delimiter: str) -> Iterator:
+        try:
+            yield from self.client.list_objects(self.bucket, prefix, delimiter)
+        except S3Exception as e:  # raised lazily, while paging
+            raise StorageError(f"cannot list {join_s3_uri(self.bucket, prefix)}: {e}") from e
+
+    def list_folders(self) -> list[str]:
+        base = self._key("")
+        names = []
+        for page in self._list(base, "/"):
+            names += [p[len(base) :].rstrip("/") for p in page.common_prefixes]
+        return sorted(names)
+
+    def list_files(self, folder: str) -> dict[str, int]:
+        base = self._key(folder) + "/"
+        files = {}
+        for page in self._list(base, ""):
+            files.update({o.key[len(base) :]: o.size for o in page.object_info})
+        return files
+
+    def exists(self, relative: str) -> bool:
+        try:
+            self.client.head_object(self.bucket, self._key(relative))
+            return True
+        except S3Exception as e:
+            if "not found" in str(e).lower():
+                return False
+            raise StorageError(f"cannot read {self.child_uri(relative)}: {e}") from e
+
+    def read_bytes(self, relative: str) -> bytes:
+        with self.open_read(relative) as stream:
+            return stream.read()
+
+    def open_read(self, relative: str) -> BinaryIO:
+        reader = S3ReaderConstructor.sequential()
+        return self.client.get_object(self.bucket, self._key(relative), reader_constructor=reader)
+
+    def open_write(self, relative: str) -> S3Writer:
+        """A streaming upload; the object appears, whole, when the stream closes without error."""
+        return self.client.put_object(self.bucket, self._key(relative))
+
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        # A PUT is atomic on S3: readers see the old object, no object, or all of the new one.
+        with self.client.put_object(self.bucket, self._key(relative)) as stream:
+            stream.write(data)
+
+    def delete(self, relative: str) -> None:
+        self.client.delete_object(self.bucket, self._key(relative))
+
+    def delete_folder(self, folder: str) -> None:
+        keys = [f"{folder}/{name}" for name in self.list_files(folder)]
+        # The CRT client has no batch delete; deletes are small, so a few threads suffice.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(self.delete, keys))
+
+    def _file_system(self, **kwargs: Any) -> S3FileSystem:
+        return S3FileSystem(self.settings.region, s3_client=self.client, **kwargs)
+
+    def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:
+        writer = S3StorageWriter(self.settings.region, self.child_uri(folder), thread_count=threads)
+        hashing = HashingFileSystem(self._file_system())
+        writer.fs = hashing
+        return writer, hashing
+
+    def dcp_reader(self, folder: str) -> FileSystemReader:
+        reader = SafeS3StorageReader(self.settings.region, self.child_uri(folder))
+        reader.fs = self._file_system(reader_constructor=reader._reader_constructor)
+        return reader

@@ -1,0 +1,175 @@
+"""Can this process use a checkpoint location? Answered in seconds, before a model is built.
+
+For S3: credentials resolve (botocore's chain, the one the CRT client also follows), the
+bucket answers a LIST, and a probe object can be PUT, read back intact and DELETEd, through
+the same s3torchconnector client checkpoints use (so path-style addressing and the endpoint
+are tested too), with few retries so a wrong bucket fails fast. For a folder: it can be
+created, written, read and deleted. `bigclip doctor` adds throughput on top.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from bigclip.errors import StorageError
+from bigclip.storage.locations import LocalLocation, Location, S3Location
+
+# Probe objects sit beside the checkpoints, each under its own name: no shared folder that one
+# node could delete while another is writing into it (all nodes probe a shared filesystem at once).
+PROBE_PREFIX = ".bigclip-preflight-"
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+    seconds: float
+
+
+def probe_name() -> str:
+    return f"{PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def run_check(name: str, fn: Callable[[], str], *, timeout_s: float = 20.0) -> CheckResult:
+    """Run one check with a deadline; a hung endpoint becomes a FAIL, not a hang."""
+    started = time.perf_counter()
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        detail, ok = pool.submit(fn).result(timeout=timeout_s), True
+    except FutureTimeout:
+        detail, ok = f"no answer within {timeout_s:.0f}s (endpoint unreachable or blackholed?)", False
+    except Exception as e:
+        detail, ok = explain_error(e), False
+    finally:
+        pool.shutdown(wait=False)
+    return CheckResult(name, ok, detail, time.perf_counter() - started)
+
+
+_HINTS = [
+    (
+        "no signing credentials",
+        "no AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE",
+    ),
+    ("bucket does not exist", "the bucket does not exist: check the bucket name (and --s3-region)"),
+    ("nosuchbucket", "the bucket does not exist: check the bucket name (and --s3-region)"),
+    ("accessdenied", "access denied: the credentials lack permission for this bucket/prefix"),
+    ("forbidden", "access denied (HTTP 403): check the credentials' permissions"),
+    ("invalidaccesskeyid", "the access key is not valid for this endpoint"),
+    ("signaturedoesnotmatch", "the secret key does not match the access key"),
+    (
+        "throttled",
+        "S3 kept throttling (503 SlowDown) beyond the client's retries: retry later or save less often",
+    ),
+    (
+        "slowdown",
+        "S3 kept throttling (503 SlowDown) beyond the client's retries: retry later or save less often",
+    ),
+    ("connection refused", "cannot connect to the endpoint: check AWS_ENDPOINT_URL / --s3-endpoint"),
+    ("socket", "the connection to S3 kept failing (dropped or reset) beyond the client's retries"),
+    ("dns", "cannot resolve the endpoint's host name: check AWS_ENDPOINT_URL / --s3-endpoint"),
+]
+
+
+def explain_error(error: BaseException | str) -> str:
+    """A one-line, actionable reading of an S3 or OS error, with the raw text's first line."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    first = (text.splitlines() or [""])[0][:300]
+    if isinstance(error, StorageError):
+        return str(error)
+    for needle, hint in _HINTS:
+        if needle in text.lower():
+            return f"{hint} [{first}]"
+    return first
+
+
+def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
+    """(name, check) pairs in the order they are run; each check returns a detail line."""
+    if isinstance(location, S3Location):
+        return _s3_checks(location)
+    if isinstance(location, LocalLocation):
+        return _local_checks(location)
+    raise StorageError(f"no access checks for {type(location).__name__}")
+
+
+def check_access(location: Location, *, timeout_s: float = 20.0) -> None:
+    """Raise StorageError at the first failing check, naming what to fix."""
+    for name, fn in access_checks(location):
+        result = run_check(name, fn, timeout_s=timeout_s)
+        if not result.ok:
+            raise StorageError(f"checkpoint location {location.uri} is not usable: {name}: {result.detail}")
+
+
+def _s3_checks(location: S3Location) -> list[tuple[str, Callable[[], str]]]:
+    settings = location.settings
+    # Two attempts only: a wrong bucket or endpoint should fail now, not after ten back-offs.
+    probe = S3Location(location.uri, settings=settings, max_attempts=2)
+    key = probe_name()
+    payload = uuid.uuid4().bytes * 64
+
+    def credentials() -> str:
+        import botocore.session
+
+        creds = botocore.session.get_session().get_credentials()
+        if creds is None:
+            raise StorageError(
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+                "or run where an instance/IRSA role provides them"
+            )
+        return f"found (source: {creds.method})"  # never the key itself
+
+    def listing() -> str:
+        next(iter(probe.client.list_objects(probe.bucket, probe._key(""), "/", 1)), None)
+        return (
+            f"bucket {probe.bucket} answers (endpoint {settings.endpoint or 'AWS'}, region {settings.region})"
+        )
+
+    def put() -> str:
+        probe.write_bytes(key, payload)
+        return f"wrote {probe.child_uri(key)}"
+
+    def get() -> str:
+        if probe.read_bytes(key) != payload:
+            raise StorageError("read back different bytes than were written")
+        return "read back intact"
+
+    def delete() -> str:
+        probe.delete(key)
+        if probe.exists(key):
+            raise StorageError("the probe object is still there after DELETE")
+        return "deleted"
+
+    return [("credentials", credentials), ("list", listing), ("put", put), ("get", get), ("delete", delete)]
+
+
+def _local_checks(location: LocalLocation) -> list[tuple[str, Callable[[], str]]]:
+    key = probe_name()
+    payload = uuid.uuid4().bytes * 64
+
+    def folder() -> str:
+        location.root.mkdir(parents=True, exist_ok=True)
+        return f"{location.root} exists"
+
+    def put() -> str:
+        location.write_bytes(key, payload)
+        return "wrote a probe file"
+
+    def get() -> str:
+        if location.read_bytes(key) != payload:
+            raise StorageError("read back different bytes than were written")
+        return "read back intact"
+
+    def delete() -> str:
+        location.delete(key)
+        if location.exists(key):
+            raise StorageError("the probe file is still there after deleting it")
+        return "deleted"
+
+    return [("folder", folder), ("put", put), ("get", get), ("delete", delete)]

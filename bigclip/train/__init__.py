@@ -1,0 +1,5 @@
+"""The training loop and what it does around the steps: set-up, one step, checkpoint policy,
+preemption, evaluation, metrics and remote sync. `python -m bigclip.train` runs it.
+May import engines, data, checkpoint, weights, storage, ops, models, config, distributed, errors;
+never registry, plan, launch or demo (tests/test_layout.py checks it).
+"""

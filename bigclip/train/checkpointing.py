@@ -1,0 +1,153 @@
+"""The training loop's checkpoint policy: when to save, what a checkpoint holds, how to resume.
+
+Storage, commit and resharding live in `bigclip.checkpoint.CheckpointStore`; this module
+decides the contents:
+  model, optim   the engine's Stateful state (resharded by DCP to the current world size)
+  train          step, epoch, steps into the epoch, samples seen, the data-loader position
+                 (world-size independent), every rank's RNG state, the resolved config
+Per-rank values are gathered into one replicated list, since DCP keeps one copy of a key that
+several ranks hold. A run resumed at M ranks gives rank r the RNG of saved rank r when it
+existed, else a fresh stream seeded from (seed, rank, step).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bigclip.checkpoint import LATEST, CheckpointStore, keep_last_for
+from bigclip.config import TrainConfig
+from bigclip.distributed import Runtime
+from bigclip.engines import Engine
+from bigclip.errors import ConfigError
+from bigclip.storage.redact import redact
+from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.train.metrics import get_logger
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # the epoch in progress (or next, when saved at an epoch end)
+    epoch_step: int = 0  # optimizer steps into that epoch
+    samples_seen: int = 0
+
+
+def checkpoint_root(cfg: TrainConfig, run_dir: Path) -> str:
+    return cfg.checkpoint.checkpoint_dir or str(run_dir / "checkpoints")
+
+
+def open_store(cfg: TrainConfig, run_dir: Path, s3: S3Settings) -> CheckpointStore:
+    """Collective; the access check fails in seconds (wrong bucket, no credentials) before any model."""
+    root = checkpoint_root(cfg, run_dir)
+    store = CheckpointStore(
+        root, s3=s3 if is_s3(root) else None, keep_last=keep_last_for(cfg.checkpoint, root)
+    )
+    store.check_access()
+    return store
+
+
+def save_due(cfg: TrainConfig, state: TrainState, *, epoch_end: bool, final: bool) -> bool:
+    c = cfg.checkpoint
+    if final:
+        return c.save_frequency > 0 or c.save_every_n_steps > 0
+    if epoch_end:
+        return c.save_frequency > 0 and state.epoch % c.save_frequency == 0
+    return c.save_every_n_steps > 0 and state.step % c.save_every_n_steps == 0
+
+
+def _gather(value: Any, world: int) -> list[Any]:
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    """JSON-able, so the gathered list is one opaque value whatever the world size."""
+    return {
+        "torch": _b64(torch.get_rng_state()),
+        "cuda": _b64(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None,
+        "python": list(random.getstate()[1]),
+    }
+
+
+def _restore_rng(saved: list[dict], runtime: Runtime, *, seed: int, step: int) -> None:
+    if runtime.rank >= len(saved):
+        torch.manual_seed(seed + 100_003 * step + runtime.rank)
+        random.seed(seed + 100_003 * step + runtime.rank)
+        return
+    mine = saved[runtime.rank]
+    torch.set_rng_state(_unb64(mine["torch"]))
+    if mine["cuda"] is not None and runtime.device.type == "cuda":
+        torch.cuda.set_rng_state(_unb64(mine["cuda"]), runtime.device)
+    random.setstate((3, tuple(mine["python"]), None))
+
+
+def checkpoint_contents(
+    engine: Engine, cfg: TrainConfig, state: TrainState, runtime: Runtime, data_position: dict | None
+) -> dict[str, Any]:
+    """The dict DCP saves (and, on resume, loads into: it must hold every key to restore)."""
+    train = {
+        **asdict(state),
+        "data": json.dumps(data_position),
+        "rng": json.dumps(_gather(_rng_state(runtime.device), runtime.world_size)),
+        "config": json.dumps(redact(cfg.to_dict())),
+    }
+    return {**engine.checkpoint_state(), "train": train}
+
+
+def manifest_meta(cfg: TrainConfig, runtime: Runtime, global_batch: int) -> dict[str, Any]:
+    return {"engine": cfg.engine.engine, "model": cfg.model.model, "global_batch": global_batch}
+
+
+def resume(
+    store: CheckpointStore, engine: Engine, cfg: TrainConfig, runtime: Runtime, global_batch: int
+) -> tuple[TrainState, dict | None]:
+    """Load `--resume` in place; returns the train state and the data position (None: epoch start)."""
+    which = cfg.checkpoint.resume
+    if which == LATEST and store.latest() is None:
+        get_logger().info("--resume latest: no committed checkpoint yet, starting from step 0")
+        return TrainState(), None
+    contents = checkpoint_contents(engine, cfg, TrainState(), runtime, None)
+    manifest = store.load(contents, which)
+    _check_compatible(manifest.meta, cfg, global_batch)
+    train = contents["train"]
+    state = TrainState(**{k: int(train[k]) for k in asdict(TrainState())})
+    _restore_rng(json.loads(train["rng"]), runtime, seed=cfg.optim.seed, step=state.step)
+    get_logger().info(
+        f"resumed {manifest.uri} at step {state.step} (epoch {state.epoch}), saved at "
+        f"{manifest.world_size} rank(s), now {runtime.world_size}"
+    )
+    return state, json.loads(train["data"])
+
+
+def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int) -> None:
+    saved_model = meta.get("model")
+    if saved_model and saved_model != cfg.model.model:
+        raise ConfigError(
+            f"the checkpoint is of model {saved_model}, this run builds {cfg.model.model} (--model)"
+        )
+    saved_batch = int(meta.get("global_batch", global_batch))
+    if saved_batch != global_batch and not cfg.checkpoint.allow_batch_size_change:
+        raise ConfigError(
+            f"the checkpoint was trained with global batch {saved_batch}, this run has {global_batch} "
+            "(--batch-size x --accum-freq x ranks); change --batch-size to keep it, or pass "
+            "--allow-batch-size-change to continue with the new one"
+        )

@@ -1,0 +1,328 @@
+"""The training loop: build -> resume -> loop -> log -> evaluate -> checkpoint.
+
+    python -m bigclip.train --model ViT-B-32 --train-data '/data/{00000..00999}.tar' ...
+    torchrun --nproc-per-node 8 -m bigclip.train -- --model ViT-B-32 ...   (`--` keeps torchrun
+        from reading bigclip's --logs as its own --logs-specs)
+    deepspeed --num_gpus 8 --module bigclip.train --engine deepspeed --deepspeed-config ds_configs/zero3.json ...
+
+Nothing here depends on which engine shards the model: the loop only calls the Engine verbs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bigclip import data
+from bigclip.checkpoint import CheckpointStore
+from bigclip.cli_args import parse_train_args
+from bigclip.config import TrainConfig, lr_at
+from bigclip.distributed import Runtime, init_distributed
+from bigclip.engines import Engine, build_engine
+from bigclip.errors import NonFiniteLossError
+from bigclip.models import get_model_config
+from bigclip.models.from_config import build_model
+from bigclip.ops.loss.contrastive import build_loss
+from bigclip.registry.leases import HeldLease
+from bigclip.storage.s3 import S3Settings
+from bigclip.train.checkpointing import (
+    TrainState,
+    checkpoint_contents,
+    manifest_meta,
+    open_store,
+    resume,
+    save_due,
+)
+from bigclip.train.evaluate import evaluate_retrieval
+from bigclip.train.metrics import (
+    Average,
+    StepTimer,
+    TensorBoard,
+    get_logger,
+    peak_memory_gb,
+    setup_logging,
+    train_log_line,
+)
+from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
+from bigclip.train.remote_sync import RemoteSync
+from bigclip.train.setup import prepare_run_dir, seed_everything
+from bigclip.train.step import StepOutput, train_step
+from bigclip.weights import pretrained
+
+
+@dataclass
+class Run:
+    """What the loop carries around."""
+
+    cfg: TrainConfig
+    runtime: Runtime
+    run_dir: Path
+    engine: Engine
+    loss_fn: torch.nn.Module
+    tokenizer: Any
+    tensorboard: TensorBoard
+    shards: data.ShardList
+    s3: S3Settings
+    store: CheckpointStore
+    state: TrainState = field(default_factory=TrainState)
+    data_position: dict | None = None  # where the data stream resumes in the current epoch
+    total_steps: int = 0
+    last_loss: float | None = None  # the global loss at the latest log step
+    last_saved_step: int = -1
+    preemption: PreemptionWatcher | None = None
+    remote_sync: RemoteSync | None = None
+    pretrained_lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.data.batch_size * self.cfg.optim.accum_freq * self.runtime.world_size
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Check everything that can fail cheaply (data, storage) before building the model."""
+    preemption = PreemptionWatcher()
+    runtime = init_distributed(backend=cfg.engine.dist_backend, device=cfg.engine.device)
+    run_dir = prepare_run_dir(cfg, runtime)
+    log = setup_logging(rank=runtime.rank, log_file=run_dir / "out.log")
+    seed_everything(cfg.optim.seed, runtime.rank)
+    text_cfg = get_model_config(cfg.model.model).text_cfg
+    tokenizer = data.build_tokenizer(
+        cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
+    )
+    s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
+    shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
+    store = open_store(cfg, run_dir, s3)
+    log.info(
+        f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
+    )
+    engine = build_engine(cfg, runtime)
+    engine.build(build_model(cfg))
+    # Before --resume, which wins; a resumed run does not read the initial weights at all.
+    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if pretrained.applies(cfg, store) else None
+    tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
+    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
+    run.preemption, run.pretrained_lease = preemption, lease
+    if cfg.log.remote_sync and runtime.is_main:
+        remote = f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
+        run.remote_sync = RemoteSync(
+            run_dir,
+            remote,
+            every_s=cfg.log.remote_sync_frequency,
+            protocol=cfg.log.remote_sync_protocol,
+            s3=s3,
+        ).start()
+    if cfg.checkpoint.resume:
+        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch)
+    return run
+
+
+def build_loader(run: Run) -> data.TrainLoader:
+    # Data workers are forked, and s3torchconnector tears its clients down before a fork:
+    # an upload in flight must finish first.
+    run.store.wait()
+    return data.build_train_loader(
+        run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
+        epoch=run.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
+        position=run.data_position, device=run.runtime.device, s3=run.s3, shards=run.shards,
+    )  # fmt: skip
+
+
+def micro_batches(loader: Any, *, k: int):
+    """Group the loader's batches (already on the device) by k, the accumulation factor."""
+    group, keys = [], []
+    for batch in loader:
+        group.append((batch.images, batch.texts))
+        keys += batch.keys
+        if len(group) == k:
+            yield group, keys
+            group, keys = [], []
+
+
+def record_batch_keys(run: Run, keys: list[str]) -> None:
+    path = f"{run.cfg.log.batch_keys_file}.rank{run.runtime.rank}.jsonl"
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": run.state.step, "keys": keys}) + "\n")
+
+
+def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
+    """Train until the epoch's data ends (True) or the step budget does (False)."""
+    cfg, state = run.cfg, run.state
+    timer, loss_avg = StepTimer(), Average()
+    for group, keys in micro_batches(loader, k=cfg.optim.accum_freq):
+        timer.data_ready()
+        if cfg.log.batch_keys_file:
+            record_batch_keys(run, keys)
+        lr = lr_at(state.step, cfg.optim, run.total_steps)
+        try:
+            out = train_step(run.engine, run.loss_fn, group, lr=lr)
+        except NonFiniteLossError as e:
+            raise NonFiniteLossError(f"step {state.step}: {e}") from e
+        state.step, state.epoch_step = state.step + 1, state.epoch_step + 1
+        state.samples_seen += run.global_batch
+        timer.step_done()
+        if state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps:
+            _log_step(
+                run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq
+            )
+        if state.step >= run.total_steps:
+            return False
+        if save_due(cfg, state, epoch_end=False, final=False):
+            save_checkpoint(run, data_position=loader.state_dict())
+        check_preemption(run, loader)
+    return True
+
+
+def check_preemption(run: Run, loader: data.TrainLoader) -> None:
+    """On SIGUSR1/SIGTERM (any rank): checkpoint this exact step, wait for the upload, stop."""
+    signum = run.preemption.requested()
+    if not signum:
+        return
+    if run.last_saved_step != run.state.step:
+        save_checkpoint(run, data_position=loader.state_dict())
+    run.store.wait()
+    announce_requeue(run.run_dir, step=run.state.step, signum=signum, is_main=run.runtime.is_main)
+    loader.close()
+    close_run(run)
+    raise Preempted(run.state.step, signum)
+
+
+def close_run(run: Run) -> None:
+    """Release what the run holds; the final remote sync is waited for (logs are complete remotely)."""
+    run.store.close()
+    run.tensorboard.close()
+    run.preemption.close()
+    if run.pretrained_lease is not None:
+        run.pretrained_lease.release()
+    if run.remote_sync is not None:
+        run.remote_sync.stop(final_sync=True)
+
+
+def _log_step(
+    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int
+) -> None:
+    loss = out.loss.clone()
+    if run.runtime.world_size > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the global loss; every rank logs on the same steps
+    loss_value = run.last_loss = loss.item()
+    loss_avg.add(loss_value)
+    scale = out.logit_scale.item()
+    get_logger().info(
+        train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
+                       samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
+                       global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
+                       logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
+    )  # fmt: skip
+    run.tensorboard.scalars(
+        {
+            "train/loss": loss_value,
+            "train/lr": lr,
+            "train/logit_scale": scale,
+            "train/grad_norm": out.stats.grad_norm.item(),
+            "train/samples_per_second": run.global_batch / max(timer.batch.avg, 1e-9),
+            "train/data_time": timer.data.avg,
+            "train/batch_time": timer.batch.avg,
+            "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
+        },
+        step=run.state.step,
+    )
+    timer.reset()
+
+
+def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
+    """Collective. Logs (and sends to TensorBoard) how long training was blocked."""
+    contents = checkpoint_contents(run.engine, run.cfg, run.state, run.runtime, data_position)
+    meta = manifest_meta(run.cfg, run.runtime, run.global_batch)
+    start = time.perf_counter()
+    if run.cfg.checkpoint.async_save:
+        pending = run.store.async_save(contents, step=run.state.step, meta=meta)
+        where, blocked = pending.uri, pending.blocked_s
+    else:
+        where = run.store.save(contents, step=run.state.step, meta=meta)
+        blocked = time.perf_counter() - start
+    run.last_saved_step = run.state.step
+    mode = "async, uploading" if run.cfg.checkpoint.async_save else "committed"
+    get_logger().info(
+        f"checkpoint step {run.state.step} -> {where} ({mode}); training blocked {blocked:.3f}s"
+    )
+    run.tensorboard.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
+
+
+def evaluate(run: Run) -> dict[str, float] | None:
+    if not run.cfg.data.val_data:
+        return None
+    mine = data.iter_eval_samples(
+        run.cfg.data.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
+        limit=run.cfg.data.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
+    )  # fmt: skip
+    metrics = evaluate_retrieval(run.engine, list(mine), run.runtime, batch_size=run.cfg.data.batch_size)
+    metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
+    if run.runtime.is_main:
+        get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
+        run.tensorboard.scalars({f"val/{k}": v for k, v in metrics.items()}, step=run.state.step)
+        with open(run.run_dir / "results.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+    return metrics
+
+
+def fit(run: Run) -> dict[str, Any]:
+    cfg, state = run.cfg, run.state
+    loader = build_loader(run)
+    steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
+    run.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
+    metrics = None
+    while state.step < run.total_steps and state.epoch < cfg.optim.epochs:
+        run.engine.train()
+        if not train_one_epoch(run, loader):
+            break  # step budget spent mid-epoch
+        loader.close()
+        state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
+        metrics = evaluate(run)
+        if save_due(cfg, state, epoch_end=True, final=False):
+            save_checkpoint(run, data_position=None)
+        if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
+            loader = build_loader(run)
+    return finish(run, loader, metrics)
+
+
+def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str, Any]:
+    if run.state.step != run.last_saved_step and save_due(run.cfg, run.state, epoch_end=False, final=True):
+        save_checkpoint(run, data_position=loader.state_dict() if run.state.epoch_step else None)
+    loader.close()
+    if metrics is None or metrics["step"] != run.state.step:
+        metrics = evaluate(run) or metrics  # the final weights get evaluated too
+    run.store.wait()  # the last upload must be committed before the run reports success
+    latest = run.store.latest()
+    close_run(run)
+    return {
+        "step": run.state.step,
+        "epoch": run.state.epoch,
+        "samples_seen": run.state.samples_seen,
+        "loss": run.last_loss,
+        "eval": metrics,
+        "run_dir": str(run.run_dir),
+        "checkpoint": latest,
+    }
+
+
+def run_training(cfg: TrainConfig) -> dict[str, Any]:
+    return fit(setup(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_train_args(argv)
+    try:
+        summary = run_training(cfg)
+    except Preempted as e:
+        get_logger().info(f"{e}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued")
+        return REQUEUE_EXIT_CODE
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    get_logger().info(f"done: {summary}")
+    return 0

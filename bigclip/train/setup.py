@@ -1,0 +1,54 @@
+"""Everything a run does once before its first step: its name, its directory, its seeds."""
+
+from __future__ import annotations
+
+import datetime
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from bigclip.config import TrainConfig
+from bigclip.distributed import Runtime
+
+
+def run_name(cfg: TrainConfig, runtime: Runtime) -> str:
+    """OpenCLIP's default name (date-model-lr-batch-workers-precision), agreed on by all ranks."""
+    if cfg.log.name:
+        return cfg.log.name
+    date = datetime.datetime.now().strftime("%Y_%m_%d-%H_%M_%S")
+    name = "-".join(
+        [
+            date,
+            f"model_{cfg.model.model.replace('/', '-')}",
+            f"lr_{cfg.optim.lr}",
+            f"b_{cfg.data.batch_size}",
+            f"j_{cfg.data.workers}",
+            f"p_{cfg.engine.precision}",
+        ]
+    )
+    if runtime.world_size > 1:
+        box = [name]
+        dist.broadcast_object_list(box, src=0)  # ranks may straddle a second boundary
+        name = box[0]
+    return name
+
+
+def prepare_run_dir(cfg: TrainConfig, runtime: Runtime) -> Path:
+    """logs/NAME with the resolved config beside it (rank 0 writes)."""
+    cfg.log.name = run_name(cfg, runtime)
+    run_dir = Path(cfg.log.logs) / cfg.log.name
+    if runtime.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return run_dir
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Different streams per rank (patch dropout, augmentation), as OpenCLIP's random_seed()."""
+    torch.manual_seed(seed + rank)
+    np.random.seed(seed + rank)
+    random.seed(seed + rank)

@@ -1,0 +1,4 @@
+"""Model weights beyond the training checkpoint: `--pretrained`, readers for every weight source
+(DCP checkpoints, safetensors, torch files), and streaming consolidation into safetensors.
+May import engines (the Engine interface), checkpoint, storage, models; registry only lazily.
+"""

@@ -1,0 +1,143 @@
+"""`bigclip consolidate SRC OUT`: a sharded checkpoint streamed into safetensors, tensor by tensor.
+
+    bigclip consolidate s3://bucket/run/checkpoints model.safetensors            # newest commit
+    bigclip consolidate runs/x/checkpoints/step_00001200 s3://b/x/ --max-shard-size 5GB --dtype bf16
+    bigclip consolidate registry:vit-h-14-v1 full.safetensors --with-optimizer --registry s3://b/reg
+
+SRC: a bigclip checkpoint written by either engine at any world size (local, `s3://`, or
+`registry:NAME`), or a `.safetensors`/`.pt`/`.bin` file to convert. OUT: a `.safetensors`
+file, or a folder (local or `s3://`) that receives `model.safetensors`; with `--max-shard-size`,
+shards and a Hugging Face index. Keys are OpenCLIP's (the checkpoint's `model.` prefix
+dropped), so the file loads into open_clip's CLIP with `strict=True`. `--with-optimizer` adds
+the Adam moments and steps (fp32, under their checkpoint keys `optim.optimizer.state.*`) and
+puts the non-tensor state (param groups, train position, config) as JSON in the metadata.
+
+Memory: the source is read in pieces of `--piece-size` with `--read-ahead` pieces in flight
+(64 MiB by default), converted and written as they arrive; a tensor is held whole only when
+its shards are not row-major ranges of it (e.g. sharded along dim 1), and then one tensor plus
+one shard. Nothing appears under OUT's names until every byte is written; the checksum
+manifest (OUT_STEM.manifest.json) is written last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+import torch
+
+from bigclip.errors import ConfigError, StorageError
+from bigclip.registry.store import add_registry_args
+from bigclip.storage.progress import Progress, human_bytes
+from bigclip.storage.s3 import S3Settings
+from bigclip.weights.dcp_reader import PIECE_BYTES, TensorInfo
+from bigclip.weights.safetensors_writer import WriteResult, parse_size, plan_output, write_safetensors
+from bigclip.weights.sources import WeightSource, open_weights
+
+log = logging.getLogger("bigclip.consolidate")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZER_PREFIX = "optim."
+
+
+def output_tensors(
+    source: WeightSource, *, dtype: torch.dtype, with_optimizer: bool
+) -> list[tuple[TensorInfo, TensorInfo]]:
+    """(source tensor, output tensor) pairs: model weights under OpenCLIP names in `dtype`,
+    then (with_optimizer) every other tensor under its own key, unconverted."""
+    pairs = []
+    for info in source.reader.tensors():
+        is_weight = info.name.startswith(source.prefix) and not info.name.startswith(("optim.", "train."))
+        if is_weight:
+            out_dtype = dtype if info.dtype.is_floating_point else info.dtype
+            pairs.append((info, TensorInfo(info.name[len(source.prefix) :], out_dtype, info.shape)))
+        elif with_optimizer:
+            pairs.append((info, info))
+    if not pairs:
+        raise StorageError(
+            f"{source.uri} holds no model weights (no tensors under {source.prefix or 'the root'!r})"
+        )
+    return pairs
+
+
+def non_tensor_state(source: WeightSource) -> dict[str, Any]:
+    """Param groups, train position, config: plain values, keyed as in the checkpoint."""
+    reader = source.reader
+    if not hasattr(reader, "value_keys"):
+        return {}
+    return {key: reader.read_value(key) for key in reader.value_keys() if not key.startswith(source.prefix)}
+
+
+def consolidate(
+    src: str,
+    out: str,
+    *,
+    dtype: str = "fp32",
+    max_shard_size: str = "",
+    with_optimizer: bool = False,
+    overwrite: bool = False,
+    s3: S3Settings | None = None,
+    registry: str = "",
+    progress: bool = False,
+    piece_bytes: int = PIECE_BYTES,
+    read_ahead: int = 4,
+) -> WriteResult:
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    source = open_weights(src, s3=s3, registry=registry)
+    pairs = output_tensors(source, dtype=DTYPES[dtype], with_optimizer=with_optimizer)
+    plan = plan_output(
+        out, [o for _, o in pairs], max_shard_bytes=parse_size(max_shard_size) if max_shard_size else 0
+    )
+    metadata = {"format": "pt", "bigclip.source": source.uri, "bigclip.dtype": dtype}
+    metadata |= {"bigclip.model": source.model} if source.model else {}
+    metadata |= {"bigclip.step": str(source.step)} if source.step is not None else {}
+    if with_optimizer:
+        metadata["bigclip.state"] = json.dumps(non_tensor_state(source), default=str)
+    total = sum(o.nbytes for _, o in pairs)
+    bar = Progress(total, label="consolidate", enabled=progress)
+    pieces = source.reader.stream([s for s, _ in pairs], piece_bytes=piece_bytes, window=read_ahead)
+    manifest = {"source": source.uri, "model": source.model, "step": source.step, "dtype": dtype,
+                "with_optimizer": with_optimizer, "tensors": len(pairs)}  # fmt: skip
+    result = write_safetensors(
+        plan, pieces, metadata=metadata, manifest=manifest, s3=s3, overwrite=overwrite, on_bytes=bar.update
+    )
+    bar.close()
+    log.info(
+        "consolidated %s -> %s (%d files, %s)", source.uri, plan.folder, len(plan.files), human_bytes(total)
+    )
+    return result
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bigclip consolidate", description=__doc__.split("\n")[0])
+    parser.add_argument("src", help="Checkpoint (path, s3:// URI, run checkpoint root) or registry:NAME.")
+    parser.add_argument("out", help="OUT.safetensors, or a folder / s3:// prefix.")
+    parser.add_argument(
+        "--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the weights written."
+    )
+    parser.add_argument(
+        "--max-shard-size", default="", help="Split into shards of at most this size, e.g. 5GB."
+    )
+    parser.add_argument(
+        "--with-optimizer", action="store_true", help="Also write Adam state and train state."
+    )
+    parser.add_argument("--overwrite", action="store_true", help="Replace existing output files.")
+    parser.add_argument(
+        "--piece-size", default="16MiB", help="Bytes read per request (memory: pieces in flight)."
+    )
+    parser.add_argument("--read-ahead", type=int, default=4, help="Pieces read ahead on threads.")
+    add_registry_args(parser)
+    args = parser.parse_args(argv)
+    s3 = S3Settings.resolve(endpoint=args.s3_endpoint, region=args.s3_region)
+    result = consolidate(
+        args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+        with_optimizer=args.with_optimizer, overwrite=args.overwrite, s3=s3, registry=args.registry,
+        progress=not args.no_progress, piece_bytes=parse_size(args.piece_size), read_ahead=args.read_ahead,
+    )  # fmt: skip
+    plan = result.plan
+    for name in plan.names():
+        print(f"{plan.folder.rstrip('/')}/{name}  {human_bytes(result.records[name].size)}")
+    return 0

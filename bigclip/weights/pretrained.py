@@ -1,0 +1,145 @@
+"""`--pretrained`: start training from OpenCLIP's (or bigclip's) weights, sharded as they arrive.
+
+Accepted: a `.safetensors` file or index, a `.pt`/`.bin`/`.pth` state dict or OpenCLIP training
+checkpoint (`{"state_dict": ...}`, `module.`/`_orig_mod.` prefixes removed), a bigclip
+checkpoint (its `model.*` tensors), local, `s3://`, `https://`, or `registry:NAME` (which
+holds a lease on NAME while the run lives; see `checkpoint/leases.py`).
+
+Only rank 0 opens the weights. It matches their names and shapes against the model first and
+every rank raises the same error, listing missing, unexpected and mis-shaped keys, before any
+value is read. Then it reads one tensor at a time (two in flight) and `Engine.load_full_weights`
+broadcasts each, every rank keeping its own shard: no rank materialises the whole model. A
+missing `logit_bias` (CLIP weights into a SigLIP run) keeps its configured initial value.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bigclip.checkpoint import LATEST, CheckpointStore
+from bigclip.config import TrainConfig
+from bigclip.distributed import Runtime
+from bigclip.engines import Engine
+from bigclip.errors import BigclipError, ConfigError, StorageError
+from bigclip.registry.leases import HeldLease
+from bigclip.registry.store import Registry, parse_registry_ref
+from bigclip.storage.s3 import S3Settings
+from bigclip.weights.dcp_reader import prefetch
+from bigclip.weights.sources import WeightSource, open_weights
+
+log = logging.getLogger("bigclip.pretrained")  # under the run's logger: printed on rank 0
+
+KEPT_WHEN_ABSENT = ("logit_bias",)
+NOT_WEIGHTS = ("optim.", "train.")  # a consolidated file written --with-optimizer
+
+
+@dataclass
+class WeightPlan:
+    names: list[str]  # model parameter names to load, in load order
+    source_names: list[str]  # the matching names in the source
+    kept: list[str]  # parameters left at their initial values
+
+
+def match_weights(source: WeightSource, shapes: dict[str, tuple[int, ...]], *, model: str) -> WeightPlan:
+    """Pair the source's tensors with the model's parameters, or raise listing every difference."""
+    available = {
+        info.name[len(source.prefix) :]: info
+        for info in source.reader.tensors(source.prefix)
+        if not info.name.startswith(NOT_WEIGHTS)
+    }
+    kept = [n for n in KEPT_WHEN_ABSENT if n in shapes and n not in available]
+    missing = sorted(set(shapes) - set(available) - set(kept))
+    unexpected = sorted(set(available) - set(shapes))
+    mismatched = [
+        f"{n}: weights {tuple(available[n].shape)} vs model {tuple(shapes[n])}"
+        for n in sorted(set(shapes) & set(available))
+        if tuple(available[n].shape) != tuple(shapes[n])
+    ]
+    if missing or unexpected or mismatched:
+        said = f" (the weights say model {source.model})" if source.model and source.model != model else ""
+        lines = [f"--pretrained {source.uri} does not fit --model {model}{said}:"]
+        lines += _listing("missing from the weights", missing, 20)
+        lines += _listing("unexpected in the weights", unexpected, 20)
+        lines += _listing("shape mismatches", mismatched, 20)
+        raise ConfigError("\n".join(lines))
+    names = [n for n in shapes if n in available]
+    return WeightPlan(names, [source.prefix + n for n in names], kept)
+
+
+def _listing(title: str, items: list[str], limit: int) -> list[str]:
+    if not items:
+        return []
+    more = [f"    ... and {len(items) - limit} more"] if len(items) > limit else []
+    return [f"  {title} ({len(items)}):", *(f"    {item}" for item in items[:limit]), *more]
+
+
+def applies(cfg: TrainConfig, store: CheckpointStore) -> bool:
+    """--pretrained initialises a run that does not resume; a resumed run's checkpoint wins, so
+    a requeued job does not read (or lease) the initial weights again."""
+    if not cfg.model.pretrained:
+        return False
+    resume = cfg.checkpoint.resume
+    return not resume or (resume == LATEST and store.latest() is None)
+
+
+def registry_uri(cfg: TrainConfig) -> str:
+    return cfg.checkpoint.registry or os.environ.get("BIGCLIP_REGISTRY", "")
+
+
+def _open_on_rank0(
+    cfg: TrainConfig, shapes: dict, s3: S3Settings
+) -> tuple[WeightSource, WeightPlan, HeldLease | None]:
+    uri, lease = cfg.model.pretrained, None
+    name = parse_registry_ref(uri)
+    if name is not None:
+        owner = f"{cfg.log.name or 'run'}@{os.uname().nodename}"
+        lease = Registry(registry_uri(cfg), s3=s3).acquire_lease(name, owner=owner)
+        atexit.register(lease.release)  # also on an exception that ends the run; idempotent
+    try:
+        source = open_weights(uri, s3=s3, registry=registry_uri(cfg))
+        if source.model and source.model != cfg.model.model:
+            log.warning(
+                f"--pretrained {uri} was saved from model {source.model}; this run builds {cfg.model.model}"
+            )
+        return source, match_weights(source, shapes, model=cfg.model.model), lease
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+
+
+def load_pretrained(engine: Engine, cfg: TrainConfig, runtime: Runtime, s3: S3Settings) -> HeldLease | None:
+    """Collective. Replace the engine's initial weights with `--pretrained`; returns rank 0's lease
+    (for registry:NAME), which the caller releases when the run ends."""
+    outcome: list = [None]
+    if runtime.rank == 0:
+        try:
+            source, plan, lease = _open_on_rank0(cfg, engine.full_param_shapes(), s3)
+            outcome = [(plan.names, plan.kept, None)]
+        except BigclipError as e:
+            outcome = [(None, None, (type(e).__name__, str(e)))]
+    if runtime.world_size > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    names, kept, error = outcome[0]
+    if error:
+        raise (StorageError if error[0] == "StorageError" else ConfigError)(error[1])
+    values = _read_all(source, plan) if runtime.rank == 0 else None
+    engine.load_full_weights(values, names)
+    if runtime.rank != 0:
+        return None
+    extra = f"; kept initial {', '.join(kept)}" if kept else ""
+    step = f" (step {source.step})" if source.step is not None else ""
+    log.info(f"loaded {len(names)} tensors from --pretrained {source.uri}{step}{extra}")
+    return lease
+
+
+def _read_all(source: WeightSource, plan: WeightPlan) -> Iterator[torch.Tensor]:
+    for _, tensor in prefetch(plan.source_names, source.reader.read, window=2):
+        yield tensor

@@ -1,0 +1,239 @@
+"""Open any weights a user points at as one tensor-by-tensor reader.
+
+    source = open_weights("registry:vit-h-14-v1" | "s3://b/run/checkpoints" | "x.safetensors"
+                          | "open_clip_pytorch_model.bin" | "https://.../model.pt", s3=..., registry=...)
+    source.reader.tensors(source.prefix)   # names, dtypes, shapes; no tensor data read yet
+    source.reader.read(name) / .stream(infos)
+
+Readers: `DcpReader` (bigclip checkpoints, either engine, any world size), `SafetensorsReader`
+(a file or an index's shards; ranged reads, local or S3) and `TorchFileReader` (`.pt`/`.bin`/
+`.pth` through `torch.load(weights_only=True, mmap=True)`: pages are read on first touch, so a
+big file is never loaded whole). A bigclip checkpoint is checked before use: object sizes
+against its manifest (names truncated objects) and `.metadata` against its SHA-256. Remote
+`.pt`/`.bin` files (S3, HTTP) are downloaded once into a cache (`$BIGCLIP_CACHE`, default
+~/.cache/bigclip), since torch's zip reader needs a local file to map.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bigclip.checkpoint import catalog
+from bigclip.checkpoint.manifest import MANIFEST_NAME, size_problems
+from bigclip.errors import StorageError
+from bigclip.registry.store import Published, Registry, parse_registry_ref
+from bigclip.storage.blobs import BlobFolder
+from bigclip.storage.hashing import ObjectRecord
+from bigclip.storage.locations import LocalLocation, Location, open_location
+from bigclip.storage.redact import redact_text
+from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
+from bigclip.weights.safetensors_format import INDEX_SUFFIX, SafetensorsReader
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
+
+
+@dataclass
+class WeightSource:
+    reader: Any  # DcpReader | SafetensorsReader | TorchFileReader
+    uri: str
+    kind: str  # dcp | safetensors | torch
+    prefix: str = ""  # where the model's weights are ("model." in a bigclip checkpoint)
+    model: str = ""
+    step: int | None = None
+
+
+def open_weights(uri: str, *, s3: S3Settings | None = None, registry: str = "") -> WeightSource:
+    name = parse_registry_ref(uri)
+    if name is not None:
+        return _from_registry(Registry(registry, s3=s3), name)
+    if uri.startswith(("http://", "https://")):
+        return _from_file(download(uri), uri=redact_text(uri))
+    if is_s3(uri) and uri.endswith(TORCH_SUFFIXES):
+        return _from_file(download(uri, s3=s3), uri=uri)
+    stripped = uri.rstrip("/")
+    parent_uri, _, leaf = stripped.rpartition("/")
+    if leaf.endswith((".safetensors", INDEX_SUFFIX)):
+        blobs = BlobFolder(open_location(parent_uri or ".", s3=s3))
+        return _safetensors_source(SafetensorsReader(blobs, leaf), uri)
+    if not is_s3(uri) and Path(uri).is_file():
+        return _from_file(Path(uri), uri=uri)
+    return _from_checkpoint(open_location(stripped, s3=s3), uri)
+
+
+def _from_checkpoint(location: Location, uri: str) -> WeightSource:
+    for consolidated in ("model" + INDEX_SUFFIX, "model.safetensors"):  # `bigclip consolidate SRC FOLDER`
+        if location.exists(consolidated):
+            return _safetensors_source(SafetensorsReader(BlobFolder(location), consolidated), uri)
+    if location.exists(MANIFEST_NAME):
+        parent_uri, _, folder = location.uri.rpartition("/")
+        location = open_location(parent_uri or "/", s3=getattr(location, "settings", None))
+    else:
+        entry = catalog.latest_committed(location)
+        if entry is None:
+            raise StorageError(
+                f"{uri} is neither a weights file (.safetensors, .pt, .bin) nor a committed bigclip checkpoint "
+                f"(no {MANIFEST_NAME}; an interrupted save is never read) nor a folder of them"
+            )
+        folder = entry.folder
+    manifest = catalog.read_manifest(location, folder)
+    problems = size_problems(manifest, location.list_files(folder))
+    if problems:
+        raise StorageError(f"checkpoint {manifest.uri} is damaged:\n  " + "\n  ".join(problems))
+    blobs = BlobFolder(location, folder)
+    _check_metadata(blobs, manifest.objects.get(METADATA_NAME))
+    return WeightSource(DcpReader(blobs), manifest.uri, "dcp", "model.", manifest.model, manifest.step)
+
+
+def _check_metadata(blobs: BlobFolder, record: ObjectRecord | None) -> None:
+    """`.metadata` says where every byte is: check it against the manifest before trusting it."""
+    if record is None:
+        return
+    data = blobs.read_all(METADATA_NAME)
+    if ObjectRecord(len(data), hashlib.sha256(data).hexdigest()) != record:
+        raise StorageError(
+            f"{blobs.uri(METADATA_NAME)} is damaged: its size or SHA-256 differs from the manifest"
+        )
+
+
+def _from_registry(registry: Registry, name: str) -> WeightSource:
+    published = registry.get(name)
+    problems = registry.size_problems(published)
+    if problems:
+        raise StorageError(f"published checkpoint {name} is damaged:\n  " + "\n  ".join(problems))
+    blobs = registry.blob_folder(published)
+    entry = published.entry.rpartition("/")[2]
+    common = {"uri": f"registry:{name}", "model": published.model, "step": published.step}
+    if published.kind == "dcp":
+        _check_metadata(blobs, published.objects[published.entry])
+        return WeightSource(DcpReader(blobs), kind="dcp", prefix="model.", **common)
+    if published.kind == "safetensors":
+        source = _safetensors_source(SafetensorsReader(blobs, entry), common["uri"])
+        source.model, source.step = (
+            published.model or source.model,
+            published.step if published.step is not None else source.step,
+        )
+        return source
+    if published.kind == "torch":
+        return WeightSource(TorchFileReader(_registry_file(registry, published)), kind="torch", **common)
+    raise StorageError(f"{name} holds {len(published.objects)} files but no weights file bigclip can load "
+                       "(a checkpoint, .safetensors, .pt or .bin)")  # fmt: skip
+
+
+def _registry_file(registry: Registry, published: Published) -> Path:
+    sha = published.objects[published.entry].sha256
+    key = f"checkpoints/{published.name}/objects/{sha}"
+    if isinstance(registry.location, LocalLocation):
+        return Path(registry.location.root) / key  # content-addressed: safe to map in place
+    return download(registry.location.child_uri(key), s3=registry.s3, suffix=".pt")
+
+
+def _safetensors_source(reader: SafetensorsReader, uri: str) -> WeightSource:
+    """bigclip's consolidated files say which model and step they hold in their metadata."""
+    step = reader.metadata.get("bigclip.step", "")
+    model = reader.metadata.get("bigclip.model", "")
+    return WeightSource(reader, uri, "safetensors", model=model, step=int(step) if step.isdigit() else None)
+
+
+def _from_file(path: Path, *, uri: str) -> WeightSource:
+    if path.name.endswith(".safetensors"):
+        return _safetensors_source(SafetensorsReader(BlobFolder(LocalLocation(path.parent)), path.name), uri)
+    return WeightSource(TorchFileReader(path), uri, "torch")
+
+
+class TorchFileReader:
+    """A `.pt`/`.bin`/`.pth` state dict (or OpenCLIP's {'state_dict': ...} checkpoint), memory-mapped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # torch < 1.6 files cannot be mapped: load them whole
+                raise StorageError(f"{path}: cannot read weights ({e})") from e
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise StorageError(
+                f"{path}: not a weights file torch can read safely ({type(e).__name__}: {str(e)[:300]}). "
+                "TorchScript archives (OpenAI's original CLIP .pt files) are not supported: use OpenCLIP's "
+                "converted weights"
+            ) from e
+        self.tensors_by_name = normalise_keys(loaded)
+
+    def tensors(self, prefix: str = "") -> list[TensorInfo]:
+        return [
+            TensorInfo(n, t.dtype, tuple(t.shape))
+            for n, t in self.tensors_by_name.items()
+            if n.startswith(prefix)
+        ]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors_by_name[name]
+
+    def stream(
+        self, infos: list[TensorInfo], *, piece_bytes: int = PIECE_BYTES, window: int = 0
+    ) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+        for info in infos:
+            flat = self.read(info.name).contiguous().reshape(-1)
+            step = max(1, piece_bytes // info.dtype.itemsize)
+            for i in range(0, flat.numel(), step):
+                yield info, flat[i : i + step]
+
+
+def normalise_keys(loaded: Any) -> dict[str, torch.Tensor]:
+    """OpenCLIP's checkpoint forms -> {parameter name: tensor}: the `state_dict` entry of a
+    training checkpoint, without DataParallel's `module.` or torch.compile's `_orig_mod.` prefixes."""
+    state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
+    if not isinstance(state, dict):
+        raise StorageError(f"expected a state dict, found {type(state).__name__}")
+    out = {}
+    for key, value in state.items():
+        if not torch.is_tensor(value):
+            continue  # e.g. an epoch counter stored beside the weights
+        for prefix in WRAPPER_PREFIXES:
+            while key.startswith(prefix):
+                key = key[len(prefix) :]
+        out[key] = value
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BIGCLIP_CACHE") or Path.home() / ".cache" / "bigclip") / "downloads"
+
+
+def download(uri: str, *, s3: S3Settings | None = None, suffix: str = "") -> Path:
+    """A local copy of a remote file, downloaded once (streamed to a temporary name, then renamed)."""
+    leaf = uri.rstrip("/").rpartition("/")[2].split("?")[0] or "download"
+    target = cache_dir() / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{leaf}{suffix}"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        with _open_remote(uri, s3) as stream, open(tmp, "wb") as out:
+            shutil.copyfileobj(stream, out, 16 << 20)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def _open_remote(uri: str, s3: S3Settings | None) -> Any:
+    if is_s3(uri):
+        parent, _, leaf = uri.rpartition("/")
+        return open_location(parent, s3=s3).open_read(leaf)
+    try:
+        return urllib.request.urlopen(uri, timeout=60)
+    except (urllib.error.URLError, OSError) as e:
+        raise StorageError(f"cannot download {redact_text(uri)}: {e}") from e
