@@ -1,7 +1,8 @@
 """`bigclip` console script: dispatches subcommands to their modules.
 
 Each subcommand lives in the module that owns its responsibility and exposes
-`main(argv: list[str]) -> int`; modules are imported lazily so `bigclip --help` is instant.
+`main(argv: list[str]) -> int` (or the function named after a colon); modules are imported
+lazily so `bigclip --help` is instant.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("bigclip.models.registry", "List model configs with their parameter counts."),
     "doctor": ("bigclip.storage.doctor", "Check S3 credentials, permissions and throughput."),
     "consolidate": ("bigclip.weights.consolidate", "Stream a sharded checkpoint into safetensors."),
-    "publish": ("bigclip.registry.store", "Publish an immutable named checkpoint."),
+    "publish": ("bigclip.registry.cli:publish_main", "Publish an immutable named checkpoint."),
     "checkpoints": ("bigclip.registry.cli", "List, show, verify or remove published checkpoints."),
     "plan": ("bigclip.plan.report", "Per-GPU memory, FLOPs and checkpoint plan for a run."),
     "slurm": ("bigclip.launch.slurm", "Render an sbatch script for a multi-node run."),
@@ -40,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"bigclip: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module_name, _, function = COMMANDS[name][0].partition(":")
+    entry = getattr(importlib.import_module(module_name), function or "main")
     try:
-        return int(module.main(rest) or 0)
+        return int(entry(rest) or 0)
     except BigclipError as e:
         print(f"bigclip {name}: error: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,15 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type
         group.add_argument(alias, dest=f"_alias_{f.name}", default=None, help=f"alias of {names[0]}")
 
 
+def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, owner: type,
+                     names: tuple[str, ...]) -> None:  # fmt: skip
+    """Some fields of a config dataclass as flags, spelled and explained as `bigclip train` does
+    (for other subcommands that share them). Their default is None: not given."""
+    fields = {f.name: f for f in dataclasses.fields(owner)}
+    for name in names:
+        _add_field(parser, fields[name], owner)
+
+
 def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Train a CLIP model with bigclip.")
     parser.add_argument("--config", default=None, help="YAML file of options (flat or by section).")

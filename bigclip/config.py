@@ -216,7 +216,7 @@ class CheckpointConfig:
     s3_region: str = _opt("", "S3 region (default: AWS_REGION / AWS config, else us-east-1).")
     registry: str = _opt(
         "",
-        "Checkpoint registry (a path or s3:// prefix) for --pretrained registry:NAME (default: $BIGCLIP_REGISTRY).",
+        "Checkpoint registry (a path or s3:// prefix) that registry:NAME refers to (default: $BIGCLIP_REGISTRY).",
     )
 
     def validate(self) -> None:

@@ -12,16 +12,18 @@ May import storage, config, distributed and errors.
 
 Module map: shards (patterns, existence, sizes) -> streams (local / S3 bytes) ->
 tar_samples (samples + cursors) -> decode -> worker (read, transform, batch) -> batching +
-loader (consumer side: worker order, re-batching, epoch end). resume/ holds who reads what
-(assignment), what has been consumed (position) and how to continue the same stream
-(reader_state, stream_state, randomness). eval, transforms and tokenizer stand alone.
+loader (consumer side: worker order, re-batching, epoch end); validation checks all of it
+before a model is built. resume/ holds who reads what (assignment), what has been consumed
+(position) and how to continue the same stream (reader_state, stream_state, randomness).
+eval, transforms and tokenizer stand alone.
 """
 
 from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set
-from bigclip.data.loader import DataStats, TrainBatch, TrainLoader, build_train_loader, validate_data
+from bigclip.data.loader import DataStats, TrainBatch, TrainLoader, build_train_loader
 from bigclip.data.shards import ShardList, expand_pattern, validate_shards
 from bigclip.data.tokenizer import HashingTokenizer, Tokenizer, build_tokenizer
 from bigclip.data.transforms import eval_transform, train_transform
+from bigclip.data.validation import validate_data
 
 __all__ = [
     "DataStats",

@@ -1,4 +1,6 @@
-"""`bigclip checkpoints list|show|verify|rm --registry URI`: inspect and manage published checkpoints.
+"""`bigclip publish SRC NAME` and `bigclip checkpoints list|show|verify|rm`: the registry's commands.
+
+bigclip publish SRC NAME                      copy SRC into the registry under an immutable NAME
 
 bigclip checkpoints list                      names, model, step, storage used, leases
 bigclip checkpoints show NAME                 the manifest: source, files, sizes, leases
@@ -10,11 +12,24 @@ from __future__ import annotations
 
 import argparse
 
+from bigclip.cli_args import add_config_flags
+from bigclip.config import CheckpointConfig
 from bigclip.errors import ConfigError
 from bigclip.registry.leases import list_leases
-from bigclip.registry.store import Registry, add_registry_args, open_registry
+from bigclip.registry.store import Registry
 from bigclip.storage.progress import human_bytes
 from bigclip.storage.s3 import S3Settings
+from bigclip.weights.sources import registry_uri
+
+
+def add_registry_args(parser: argparse.ArgumentParser) -> None:
+    add_config_flags(parser, CheckpointConfig, ("registry", "s3_endpoint", "s3_region"))
+    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
+
+
+def open_registry(args: argparse.Namespace) -> Registry:
+    s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
+    return Registry(registry_uri(args.registry or ""), s3=s3)
 
 
 def list_command(registry: Registry) -> None:
@@ -101,4 +116,24 @@ def main(argv: list[str]) -> int:
         print(f"removed {args.name} ({human_bytes(freed)} freed)")
     else:  # argparse restricts the choices
         raise ConfigError(f"unknown command {args.command}")
+    return 0
+
+
+def publish_main(argv: list[str]) -> int:
+    """`bigclip publish SRC NAME`."""
+    parser = argparse.ArgumentParser(
+        prog="bigclip publish", description="Publish an immutable named checkpoint."
+    )
+    parser.add_argument(
+        "src", help="Checkpoint, consolidated file, folder, file, archive, s3:// or http(s):// URI."
+    )
+    parser.add_argument("name", help="The new, immutable name, e.g. vit-h-14-laion2b-v1.")
+    parser.add_argument("--model", default="", help="Model config name to record when SRC does not say.")
+    add_registry_args(parser)
+    args = parser.parse_args(argv)
+    published = open_registry(args).publish(
+        args.src, args.name, model=args.model, progress=not args.no_progress
+    )
+    print(f"published {published.name} ({published.kind}, {len(published.objects)} files, "
+          f"{human_bytes(published.stored_bytes)}) -> {published.uri}")  # fmt: skip
     return 0

@@ -16,14 +16,12 @@ the objects already stored (their hashes are known from the source's manifest, w
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import logging
 import re
 import secrets
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
 from bigclip.errors import ConfigError, StorageError
@@ -35,12 +33,12 @@ from bigclip.storage.locations import LocalLocation, S3Location, open_location
 from bigclip.storage.progress import Progress, human_bytes
 from bigclip.storage.s3 import S3Settings, split_s3_uri
 from bigclip.storage.sinks import create_exclusive, open_sink
+from bigclip.weights.sources import REGISTRY_SCHEME
 
 log = logging.getLogger("bigclip.registry")
 
 PUBLISHED = "published.json"
 FORMAT = "bigclip-published"
-REGISTRY_SCHEME = "registry:"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
@@ -324,36 +322,3 @@ def _now() -> str:
 def parse_registry_ref(uri: str) -> str | None:
     """'registry:NAME' -> NAME; anything else -> None."""
     return check_name(uri[len(REGISTRY_SCHEME) :]) if uri.startswith(REGISTRY_SCHEME) else None
-
-
-def add_registry_args(parser: argparse.ArgumentParser) -> None:
-    import os
-
-    parser.add_argument("--registry", default=os.environ.get("BIGCLIP_REGISTRY", ""),
-                        help="Registry: a folder or s3://bucket/prefix (default: $BIGCLIP_REGISTRY).")  # fmt: skip
-    parser.add_argument(
-        "--s3-endpoint", default="", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS)."
-    )
-    parser.add_argument("--s3-region", default="", help="S3 region (default: AWS_REGION, else us-east-1).")
-    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
-
-
-def open_registry(args: Any) -> Registry:
-    return Registry(args.registry, s3=S3Settings.resolve(endpoint=args.s3_endpoint, region=args.s3_region))
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bigclip publish", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "src", help="Checkpoint, consolidated file, folder, file, archive, s3:// or http(s):// URI."
-    )
-    parser.add_argument("name", help="The new, immutable name, e.g. vit-h-14-laion2b-v1.")
-    parser.add_argument("--model", default="", help="Model config name to record when SRC does not say.")
-    add_registry_args(parser)
-    args = parser.parse_args(argv)
-    published = open_registry(args).publish(
-        args.src, args.name, model=args.model, progress=not args.no_progress
-    )
-    print(f"published {published.name} ({published.kind}, {len(published.objects)} files, "
-          f"{human_bytes(published.stored_bytes)}) -> {published.uri}")  # fmt: skip
-    return 0

@@ -9,12 +9,11 @@ Works on a local folder too (then it measures the disk).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 from collections.abc import Callable
 
-from bigclip.cli_args import _add_field
+from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
 from bigclip.storage.locations import Location, open_location
 from bigclip.storage.preflight import CheckResult, access_checks, probe_name, run_check
@@ -27,9 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("location", help="s3://bucket/prefix or a local folder, as for --checkpoint-dir")
     group = parser.add_argument_group("S3")
-    fields = {f.name: f for f in dataclasses.fields(CheckpointConfig)}
-    for name in ("s3_endpoint", "s3_region"):  # same flags, same help as `bigclip train`
-        _add_field(group, fields[name], CheckpointConfig)
+    add_config_flags(group, CheckpointConfig, ("s3_endpoint", "s3_region"))  # as `bigclip train` has them
     parser.add_argument(
         "--size-mb", type=int, default=64, help="Object size for the throughput test (0: skip)."
     )

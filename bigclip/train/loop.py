@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,6 @@ from bigclip.errors import NonFiniteLossError
 from bigclip.models import get_model_config
 from bigclip.models.from_config import build_model
 from bigclip.ops.loss.contrastive import build_loss
-from bigclip.registry.leases import HeldLease
 from bigclip.storage.s3 import S3Settings
 from bigclip.train.checkpointing import (
     TrainState,
@@ -54,6 +53,9 @@ from bigclip.train.remote_sync import RemoteSync
 from bigclip.train.setup import prepare_run_dir, seed_everything
 from bigclip.train.step import StepOutput, train_step
 from bigclip.weights import pretrained
+
+if TYPE_CHECKING:
+    from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
 
 
 @dataclass

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
+from bigclip.cli_args import add_config_flags
+from bigclip.config import CheckpointConfig
 from bigclip.errors import ConfigError, StorageError
-from bigclip.registry.store import add_registry_args
 from bigclip.storage.progress import Progress, human_bytes
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import PIECE_BYTES, TensorInfo
@@ -129,12 +130,13 @@ def main(argv: list[str]) -> int:
         "--piece-size", default="16MiB", help="Bytes read per request (memory: pieces in flight)."
     )
     parser.add_argument("--read-ahead", type=int, default=4, help="Pieces read ahead on threads.")
-    add_registry_args(parser)
+    add_config_flags(parser, CheckpointConfig, ("registry", "s3_endpoint", "s3_region"))
+    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
     args = parser.parse_args(argv)
-    s3 = S3Settings.resolve(endpoint=args.s3_endpoint, region=args.s3_region)
+    s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
     result = consolidate(
         args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        with_optimizer=args.with_optimizer, overwrite=args.overwrite, s3=s3, registry=args.registry,
+        with_optimizer=args.with_optimizer, overwrite=args.overwrite, s3=s3, registry=args.registry or "",
         progress=not args.no_progress, piece_bytes=parse_size(args.piece_size), read_ahead=args.read_ahead,
     )  # fmt: skip
     plan = result.plan

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,13 +29,14 @@ from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import BigclipError, ConfigError, StorageError
-from bigclip.registry.leases import HeldLease
-from bigclip.registry.store import Registry, parse_registry_ref
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import prefetch
-from bigclip.weights.sources import WeightSource, open_weights
+from bigclip.weights.sources import REGISTRY_SCHEME, WeightSource, open_weights, registry_uri
 
 log = logging.getLogger("bigclip.pretrained")  # under the run's logger: printed on rank 0
+
+if TYPE_CHECKING:
+    from bigclip.registry.leases import HeldLease
 
 KEPT_WHEN_ABSENT = ("logit_bias",)
 NOT_WEIGHTS = ("optim.", "train.")  # a consolidated file written --with-optimizer
@@ -89,21 +91,19 @@ def applies(cfg: TrainConfig, store: CheckpointStore) -> bool:
     return not resume or (resume == LATEST and store.latest() is None)
 
 
-def registry_uri(cfg: TrainConfig) -> str:
-    return cfg.checkpoint.registry or os.environ.get("BIGCLIP_REGISTRY", "")
-
-
 def _open_on_rank0(
     cfg: TrainConfig, shapes: dict, s3: S3Settings
 ) -> tuple[WeightSource, WeightPlan, HeldLease | None]:
     uri, lease = cfg.model.pretrained, None
-    name = parse_registry_ref(uri)
-    if name is not None:
+    if uri.startswith(REGISTRY_SCHEME):
+        from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
+
         owner = f"{cfg.log.name or 'run'}@{os.uname().nodename}"
-        lease = Registry(registry_uri(cfg), s3=s3).acquire_lease(name, owner=owner)
+        registry = Registry(registry_uri(cfg.checkpoint.registry), s3=s3)
+        lease = registry.acquire_lease(parse_registry_ref(uri), owner=owner)
         atexit.register(lease.release)  # also on an exception that ends the run; idempotent
     try:
-        source = open_weights(uri, s3=s3, registry=registry_uri(cfg))
+        source = open_weights(uri, s3=s3, registry=cfg.checkpoint.registry)
         if source.model and source.model != cfg.model.model:
             log.warning(
                 f"--pretrained {uri} was saved from model {source.model}; this run builds {cfg.model.model}"

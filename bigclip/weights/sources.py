@@ -24,14 +24,13 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bigclip.checkpoint import catalog
 from bigclip.checkpoint.manifest import MANIFEST_NAME, size_problems
 from bigclip.errors import StorageError
-from bigclip.registry.store import Published, Registry, parse_registry_ref
 from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.locations import LocalLocation, Location, open_location
@@ -40,7 +39,11 @@ from bigclip.storage.s3 import S3Settings, is_s3
 from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, SafetensorsReader
 
+if TYPE_CHECKING:
+    from bigclip.registry.store import Published, Registry
+
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+REGISTRY_SCHEME = "registry:"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 
 
@@ -54,10 +57,16 @@ class WeightSource:
     step: int | None = None
 
 
+def registry_uri(explicit: str = "") -> str:
+    """The registry `registry:NAME` refers to: --registry, else $BIGCLIP_REGISTRY."""
+    return explicit or os.environ.get("BIGCLIP_REGISTRY", "")
+
+
 def open_weights(uri: str, *, s3: S3Settings | None = None, registry: str = "") -> WeightSource:
-    name = parse_registry_ref(uri)
-    if name is not None:
-        return _from_registry(Registry(registry, s3=s3), name)
+    if uri.startswith(REGISTRY_SCHEME):
+        from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
+
+        return _from_registry(Registry(registry_uri(registry), s3=s3), parse_registry_ref(uri))
     if uri.startswith(("http://", "https://")):
         return _from_file(download(uri), uri=redact_text(uri))
     if is_s3(uri) and uri.endswith(TORCH_SUFFIXES):

@@ -1,0 +1,143 @@
+"""The package layout's rules, checked by walking real imports.
+
+Layers, top to bottom (a module imports only its own layer or lower ones):
+  cli -> offline tools (registry, plan, launch, demo) -> train -> weights
+      -> engines / data / checkpoint -> storage / ops / models -> config / distributed / errors
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bigclip"
+MAX_LINES = 350
+
+LAYER = {
+    "bigclip": 0,
+    "bigclip.errors": 0,
+    "bigclip.config": 0,
+    "bigclip.cli_args": 0,
+    "bigclip.distributed": 0,
+    "bigclip.storage": 1,
+    "bigclip.ops": 1,
+    "bigclip.models": 1,
+    "bigclip.engines": 2,
+    "bigclip.data": 2,
+    "bigclip.checkpoint": 2,
+    "bigclip.weights": 3,
+    "bigclip.train": 4,
+    "bigclip.registry": 5,
+    "bigclip.plan": 5,
+    "bigclip.launch": 5,
+    "bigclip.demo": 5,
+    "bigclip.cli": 6,
+}
+# Upward imports that are allowed, each inside a function (so importing the lower module does
+# not load the higher one), with the reason.
+LAZY_UPWARD = {
+    ("bigclip.config", "bigclip.models"): "ModelConfig.validate checks --model against the model configs",
+    ("bigclip.weights", "bigclip.registry"): "--pretrained registry:NAME opens the registry only then",
+}
+OFFLINE = ("bigclip.registry", "bigclip.plan", "bigclip.launch", "bigclip.demo", "bigclip.weights.consolidate")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> str:
+    """The entry of LAYER a module belongs to: its longest matching prefix."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYER:
+            return ".".join(parts[:n])
+    raise AssertionError(f"{module} is in no layer: add its package to LAYER in {__file__}")
+
+
+def bigclip_imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported module, at module level?) for every import of a bigclip module in the file."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    type_only = {id(n) for node in ast.walk(tree) if _is_type_checking_block(node) for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue  # `if TYPE_CHECKING:` imports are for annotations and never run
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bigclip"):
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found += [(n if is_submodule(n) else node.module, id(node) in top_level) for n in names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, id(node) in top_level) for a in node.names if a.name.startswith("bigclip")]
+    return found
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def is_submodule(name: str) -> bool:
+    """Whether `from pkg import name` imports a submodule (a file or package of that name)."""
+    relative = Path(*name.split("."))
+    return (PACKAGE.parent / relative).with_suffix(".py").exists() or (PACKAGE.parent / relative).is_dir()
+
+
+def all_modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_module_imports_a_higher_layer():
+    problems = []
+    for path in all_modules():
+        source = module_name(path)
+        for target, at_top in bigclip_imports(path):
+            a, b = room(source), room(target)
+            if LAYER[b] <= LAYER[a]:
+                continue
+            if (a, b) in LAZY_UPWARD and not at_top:
+                continue
+            problems.append(f"{source} imports {target} ({a} is below {b})")
+    assert not problems, "\n".join(problems)
+
+
+def loaded_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def test_training_loads_no_offline_tool():
+    loaded = loaded_after("import bigclip.train.loop")
+    offenders = sorted(m for m in loaded if m.startswith(OFFLINE))
+    assert not offenders, f"importing bigclip.train loads offline tools: {offenders}"
+
+
+def test_models_load_no_engine_data_or_training_code():
+    loaded = loaded_after("import bigclip.models, bigclip.models.from_config")
+    offenders = sorted(m for m in loaded if m.startswith(("bigclip.engines", "bigclip.data", "bigclip.train")))
+    assert not offenders, offenders
+
+
+def test_cli_help_imports_no_torch():
+    """`bigclip --help` stays instant: subcommands import their modules only when run."""
+    loaded = loaded_after("import bigclip.cli")
+    assert "torch" not in loaded
+
+
+@pytest.mark.parametrize("path", all_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_file_over_the_line_limit(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.name} has {lines} lines (> {MAX_LINES}): split it by responsibility"
+
+
+def test_every_package_says_what_lives_there_and_what_it_may_import():
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if init.parent == PACKAGE:
+            continue  # the root's docstring is the project's one-liner
+        assert len(doc.splitlines()) >= 3 and "import" in doc.lower(), f"{init}: docstring must say what it may import"
