@@ -157,13 +157,13 @@ def _rank_main(
     root: str,
 ) -> dict:
     os.environ.update(endpoint_env)
-    from bigclip.storage.s3 import S3Settings
+    from bigclip.storage.s3 import S3Settings, boto3_client
 
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
     state = sharded_state(world, total_bytes, device)
     settings = S3Settings.resolve()
     store = CheckpointStore(f"{root}/bigclip", s3=settings)
-    client = settings.boto3_client()
+    client = boto3_client(settings)
     rounds = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_LOCAL_DIR")) as tmp:
         for round_ in range(repeats):
@@ -266,9 +266,9 @@ def endpoint_for(args: argparse.Namespace, stack: ExitStack) -> tuple[dict, int 
         return s3.env, s3._proc.pid, "loopback S3 (moto server, objects in RAM, one Python process)"
     env = {} if args.endpoint == "aws" else {"AWS_ENDPOINT_URL": args.endpoint}
     os.environ.update(env)
-    from bigclip.storage.s3 import S3Settings
+    from bigclip.storage.s3 import S3Settings, boto3_client
 
-    client = S3Settings.resolve().boto3_client()
+    client = boto3_client(S3Settings.resolve())
     try:
         client.head_bucket(Bucket=args.bucket)
     except client.exceptions.ClientError:

@@ -45,8 +45,9 @@ from bigclip.config import TrainConfig  # noqa: E402
 from bigclip.distributed import Runtime, free_port, init_distributed, spawn  # noqa: E402
 from bigclip.engines import Engine, build_engine  # noqa: E402
 from bigclip.engines.optim import LocalShardOptimizer, local_tensor  # noqa: E402
-from bigclip.models import CLIPConfig, count_parameters, create_model, get_model_config  # noqa: E402
-from bigclip.models.from_config import build_model  # noqa: E402
+from bigclip.models import count_parameters, create_model, get_model_config  # noqa: E402
+from bigclip.models.flops import forward_flops  # noqa: E402
+from bigclip.models.from_config import build_model, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
 from bigclip.train.step import contrastive_loss  # noqa: E402
 
@@ -69,15 +70,6 @@ def run_config(engine: str, ds_config: str, **flags: object) -> TrainConfig:
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)
     return cfg.validate()
-
-
-def synthetic_batch(cfg: TrainConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    model_cfg = get_model_config(cfg.model.model)
-    b, size, context = cfg.data.batch_size, model_cfg.vision_cfg.image_size, model_cfg.text_cfg.context_length
-    images = torch.randn(b, 3, size, size, device=device)
-    texts = torch.randint(1, 49000, (b, context), device=device)
-    texts[:, -1] = 49407  # end of text
-    return images, texts
 
 
 def live_tensor_bytes() -> int:
@@ -120,7 +112,7 @@ def optimizer_state_bytes(engine: Engine) -> int:
 def timed_steps(engine: Engine, cfg: TrainConfig, steps: int) -> tuple[list[float], int]:
     """Step times (forward, backward, optimizer) and the live bytes after the last backward."""
     loss_fn, device = build_loss(cfg.loss), engine.runtime.device
-    images, texts = synthetic_batch(cfg, device)
+    images, texts = synthetic_batch(cfg, device=device)
     times, after_backward = [], 0
     for step in range(steps + 1):
         _sync(device)
@@ -180,20 +172,6 @@ def cpu_rows(*, batch: int, steps: int, world: int = 2) -> list[dict]:
         same = next(r for r in rows if r["engine"] == row["engine"] and r["precision"] == row["precision"])
         row["optim_state_vs_adamw"] = row["optimizer_state_MB_per_rank"] / same["optimizer_state_MB_per_rank"]
     return rows
-
-
-def forward_flops(cfg: CLIPConfig) -> float:
-    """Forward FLOPs of one 224 px image-text pair: 2 per multiply-add of every matmul."""
-
-    def tower(width: int, layers: int, mlp_ratio: float, tokens: int) -> float:
-        per_token = 2 * (4 * width * width + 2 * width * int(width * mlp_ratio)) + 4 * tokens * width
-        return layers * tokens * per_token
-
-    v, t = cfg.vision_cfg, cfg.text_cfg
-    grid = (v.image_size // v.patch_size) ** 2
-    image = tower(v.width, v.layers, v.mlp_ratio, grid + 1) + 2 * 3 * v.patch_size**2 * v.width * grid
-    text = tower(t.width, t.layers, t.mlp_ratio, t.context_length)
-    return image + text + 2 * (v.width + t.width) * cfg.embed_dim
 
 
 def gpu_trial(engine_name: str, batch: int, steps: int) -> dict:

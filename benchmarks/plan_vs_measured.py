@@ -30,7 +30,7 @@ from common import print_table, write_results  # noqa: E402
 from bigclip.cli_args import parse_train_args  # noqa: E402
 from bigclip.distributed import free_port, init_distributed  # noqa: E402
 from bigclip.engines import build_engine  # noqa: E402
-from bigclip.models.from_config import build_model  # noqa: E402
+from bigclip.models.from_config import build_model, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
 from bigclip.plan.report import Hardware, build_plan  # noqa: E402
 from bigclip.plan.spec import from_train_config  # noqa: E402
@@ -49,15 +49,6 @@ SMOKE_ROWS = {"tiny fsdp b16": ["--model", "tiny", "--batch-size", "16", *COMMON
 GiB = 2**30
 
 
-def synthetic_batch(cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    model = build_model(cfg)
-    size, context = model.image_size, model.context_length
-    images = torch.randn(cfg.data.batch_size, 3, size, size, device=device)
-    texts = torch.randint(1, 49000, (cfg.data.batch_size, context), device=device)
-    texts[:, -1] = 49407  # end of text: the highest id, where the text tower pools
-    return images, texts
-
-
 def measure(argv: list[str], steps: int = 3) -> dict:
     """In this process: build the engine from the flags, run `steps` steps, report memory."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -68,7 +59,7 @@ def measure(argv: list[str], steps: int = 3) -> dict:
     engine.build(build_model(cfg))
     loss_fn, batch, cuda = (
         build_loss(cfg.loss),
-        synthetic_batch(cfg, runtime.device),
+        synthetic_batch(cfg, device=runtime.device),
         runtime.device.type == "cuda",
     )
     for step in range(steps):

@@ -105,3 +105,13 @@ def test_cli_writes_data_and_prints_the_flags(tmp_path, capsys):
     assert (
         bigclip_main(["make-demo-data", str(tmp_path), "--samples", "2", "--shards", "3"]) == 2
     )  # clean error
+
+
+def test_cli_shows_a_progress_bar_unless_told_not_to(tmp_path, capfd):
+    assert bigclip_main(["make-demo-data", str(tmp_path / "a"), "--samples", "40", "--shards", "2",
+                         "--val-samples", "10"]) == 0  # fmt: skip
+    err = capfd.readouterr().err
+    assert "demo data: 100%" in err and "50/50" in err  # 40 training + 10 held-out samples
+    assert bigclip_main(["make-demo-data", str(tmp_path / "b"), "--samples", "40", "--shards", "2",
+                         "--val-samples", "10", "--no-progress"]) == 0  # fmt: skip
+    assert "demo data" not in capfd.readouterr().err

@@ -18,9 +18,8 @@ from support.engine_harness import assert_same_weights, global_batch, tiny_confi
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import Engine, build_engine
-from bigclip.engines.fsdp import MAX_LOGIT_SCALE
 from bigclip.engines.optim import make_optimizer, param_groups
-from bigclip.models import create_model
+from bigclip.models import MAX_LOGIT_SCALE, create_model
 from bigclip.models.from_config import build_model
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.train.step import train_step

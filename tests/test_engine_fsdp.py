@@ -2,10 +2,13 @@
 
 import pytest
 import torch
-from support.engine_harness import assert_same_weights, run_engine, tiny_config
+from support.engine_harness import assert_same_weights, global_batch, run_engine, tiny_config
 
-from bigclip.distributed import spawn
+from bigclip.distributed import Runtime, spawn
+from bigclip.engines import build_engine
 from bigclip.models import create_model
+from bigclip.ops.loss.contrastive import build_loss
+from bigclip.train.step import contrastive_loss, train_step
 
 pytestmark = pytest.mark.dist
 
@@ -42,3 +45,36 @@ def test_accumulation_equals_large_batch():
     plain = spawn(run_engine, 2, tiny_config().to_dict(), 4, 8)[0]
     accum = spawn(run_engine, 2, tiny_config(**{"optim.accum_freq": 2}).to_dict(), 4, 8)[0]
     _assert_same_run(plain, accum, rtol=FP32_RTOL)
+
+
+def fp16_overflow_worker(rank: int, world: int) -> dict:
+    cfg = tiny_config(**{"engine.precision": "amp"})
+    runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    engine = build_engine(cfg, runtime)
+    engine.build(create_model("tiny", device="meta"))
+    loss_fn = build_loss(cfg.loss)
+    images, texts = global_batch(0, 8)
+    scales, unchanged = [engine.scaler.scale], []
+    loss = contrastive_loss(loss_fn, engine.forward(images, texts))
+    engine.backward(loss * 1e30)  # inf once scaled: this step must be skipped
+    steps = [engine.step(lr=1e-3)]
+    for _ in range(8):  # fp16 may overflow again at the start scale: each overflow halves it
+        before = engine.full_state_dict()
+        steps.append(train_step(engine, loss_fn, [(images, texts)], lr=1e-3).stats)
+        after = engine.full_state_dict()
+        unchanged.append(all(torch.equal(before[k], after[k]) for k in before))
+        if not steps[-1].skipped:
+            break
+    scales += [s.loss_scale for s in steps]
+    return {"skipped": [s.skipped for s in steps], "scales": scales, "unchanged": unchanged}
+
+
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_recovers():
+    """--precision amp (fp16): a step whose gradients overflow changes no weight and halves the
+    loss scale (down to where fp16 holds the gradients); the first finite step then trains."""
+    result = spawn(fp16_overflow_worker, 2)[0]
+    skipped, scales = result["skipped"], result["scales"]
+    assert skipped[0] and not skipped[-1], skipped  # forced overflow skipped; training recovered
+    for i, was_skipped in enumerate(skipped):
+        assert scales[i + 1] == (scales[i] / 2 if was_skipped else scales[i]), scales
+    assert result["unchanged"][:-1] == [True] * (len(skipped) - 2) and not result["unchanged"][-1]

@@ -43,7 +43,13 @@ LAZY_UPWARD = {
     ("bigclip.config", "bigclip.models"): "ModelConfig.validate checks --model against the model configs",
     ("bigclip.weights", "bigclip.registry"): "--pretrained registry:NAME opens the registry only then",
 }
-OFFLINE = ("bigclip.registry", "bigclip.plan", "bigclip.launch", "bigclip.demo", "bigclip.weights.consolidate")
+OFFLINE = (
+    "bigclip.registry",
+    "bigclip.plan",
+    "bigclip.launch",
+    "bigclip.demo",
+    "bigclip.weights.consolidate",
+)
 
 
 def module_name(path: Path) -> str:
@@ -119,7 +125,9 @@ def test_training_loads_no_offline_tool():
 
 def test_models_load_no_engine_data_or_training_code():
     loaded = loaded_after("import bigclip.models, bigclip.models.from_config")
-    offenders = sorted(m for m in loaded if m.startswith(("bigclip.engines", "bigclip.data", "bigclip.train")))
+    offenders = sorted(
+        m for m in loaded if m.startswith(("bigclip.engines", "bigclip.data", "bigclip.train"))
+    )
     assert not offenders, offenders
 
 
@@ -140,4 +148,6 @@ def test_every_package_says_what_lives_there_and_what_it_may_import():
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         if init.parent == PACKAGE:
             continue  # the root's docstring is the project's one-liner
-        assert len(doc.splitlines()) >= 3 and "import" in doc.lower(), f"{init}: docstring must say what it may import"
+        assert len(doc.splitlines()) >= 3 and "import" in doc.lower(), (
+            f"{init}: docstring must say what it may import"
+        )

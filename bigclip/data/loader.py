@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 from bigclip.config import DataConfig
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
-from bigclip.data.resume.assignment import ReaderPlan, plan_readers
+from bigclip.data.resume.assignment import ReaderAssignment, assign_readers
 from bigclip.data.resume.position import DataPosition, RankProgress
 from bigclip.data.resume.randomness import stream_key
 from bigclip.data.resume.reader_state import ReaderState
@@ -141,13 +141,13 @@ class TrainLoader:
         self.settings = StreamSettings(
             self.world_size, cfg.workers, cfg.batch_size, cfg.shard_interleave, seed
         )
-        plan = plan_readers(self.shards, self.start, self.settings, rank=self.rank)
-        self.origin, self.initial = plan.origin, plan.stream
-        self.exact_resume = plan.exact  # continues a saved stream exactly (same settings)
+        assignment = assign_readers(self.shards, self.start, self.settings, rank=self.rank)
+        self.origin, self.initial = assignment.origin, assignment.stream
+        self.exact_resume = assignment.exact  # continues a saved stream exactly (same settings)
         # Per worker, the reader's state after the last sample consumed from it (as a row of ints).
-        self.reader_rows = [r.to_ints() for r in plan.stream.readers]
+        self.reader_rows = [r.to_ints() for r in assignment.stream.readers]
         return ReaderStream(
-            readers=self._reader_specs(plan, seed=seed),
+            readers=self._reader_specs(assignment, seed=seed),
             urls=self.shards.urls,
             resampled=self.start.resampled,
             batch_size=cfg.batch_size,
@@ -158,7 +158,7 @@ class TrainLoader:
             s3=s3,
         )
 
-    def _reader_specs(self, plan: ReaderPlan, *, seed: int) -> list[ReaderSpec]:
+    def _reader_specs(self, assignment: ReaderAssignment, *, seed: int) -> list[ReaderSpec]:
         """Data worker i runs the i-th: the carry's readers first, then the round robin from its next
         worker, so that the DataLoader's own round robin already delivers batches in stream order."""
         epoch, origin = self.start.epoch, self.origin.samples
@@ -166,10 +166,10 @@ class TrainLoader:
             ReaderSpec(
                 worker=w,
                 key=stream_key(seed=seed, epoch=epoch, origin=origin, rank=self.rank, worker=w),
-                plan=plan.tasks[w],
-                state=plan.stream.readers[w],
+                plan=assignment.tasks[w],
+                state=assignment.stream.readers[w],
             )
-            for w in plan.stream.carry + plan.stream.active
+            for w in assignment.stream.carry + assignment.stream.active
         ]
 
     @property

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 from braceexpand import braceexpand
 
-from bigclip.data.streams import s3_client
 from bigclip.errors import DataError
-from bigclip.storage.s3 import S3Settings, is_s3, join_s3_uri, split_s3_uri
+from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, join_s3_uri, split_s3_uri
 
 log = logging.getLogger("bigclip.data")
 
@@ -142,7 +141,7 @@ def _existing_s3(urls: list[str], settings: S3Settings) -> set[str]:
 def _list_keys(bucket: str, prefix: str, settings: S3Settings) -> set[str]:
     from botocore.exceptions import BotoCoreError, ClientError
 
-    client = s3_client(settings, fast_fail=True)
+    client = boto3_client(settings, fast_fail=True)
     keys: set[str] = set()
     try:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
@@ -189,7 +188,9 @@ def _read_small_s3_object(url: str, settings: S3Settings | None) -> str | None:
 
     bucket, key = split_s3_uri(url)
     try:
-        body = s3_client(settings or S3Settings.resolve(), fast_fail=True).get_object(Bucket=bucket, Key=key)
+        body = boto3_client(settings or S3Settings.resolve(), fast_fail=True).get_object(
+            Bucket=bucket, Key=key
+        )
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
             return None

@@ -6,47 +6,19 @@ run continue mid-shard without downloading the consumed prefix, and it reopens t
 the byte it had reached when a long-lived connection drops mid-shard (common at thousands of
 concurrent streams), so a transient network error costs one request, not the shard.
 
-One boto3 client per process (clients are not fork-safe; data workers make their own).
+One boto3 client per process (`storage.s3.boto3_client`; data workers make their own).
 """
 
 from __future__ import annotations
 
 import io
-import os
 from typing import Any, BinaryIO
 
 from bigclip.errors import DataError
-from bigclip.storage.s3 import S3Settings, is_s3, split_s3_uri
+from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
 
 READ_BUFFER_BYTES = 1 << 20
 S3_REOPEN_ATTEMPTS = 5
-
-_clients: dict[tuple[int, S3Settings, bool], Any] = {}
-
-
-def s3_client(settings: S3Settings, *, fast_fail: bool = False) -> Any:
-    """A cached boto3 client for this process. `fast_fail`: short timeouts, few retries (validation)."""
-    key = (os.getpid(), settings, fast_fail)
-    if key not in _clients:
-        if fast_fail:
-            _clients[key] = _fast_fail_client(settings)
-        else:
-            _clients[key] = settings.boto3_client()
-    return _clients[key]
-
-
-def _fast_fail_client(settings: S3Settings) -> Any:
-    # A wrong endpoint should fail validation in seconds, not after ten adaptive retries.
-    import boto3
-    from botocore.config import Config
-
-    config = Config(
-        s3={"addressing_style": "path" if settings.path_style else "auto"},
-        retries={"max_attempts": 2, "mode": "standard"},
-        connect_timeout=5,
-        read_timeout=30,
-    )
-    return boto3.client("s3", region_name=settings.region, endpoint_url=settings.endpoint, config=config)
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
@@ -65,7 +37,7 @@ class S3ObjectStream(io.RawIOBase):
         self.url = url
         self.bucket, self.key = split_s3_uri(url)
         self.position = start
-        self._client = s3_client(settings)
+        self._client = boto3_client(settings)
         self._body: Any = None
         self._at_end = False
 

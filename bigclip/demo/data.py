@@ -26,11 +26,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from PIL import Image, ImageDraw
+from tqdm import tqdm
 
 from bigclip.data.shards import SIZES_FILE
-from bigclip.data.streams import s3_client
 from bigclip.errors import DataError
-from bigclip.storage.s3 import S3Settings, is_s3, split_s3_uri
+from bigclip.storage.progress import progress_bar
+from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
 
 SIZES = {"small": (0.10, 0.14), "large": (0.20, 0.25)}  # radius as a fraction of the image side
 COLOURS = {
@@ -167,13 +168,14 @@ class _Sink:
 
         bucket, key = split_s3_uri(self.url(name))
         try:
-            s3_client(self.s3).put_object(Bucket=bucket, Key=key, Body=data)
+            boto3_client(self.s3).put_object(Bucket=bucket, Key=key, Body=data)
         except (BotoCoreError, ClientError) as e:
             raise DataError(f"cannot write {self.url(name)} (does the bucket exist?): {e}") from e
 
 
 def _write_split(sink: _Sink, split: str, combos: list[Attributes], counts: list[int], **kw) -> str:
     rng: random.Random = kw.pop("rng")
+    bar: tqdm = kw.pop("bar")
     sizes: dict[str, int] = {}
     it: Iterator[Attributes] = iter(combos)
     for shard, count in enumerate(counts):
@@ -183,6 +185,7 @@ def _write_split(sink: _Sink, split: str, combos: list[Attributes], counts: list
         ]
         sink.write(f"{split}/{shard:05d}.tar", tar_bytes(samples))
         sizes[f"{shard:05d}.tar"] = count
+        bar.update(count)
     sink.write(f"{split}/{SIZES_FILE}", json.dumps(sizes, indent=1).encode())
     return sink.url(f"{split}/{{00000..{len(counts) - 1:05d}}}.tar")
 
@@ -196,6 +199,7 @@ def write_demo_data(
     image_size: int = 64,
     seed: int = 0,
     s3: S3Settings | None = None,
+    progress: bool = False,
 ) -> DemoData:
     """Write the training shards and the held-out set; returns their shard patterns."""
     combos = all_attributes()
@@ -209,13 +213,14 @@ def write_demo_data(
     train = [rng.choice(combos) for _ in range(samples)]
     held_out = rng.sample(combos, val_samples)  # without replacement: distinct captions
     sink = _Sink(out, s3=s3)
-    train_pattern = _write_split(
-        sink, "train", train, _split(samples, shards), image_size=image_size, rng=rng
-    )
     val_shards = max(1, -(-val_samples // SHARD_SAMPLES_VAL))
-    val_pattern = _write_split(
-        sink, "val", held_out, _split(val_samples, val_shards), image_size=image_size, rng=rng
-    )
+    with progress_bar(samples + val_samples, label="demo data", unit="sample", enabled=progress) as bar:
+        train_pattern = _write_split(
+            sink, "train", train, _split(samples, shards), image_size=image_size, rng=rng, bar=bar
+        )
+        val_pattern = _write_split(
+            sink, "val", held_out, _split(val_samples, val_shards), image_size=image_size, rng=rng, bar=bar
+        )
     return DemoData(train_pattern, val_pattern, samples, val_samples)
 
 
@@ -227,6 +232,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--val-samples", type=int, default=500, help="Held-out samples, distinct captions.")
     parser.add_argument("--image-size", type=int, default=64, help="Image side in pixels.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
     args = parser.parse_args(argv)
     demo = write_demo_data(
         args.out,
@@ -235,6 +241,7 @@ def main(argv: list[str]) -> int:
         val_samples=args.val_samples,
         image_size=args.image_size,
         seed=args.seed,
+        progress=not args.no_progress,
     )
     print(f"wrote {demo.train_samples} training and {demo.val_samples} held-out samples")
     print(f"  --train-data '{demo.train_pattern}' --val-data '{demo.val_pattern}'")

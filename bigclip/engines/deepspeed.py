@@ -24,7 +24,6 @@ copy as well, or the next step would undo the clamp.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -45,9 +44,7 @@ from bigclip.engines.deepspeed_layout import ZeroLayout
 from bigclip.engines.deepspeed_state import DeepSpeedModelState, DeepSpeedOptimState
 from bigclip.engines.optim import Precision, make_optimizer, param_groups, set_lr
 from bigclip.errors import ConfigError
-from bigclip.models import CLIP, get_model_config, param_generator, param_initializers
-
-MAX_LOGIT_SCALE = math.log(100)
+from bigclip.models import CLIP, MAX_LOGIT_SCALE, get_model_config, param_generator, param_initializers
 
 
 class DeepSpeedEngine(Engine):

@@ -15,7 +15,6 @@ left replicated (`ignored_params`) and this engine averages their gradients itse
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,14 +50,7 @@ from bigclip.engines.optim import (
     set_step,
     write_moments,
 )
-from bigclip.models import CLIP, param_generator, param_initializers
-
-MAX_LOGIT_SCALE = math.log(100)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view sharing storage), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from bigclip.models import CLIP, MAX_LOGIT_SCALE, param_generator, param_initializers
 
 
 @torch.no_grad()
@@ -130,7 +122,7 @@ class FSDPEngine(Engine):
 
     def step(self, *, lr: float) -> StepStats:
         self._average_replicated_grads()
-        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
         if self.scaler:
             for g in grads:
                 g.mul_(1.0 / self.scaler.scale)
@@ -158,7 +150,7 @@ class FSDPEngine(Engine):
 
     def _global_grad_norm(self) -> torch.Tensor:
         """Norm over all gradients: sharded parts summed across ranks, replicated ones counted once."""
-        sharded = [local(p.grad) for p in self.module.parameters() if isinstance(p.grad, DTensor)]
+        sharded = [local_tensor(p.grad) for p in self.module.parameters() if isinstance(p.grad, DTensor)]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
         sq = torch.zeros((), device=self.runtime.device, dtype=torch.float32)
         for g in sharded:

@@ -9,7 +9,7 @@ find the same checkpoints, so the script always trains with `--resume latest` an
 `--name` (the job name unless given) under a fixed `--logs`. Launch layouts:
   srun      one task per GPU; bigclip reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
   torchrun  one task per node running torchrun with the c10d rendezvous on the first node.
-The template (bigclip/slurm_template.py) carries the preemption and requeue logic.
+The template (bigclip/launch/slurm_template.py) carries the preemption and requeue logic.
 """
 
 from __future__ import annotations

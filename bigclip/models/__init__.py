@@ -3,11 +3,19 @@ and `build_model(cfg)` (from_config), which applies a run's model options. No di
 May import config, errors and ops (int8 swap); never engines, data or train.
 """
 
-from bigclip.models.clip import CLIP, CLIPConfig, init_weights, param_generator, param_initializers
+from bigclip.models.clip import (
+    CLIP,
+    MAX_LOGIT_SCALE,
+    CLIPConfig,
+    init_weights,
+    param_generator,
+    param_initializers,
+)
 from bigclip.models.registry import count_parameters, create_model, get_model_config, list_models
 
 __all__ = [
     "CLIP",
+    "MAX_LOGIT_SCALE",
     "CLIPConfig",
     "count_parameters",
     "create_model",

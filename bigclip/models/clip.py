@@ -21,6 +21,9 @@ from bigclip.models.text import build_text_modules, pool_end_of_text
 from bigclip.models.transformer import QuickGELU
 from bigclip.models.vision import VisionTransformer
 
+# OpenCLIP's trainer clamps logit_scale to [0, ln 100] after every step (a temperature of 1/100).
+MAX_LOGIT_SCALE = math.log(100)
+
 InitFn = Callable[[torch.Tensor, torch.Generator], None]
 
 

@@ -1,4 +1,5 @@
-"""The model a run's configuration describes, with its model-level options applied.
+"""The model a run's configuration describes, with its model-level options applied, and a
+synthetic batch of the shapes it takes.
 
 Kept apart from the model code: it reads `TrainConfig` and swaps in int8 linears from `ops`,
 while `clip.py` and friends stay plain modules that know neither.
@@ -12,7 +13,7 @@ import torch
 
 from bigclip.config import TrainConfig
 from bigclip.models.clip import CLIP
-from bigclip.models.registry import create_model
+from bigclip.models.registry import create_model, get_model_config
 
 SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}  # OpenCLIP's SigLIP init
 
@@ -36,3 +37,19 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLI
 
         apply_int8(model, cfg.model.int8, include_attention=cfg.model.int8_attention)
     return model
+
+
+def synthetic_batch(
+    cfg: TrainConfig, *, device: str | torch.device = "cpu", batch_size: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images and token ids shaped as the run's model takes them (benchmarks, dry runs).
+
+    Each text ends with the highest id, OpenCLIP's end-of-text token, where the text tower pools."""
+    model_cfg = get_model_config(cfg.model.model)
+    b = batch_size or cfg.data.batch_size
+    size, context = model_cfg.vision_cfg.image_size, model_cfg.text_cfg.context_length
+    vocab = model_cfg.text_cfg.vocab_size
+    images = torch.randn(b, 3, size, size, device=device)
+    texts = torch.randint(1, vocab - 1, (b, context), device=device)
+    texts[:, -1] = vocab - 1
+    return images, texts

@@ -8,6 +8,11 @@ from torch import nn
 from bigclip.models.transformer import LayerNorm, Transformer
 
 
+def kept_patches(num_patches: int, prob: float) -> int:
+    """Patches a patch-dropout rate keeps per image (at least one)."""
+    return max(1, int(num_patches * (1.0 - prob))) if prob else num_patches
+
+
 class PatchDropout(nn.Module):
     """Drop a random subset of patch tokens per image while training (FLIP, arXiv:2212.00794).
 
@@ -25,7 +30,7 @@ class PatchDropout(nn.Module):
             return x
         cls_token, patches = x[:, :1], x[:, 1:]
         batch, num_patches, width = patches.shape
-        keep = max(1, int(num_patches * (1.0 - self.prob)))
+        keep = kept_patches(num_patches, self.prob)
         scores = torch.rand(batch, num_patches, device=x.device)
         kept = scores.topk(keep, dim=-1).indices  # [B, keep]
         patches = patches.gather(1, kept.unsqueeze(-1).expand(-1, -1, width))

@@ -25,6 +25,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.errors import ConfigError
 from bigclip.plan.spec import PlanSpec, from_train_config
+from bigclip.storage.progress import progress_bar
 
 CPU = torch.device("cpu")
 
@@ -44,16 +47,6 @@ def init_fake_group(world: int) -> Runtime:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     return Runtime(rank=0, world_size=world, local_rank=0, device=CPU)
-
-
-def synthetic_batch(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    from bigclip.models import get_model_config
-
-    model_cfg = get_model_config(cfg.model.model)
-    size, context = model_cfg.vision_cfg.image_size, model_cfg.text_cfg.context_length
-    images = torch.randn(cfg.data.batch_size, 3, size, size)
-    texts = torch.randint(1, 1000, (cfg.data.batch_size, context))
-    return images, texts
 
 
 def _bytes(tensors: Any) -> int:
@@ -73,9 +66,10 @@ def fsdp_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
 
     from bigclip.engines.fsdp import FSDPEngine
     from bigclip.engines.optim import Precision, make_optimizer, param_groups
-    from bigclip.models.from_config import build_model
+    from bigclip.models.from_config import build_model, synthetic_batch
     from bigclip.train.step import contrastive_loss
 
+    phase(0)
     engine = FSDPEngine(cfg, runtime)
     engine.precision = Precision.from_name(cfg.engine.precision)
     model = build_model(cfg)
@@ -89,10 +83,12 @@ def fsdp_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
         engine.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
         engine.optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
         engine.scaler = None
+        phase(1)
         loss = contrastive_loss(_dot_loss, engine.forward(*synthetic_batch(cfg)))
         engine.backward(loss)
         grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
         engine.step(lr=cfg.optim.lr)
+        phase(2)
         return {
             "parameters": _bytes(model.parameters()),
             "gradients": grads,
@@ -118,6 +114,7 @@ def zero3_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
     from bigclip.engines.optim import make_optimizer, param_groups
     from bigclip.models.from_config import build_model
 
+    phase(0)
     os.environ.update(RANK="0", WORLD_SIZE=str(runtime.world_size), LOCAL_RANK="0")
     engine = DeepSpeedEngine(cfg, runtime)
     if engine.plan.stage != 3 or engine.plan.offload_optimizer or engine.plan.offload_param:
@@ -127,12 +124,14 @@ def zero3_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
         model = engine._materialise(build_model(cfg))
         engine._prepare_blocks(model)
         optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
+        phase(1)
         ds_engine, *_ = engine.deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine.plan.config, dist_init_required=False
         )
     zero = ds_engine.optimizer
     flats = list(zero.fp32_partitioned_groups_flat)
     ensure_optimizer_state(zero.optimizer, flats, [zero.sub_group_to_group_id[i] for i in range(len(flats))])
+    phase(2)
     return {
         "parameters": _bytes(p.ds_tensor for p in model.parameters()),
         "gradients": _bytes([zero.grad_partitions_flat_buffer]),
@@ -173,16 +172,51 @@ def split_gpus(argv: list[str]) -> tuple[int, list[str]]:
     return int(gpus), rest
 
 
-def run_dry_run(argv: list[str], *, timeout_s: float = 600) -> dict[str, Any]:
-    """The dry run in a fresh subprocess; its JSON result."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [sys.executable, "-m", "bigclip.plan.dryrun", *argv],
-        capture_output=True, text=True, timeout=timeout_s, env=env,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"dry run {argv} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+PHASES = ("build the sharded model", "run the first step", "count state")
+PHASE_PREFIX = "bigclip-dry-run-phase "
+
+
+PHASES_ENV = "BIGCLIP_DRY_RUN_PHASES"
+
+
+def phase(index: int) -> None:
+    """Tell the parent (`run_dry_run`, which sets PHASES_ENV) which phase starts, for its bar."""
+    if os.environ.get(PHASES_ENV):
+        print(f"{PHASE_PREFIX}{index}", flush=True)
+
+
+def run_dry_run(argv: list[str], *, timeout_s: float = 600, progress: bool = False) -> dict[str, Any]:
+    """The dry run in a fresh subprocess, with a bar over its phases; its JSON result."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONWARNINGS": "ignore",
+        PHASES_ENV: "1",
+    }
+    command = [sys.executable, "-m", "bigclip.plan.dryrun", *argv]
+    with (
+        tempfile.TemporaryFile("w+") as stderr,
+        progress_bar(len(PHASES), label="dry run", unit="phase", enabled=progress) as bar,
+    ):
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        killer = threading.Timer(timeout_s, proc.kill)
+        killer.start()
+        lines = []
+        for line in proc.stdout:
+            if line.startswith(PHASE_PREFIX):
+                index = int(line[len(PHASE_PREFIX) :])
+                bar.set_postfix_str(PHASES[index])
+                bar.update(index - bar.n)
+            elif line.startswith("{"):
+                lines.append(line)
+        returncode = proc.wait()
+        killer.cancel()
+        bar.update(len(PHASES) - bar.n)
+        stderr.seek(0)
+        errors = stderr.read()
+    if returncode != 0 or not lines:
+        raise RuntimeError(f"dry run {argv} failed ({returncode}):\n{errors[-3000:]}")
     return json.loads(lines[-1])
 
 

@@ -15,7 +15,7 @@ output (ln_post reads the class token through a view of it); the inputs themselv
 int64 tokens). Backward needs a workspace of about one block's MLP and residual gradients
 (2 M + 3 W per token x a). Patch dropout shortens the vision sequence to 1 + kept patches.
 
-Loss buffers follow bigclip/ops/contrastive.py (n local rows, N global, d embed dim, c chunk,
+Loss buffers follow bigclip/ops/loss/ (chunked.py, exchange.py) (n local rows, N global, d embed dim, c chunk,
 fp32): ring 2nd + 3n + 2cd + 3c(d+1) + 3c^2; allgather Nd + N(d+1) + 2nd + 3c^2; OpenCLIP's
 unchunked loss 4nN + 2Nd with --local-loss (two n x N logit matrices and their log-softmax), 4N^2 + 2Nd
 without. These match benchmarks/results/loss_memory.json within 10% (tests/test_plan.py).
@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigclip.models import get_model_config
+from bigclip.models.vision import kept_patches
 from bigclip.plan.model_state import StateBytes, model_state
 from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes
 
@@ -78,7 +79,7 @@ def towers(spec: PlanSpec) -> dict[str, Tower]:
     cfg = get_model_config(spec.model)
     v, t = cfg.vision_cfg, cfg.text_cfg
     patches = (v.image_size // v.patch_size) ** 2
-    kept = max(1, int(patches * (1.0 - spec.patch_dropout))) if spec.patch_dropout else patches
+    kept = kept_patches(patches, spec.patch_dropout)
     return {
         "vision": Tower(v.layers, v.width, int(v.width * v.mlp_ratio), v.width // v.head_width, 1 + kept),
         "text": Tower(t.layers, t.width, int(t.width * t.mlp_ratio), t.heads, t.context_length),

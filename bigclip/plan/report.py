@@ -28,7 +28,8 @@ from typing import Any
 from bigclip.cli_args import parse_train_args
 from bigclip.errors import ConfigError
 from bigclip.models import get_model_config
-from bigclip.plan.memory import MemoryPlan, plan_memory, towers
+from bigclip.models.flops import forward_flops as model_forward_flops
+from bigclip.plan.memory import MemoryPlan, plan_memory
 from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
 from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes, from_train_config, model_params
 
@@ -72,16 +73,8 @@ class Plan:
 
 
 def forward_flops(spec: PlanSpec) -> float:
-    """Forward FLOPs of one image-text pair: 2 per multiply-add of every matmul."""
-    cfg = get_model_config(spec.model)
-    v = cfg.vision_cfg
-    total = 0.0
-    for tower in towers(spec).values():
-        w, s = tower.width, tower.tokens
-        total += tower.layers * s * (2 * (4 * w * w + 2 * w * tower.mlp) + 4 * s * w)
-    patches = (v.image_size // v.patch_size) ** 2
-    total += 2 * 3 * v.patch_size**2 * v.width * patches  # the patch embedding sees every patch
-    return total + 2 * (v.width + cfg.text_cfg.width) * cfg.embed_dim
+    """Forward FLOPs of one image-text pair of the planned model (see models/flops.py)."""
+    return model_forward_flops(get_model_config(spec.model), patch_dropout=spec.patch_dropout)
 
 
 def rank0_numel(spec: PlanSpec, params: list[ParamInfo]) -> int:
@@ -230,7 +223,7 @@ def hardware_from(args: argparse.Namespace) -> Hardware:
 def dry_run_rows(plan: Plan, train_argv: list[str]) -> list[tuple[str, str]]:
     from bigclip.plan.dryrun import run_dry_run
 
-    measured = run_dry_run(["--gpus", str(plan.spec.gpus), *train_argv])
+    measured = run_dry_run(["--gpus", str(plan.spec.gpus), *train_argv], progress=True)
     rows = []
     for key in ("parameters", "gradients", "optimizer"):
         planned = getattr(plan.memory.state, key) + getattr(plan.memory.state, f"host_{key}")

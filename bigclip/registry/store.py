@@ -23,6 +23,8 @@ import re
 import secrets
 from dataclasses import asdict, dataclass, field
 
+from tqdm import tqdm
+
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
 from bigclip.errors import ConfigError, StorageError
 from bigclip.registry.leases import HeldLease, break_stale, list_leases, refuse_if_leased
@@ -30,8 +32,8 @@ from bigclip.registry.sources import SourceFile, SourceInfo, expand_source
 from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.hashing import ObjectRecord, sha256_of_stream
 from bigclip.storage.locations import LocalLocation, S3Location, open_location
-from bigclip.storage.progress import Progress, human_bytes
-from bigclip.storage.s3 import S3Settings, split_s3_uri
+from bigclip.storage.progress import human_bytes, progress_bar
+from bigclip.storage.s3 import S3Settings, boto3_client, split_s3_uri
 from bigclip.storage.sinks import create_exclusive, open_sink
 from bigclip.weights.sources import REGISTRY_SCHEME
 
@@ -150,7 +152,7 @@ class Registry:
     def verify(self, name: str, *, progress: bool = False) -> Published:
         """Re-hash every object; StorageError naming each damaged one."""
         published = self.get(name)
-        bar = Progress(published.stored_bytes, label=f"verify {name}", enabled=progress)
+        bar = progress_bar(published.stored_bytes, label=f"verify {name}", enabled=progress)
         problems, seen = [], set()
         for path, record in published.objects.items():
             if record.sha256 in seen:
@@ -188,7 +190,7 @@ class Registry:
         info, files = expand_source(src, s3=self.s3)
         objects: dict[str, ObjectRecord] = {}
         stored = self.location.list_files(f"{folder}/objects")  # left by an interrupted publish
-        bar = Progress(0, label=f"publish {name}", enabled=progress)
+        bar = progress_bar(None, label=f"publish {name}", enabled=progress)  # files arrive one by one
         for file in files:
             objects[file.path] = self._store(folder, file, bar, stored=stored)
         bar.close()
@@ -200,7 +202,7 @@ class Registry:
         log.info("published %s: %d files, %s", name, len(objects), human_bytes(published.stored_bytes))
         return self.get(name)
 
-    def _store(self, folder: str, file: SourceFile, bar: Progress, *, stored: dict[str, int]) -> ObjectRecord:
+    def _store(self, folder: str, file: SourceFile, bar: tqdm, *, stored: dict[str, int]) -> ObjectRecord:
         expected = file.expected
         if expected and stored.get(expected.sha256) == expected.size:
             bar.update(expected.size)
@@ -230,7 +232,7 @@ class Registry:
         if isinstance(self.location, S3Location):
             bucket, src_key = split_s3_uri(self.location.child_uri(staging))
             _, dst_key = split_s3_uri(self.location.child_uri(final))
-            self.location.settings.boto3_client().copy({"Bucket": bucket, "Key": src_key}, bucket, dst_key)
+            boto3_client(self.location.settings).copy({"Bucket": bucket, "Key": src_key}, bucket, dst_key)
             self.location.delete(staging)
 
     def _describe(

@@ -15,8 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 
-from s3torchconnector import S3ReaderConstructor
-from s3torchconnectorclient._mountpoint_s3_client import S3Exception
+from s3torchconnector import S3Exception, S3ReaderConstructor
 
 from bigclip.errors import StorageError
 from bigclip.storage.locations import LocalLocation, Location, S3Location

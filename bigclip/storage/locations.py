@@ -11,7 +11,6 @@ built on our client (endpoint and path-style addressing from `bigclip.storage.s3
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from collections.abc import Iterator
@@ -19,16 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from s3torchconnector import S3ReaderConstructor, S3Writer
-from s3torchconnector._s3client import S3Client
+from s3torchconnector import S3Exception, S3ReaderConstructor, S3Writer
 from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
-from s3torchconnectorclient._mountpoint_s3_client import S3Exception
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from bigclip.errors import StorageError
 from bigclip.storage.hashing import HashingFileSystem
-from bigclip.storage.s3 import S3Settings, is_s3, join_s3_uri, split_s3_uri
+from bigclip.storage.s3 import S3Settings, is_s3, join_s3_uri, s3torch_client, split_s3_uri
 from bigclip.storage.safe_metadata import SafeMetadataMixin
 
 
@@ -137,10 +134,7 @@ class S3Location:
         self.prefix = key.strip("/")
         self.uri = join_s3_uri(self.bucket, self.prefix).rstrip("/")
         self.settings = settings
-        config = settings.s3torch_client_config()
-        if max_attempts is not None:
-            config = dataclasses.replace(config, max_attempts=max_attempts)
-        self.client = S3Client(settings.region, endpoint=settings.endpoint, s3client_config=config)
+        self.client = s3torch_client(settings, max_attempts=max_attempts)
 
     def _key(self, relative: str) -> str:
         return f"{self.prefix}/{relative}" if self.prefix else relative

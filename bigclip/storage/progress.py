@@ -1,10 +1,12 @@
-"""A bytes-done progress bar on stderr (redrawn in place on a terminal, a line per 10% elsewhere)."""
+"""Progress bars for the offline tools (tqdm, on stderr) and human-readable byte counts."""
 
 from __future__ import annotations
 
 import sys
-import time
-from typing import TextIO
+
+from tqdm import tqdm
+
+NON_TTY_INTERVAL_S = 30.0  # in CI logs and files a redrawn bar is noise: one line every 30 s
 
 
 def human_bytes(n: float) -> str:
@@ -15,44 +17,19 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TB"
 
 
-class Progress:
-    def __init__(self, total: int, *, label: str, enabled: bool = True, stream: TextIO | None = None) -> None:
-        self.total, self.label, self.enabled = total, label, enabled  # total 0: unknown
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.done = 0
-        self.started = time.monotonic()
-        self._last_draw = 0.0
-        self._last_decile = -1
+def progress_bar(total: float | None, *, label: str, unit: str = "B", enabled: bool = True) -> tqdm:
+    """A bar over `total` units (None or 0: unknown), redrawn in place on a terminal.
 
-    def update(self, n: int) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if self.tty and now - self._last_draw >= 0.2:
-            self._last_draw = now
-            self.stream.write("\r" + self._line(now))
-            self.stream.flush()
-        decile = 10 * self.done // self.total if self.total else int(now - self.started) // 30
-        if not self.tty and decile > self._last_decile:
-            self._last_decile = decile
-            self.stream.write(self._line(now) + "\n")
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\r" + self._line(time.monotonic()) + "\n")
-            self.stream.flush()
-
-    def _line(self, now: float) -> str:
-        elapsed = max(now - self.started, 1e-6)
-        rate = self.done / elapsed
-        if not self.total:
-            return f"{self.label} {human_bytes(self.done)}  {human_bytes(rate)}/s"
-        fraction = min(self.done / self.total, 1.0)
-        filled = int(30 * fraction)
-        eta = (self.total - self.done) / rate if rate > 0 else 0.0
-        return (
-            f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {fraction:6.1%} "
-            f"{human_bytes(self.done)} / {human_bytes(self.total)}  {human_bytes(rate)}/s  eta {eta:.0f}s"
-        )
+    Bytes are shown with decimal prefixes (kB, MB, GB), as `human_bytes` prints them."""
+    tty = sys.stderr.isatty()
+    return tqdm(
+        total=total or None,
+        desc=label,
+        unit=unit,
+        unit_scale=unit == "B",
+        disable=not enabled,
+        file=sys.stderr,
+        mininterval=0.2 if tty else NON_TTY_INTERVAL_S,
+        dynamic_ncols=tty,
+        leave=True,
+    )

@@ -8,8 +8,10 @@ One place decides the endpoint, region and addressing style, so a loopback S3 se
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from bigclip.errors import StorageError
 
@@ -57,25 +59,47 @@ class S3Settings:
         # S3-compatible stores (MinIO, moto, Ceph) generally need path-style addressing.
         return self.endpoint is not None
 
-    def boto3_client(self):
+
+_boto3_clients: dict[tuple[int, S3Settings, bool], Any] = {}
+
+
+def boto3_client(settings: S3Settings, *, fast_fail: bool = False) -> Any:
+    """This process's boto3 S3 client for `settings` (clients are thread-safe but not fork-safe,
+    so the cache is keyed by pid: data workers make their own).
+
+    `fast_fail`: two attempts and short timeouts, for validation, where a wrong endpoint should
+    fail in seconds rather than after ten adaptive retries."""
+    key = (os.getpid(), settings, fast_fail)
+    if key not in _boto3_clients:
         import boto3
         from botocore.config import Config
 
-        config = Config(
-            s3={"addressing_style": "path" if self.path_style else "auto"},
-            retries={"max_attempts": 10, "mode": "adaptive"},
+        retries = (
+            {"max_attempts": 2, "mode": "standard"} if fast_fail else {"max_attempts": 10, "mode": "adaptive"}
         )
-        return boto3.client("s3", region_name=self.region, endpoint_url=self.endpoint, config=config)
+        timeouts = {"connect_timeout": 5, "read_timeout": 30} if fast_fail else {}
+        config = Config(
+            s3={"addressing_style": "path" if settings.path_style else "auto"}, retries=retries, **timeouts
+        )
+        _boto3_clients[key] = boto3.client(
+            "s3", region_name=settings.region, endpoint_url=settings.endpoint, config=config
+        )
+    return _boto3_clients[key]
 
-    def s3torch_client_config(self):
-        from s3torchconnector import S3ClientConfig
 
-        return S3ClientConfig(force_path_style=self.path_style)
+def s3torch_client(settings: S3Settings, *, max_attempts: int | None = None) -> Any:
+    """An s3torchconnector (CRT) client: what checkpoints stream through. `max_attempts`
+    overrides its retry budget (default 10, with back-off).
 
-    def s3torch_client(self):
-        from s3torchconnector._s3client import S3Client
+    s3torchconnector exports no client class with an endpoint and list/delete; its own DCP
+    classes use `_s3client.S3Client`, and so does bigclip, from this one place only."""
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
 
-        return S3Client(self.region, endpoint=self.endpoint, s3client_config=self.s3torch_client_config())
+    config = S3ClientConfig(force_path_style=settings.path_style)
+    if max_attempts is not None:
+        config = dataclasses.replace(config, max_attempts=max_attempts)
+    return S3Client(settings.region, endpoint=settings.endpoint, s3client_config=config)
 
 
 def _region_from_aws_config() -> str | None:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from bigclip.errors import StorageError
 from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.locations import LocalLocation, Location, S3Location, fsync_dir
-from bigclip.storage.s3 import split_s3_uri
+from bigclip.storage.s3 import boto3_client, split_s3_uri
 
 PART_BYTES = 64 << 20  # S3 parts: at least 5 MiB; 64 MiB allows objects up to 640 GB
 PARTS_IN_FLIGHT = 3
@@ -110,7 +110,7 @@ class S3Sink:
         self.overwrite = overwrite
         if not overwrite and location.exists(relative):
             raise StorageError(f"{self.uri} exists; pass --overwrite to replace it, or choose another name")
-        self.client = location.settings.boto3_client()
+        self.client = boto3_client(location.settings)
         self._buffer = bytearray()
         self._hash = _Hasher()
         self._upload_id: str | None = None
@@ -204,7 +204,7 @@ def create_exclusive(location: Location, relative: str, data: bytes) -> bool:
     if isinstance(location, S3Location):
         bucket, key = split_s3_uri(location.child_uri(relative))
         try:
-            location.settings.boto3_client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            boto3_client(location.settings).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
         except Exception as e:
             if "PreconditionFailed" in str(e) or "ConditionalRequestConflict" in str(e):
                 return False

@@ -31,7 +31,7 @@ import torch
 from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.progress import Progress, human_bytes
+from bigclip.storage.progress import human_bytes, progress_bar
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import PIECE_BYTES, TensorInfo
 from bigclip.weights.safetensors_writer import WriteResult, parse_size, plan_output, write_safetensors
@@ -98,7 +98,7 @@ def consolidate(
     if with_optimizer:
         metadata["bigclip.state"] = json.dumps(non_tensor_state(source), default=str)
     total = sum(o.nbytes for _, o in pairs)
-    bar = Progress(total, label="consolidate", enabled=progress)
+    bar = progress_bar(total, label="consolidate", enabled=progress)
     pieces = source.reader.stream([s for s, _ in pairs], piece_bytes=piece_bytes, window=read_ahead)
     manifest = {"source": source.uri, "model": source.model, "step": source.step, "dtype": dtype,
                 "with_optimizer": with_optimizer, "tensors": len(pairs)}  # fmt: skip

@@ -1,6 +1,6 @@
 """Which reader (rank x data worker) reads which shards, for an epoch or the rest of one.
 
-Every rank computes the same plan from (shards, position, seed, world size, workers), so
+Every rank computes the same assignment from (shards, position, seed, world size, workers), so
 no communication is needed. The epoch's shard order is a seeded shuffle of all shards;
 the remaining shards (partial ones first, so in-progress work finishes early, then the
 untouched ones in epoch order) are dealt greedily to the least-loaded rank, then within a
@@ -8,10 +8,10 @@ rank to its least-loaded worker. Load is the remaining sample count (sizes.json;
 size where unknown), so ranks end the epoch close together even after a resume has left
 partial shards of very different lengths. With equal shards this is round robin.
 
-A plan is made once per stream, from its origin: the epoch's start, or the position a run
+An assignment is made once per stream, from its origin: the epoch's start, or the position a run
 resumed from at other settings. A resume at the same settings (stream_state.py) recomputes
-the plan from the saved origin instead of re-dealing what is left, and restarts every reader
-where it was; `plan_readers` decides which, and logs why when it cannot continue exactly.
+the assignment from the saved origin instead of re-dealing what is left, and restarts every reader
+where it was; `assign_readers` decides which, and logs why when it cannot continue exactly.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def assign(
 
 
 @dataclass
-class ReaderPlan:
+class ReaderAssignment:
     """One rank's readers for a stream: the origin their plan comes from, their shards, where they start."""
 
     origin: DataPosition
@@ -91,9 +91,9 @@ class ReaderPlan:
     exact: bool  # continues the saved stream exactly
 
 
-def plan_readers(
+def assign_readers(
     shards: ShardList, start: DataPosition, settings: StreamSettings, *, rank: int
-) -> ReaderPlan:
+) -> ReaderAssignment:
     """The saved stream continued when `settings` match it, else the rest of the epoch re-planned."""
     origin, stream, exact = _continuation(start, settings, rank=rank)
     if exact:
@@ -102,7 +102,7 @@ def plan_readers(
     if not start.resampled:
         remaining = remaining_tasks(shards, origin, seed=settings.seed)
         tasks = assign(remaining, shards, world_size=settings.world_size, workers=settings.workers)[rank]
-    return ReaderPlan(origin, tasks, stream, exact)
+    return ReaderAssignment(origin, tasks, stream, exact)
 
 
 def _continuation(
