@@ -19,6 +19,7 @@ from test_data_common import (
 
 from bigclip.data import build_train_loader, iter_eval_samples, load_eval_set, validate_data, validate_shards
 from bigclip.data.shards import expand_pattern
+from bigclip.data.tar_samples import key_and_ext
 from bigclip.errors import DataError
 
 
@@ -43,6 +44,17 @@ def consume(loader, steps=None):
         if steps is not None and i + 1 == steps:
             break
     return keys
+
+
+def test_sample_keys_split_as_webdataset_splits_them():
+    """bigclip reads tars itself (for cursors) but must group members into samples exactly as
+    webdataset does; its rule is compared with webdataset's own function (a dev dependency)."""
+    from webdataset.tariterators import base_plus_ext as reference  # never skipped: it is installed
+
+    names = ["0001.jpg", "0001.txt", "a/b/0001.seg.png", "dir.v2/x.json", "noext", ".hidden", "a/.b.c",
+             "x..y", "k.", "./k.jpg", "d/", "sample_00042.JPEG", "üñï.cöde.txt", "a b/c d.e f"]  # fmt: skip
+    for name in names:
+        assert key_and_ext(name) == reference(name), name
 
 
 def test_expand_pattern_keeps_openclip_syntax():

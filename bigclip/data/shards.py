@@ -139,16 +139,16 @@ def _existing_s3(urls: list[str], settings: S3Settings) -> set[str]:
 
 
 def _list_keys(bucket: str, prefix: str, settings: S3Settings) -> set[str]:
+    client = boto3_client(settings, fast_fail=True)  # first: names boto3 if it is missing
     from botocore.exceptions import BotoCoreError, ClientError
 
-    client = boto3_client(settings, fast_fail=True)
     keys: set[str] = set()
     try:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             keys.update(obj["Key"] for obj in page.get("Contents", ()))
     except (BotoCoreError, ClientError) as e:
         raise DataError(
-            f"cannot list s3://{bucket}/{prefix} at {settings.endpoint or 'AWS S3'} ({settings.region}): {e}. "
+            f"cannot list s3://{bucket}/{prefix} at {settings.endpoint or 'AWS S3'} ({settings.region_name}): {e}. "
             "Check the bucket name, credentials and AWS_ENDPOINT_URL."
         ) from e
     return keys

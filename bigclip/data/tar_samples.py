@@ -14,19 +14,36 @@ the samples read before the damage are kept.
 
 from __future__ import annotations
 
+import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from botocore.exceptions import BotoCoreError
-from urllib3.exceptions import HTTPError
-from webdataset.tariterators import base_plus_ext
-
 from bigclip.data.streams import open_shard
 from bigclip.errors import DataError
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.s3 import S3Settings, is_s3
 
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz")
+# webdataset's `base_plus_ext` rule (tests/test_data_pipeline.py checks it against webdataset's
+# own function), kept here so reading local shards needs no webdataset import.
+_KEY_AND_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+def key_and_ext(path: str) -> tuple[str | None, str | None]:
+    """'dir/0001.seg.png' -> ('dir/0001', 'seg.png'); a name without an extension -> (None, None)."""
+    match = _KEY_AND_EXT.match(path)
+    return (match.group(1), match.group(2)) if match else (None, None)
+
+
+def read_errors(url: str) -> tuple[type[BaseException], ...]:
+    """What reading a shard raises when it is truncated or unreadable (botocore's only for S3)."""
+    errors: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, OSError, DataError)
+    if is_s3(url):
+        from botocore.exceptions import BotoCoreError
+        from urllib3.exceptions import HTTPError
+
+        errors += (BotoCoreError, HTTPError)
+    return errors
 
 
 @dataclass(frozen=True)
@@ -135,7 +152,7 @@ class ShardSamples:
             for info in tar or ():
                 if not info.isreg() or _is_metadata(info.name):
                     continue
-                key, ext = base_plus_ext(info.name)
+                key, ext = key_and_ext(info.name)
                 if key is None:
                     continue
                 if current is not None and key != current.key:
@@ -150,7 +167,7 @@ class ShardSamples:
             if tar is not None:
                 _check_clean_end(tar)
             end = base + (tar.offset if tar else 0)
-        except (tarfile.TarError, EOFError, OSError, DataError, BotoCoreError, HTTPError) as e:
+        except read_errors(self.url) as e:
             self.error = f"{type(e).__name__}: {e}"
             return  # the sample being read when the damage was found is dropped: it may be incomplete
         if current is not None:

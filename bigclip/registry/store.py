@@ -31,9 +31,9 @@ from bigclip.registry.leases import HeldLease, break_stale, list_leases, refuse_
 from bigclip.registry.sources import SourceFile, SourceInfo, expand_source
 from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.hashing import ObjectRecord, sha256_of_stream
-from bigclip.storage.locations import LocalLocation, S3Location, open_location
+from bigclip.storage.locations import LocalLocation, open_location
 from bigclip.storage.progress import human_bytes, progress_bar
-from bigclip.storage.s3 import S3Settings, boto3_client, split_s3_uri
+from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
 from bigclip.storage.sinks import create_exclusive, open_sink
 from bigclip.weights.sources import REGISTRY_SCHEME
 
@@ -229,7 +229,7 @@ class Registry:
         if isinstance(self.location, LocalLocation):
             (self.location.root / staging).replace(self.location.root / final)
             return
-        if isinstance(self.location, S3Location):
+        if is_s3(self.location.uri):
             bucket, src_key = split_s3_uri(self.location.child_uri(staging))
             _, dst_key = split_s3_uri(self.location.child_uri(final))
             boto3_client(self.location.settings).copy({"Bucket": bucket, "Key": src_key}, bucket, dst_key)

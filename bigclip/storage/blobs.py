@@ -15,11 +15,9 @@ from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 
-from s3torchconnector import S3Exception, S3ReaderConstructor
-
 from bigclip.errors import StorageError
-from bigclip.storage.locations import LocalLocation, Location, S3Location
-from bigclip.storage.s3 import split_s3_uri
+from bigclip.storage.locations import LocalLocation, Location
+from bigclip.storage.s3 import is_s3, split_s3_uri
 
 
 class BlobFolder:
@@ -58,7 +56,7 @@ class BlobFolder:
     def read_all(self, name: str) -> bytes:
         try:
             return self.location.read_bytes(self._relative(name))
-        except (OSError, S3Exception) as e:
+        except self.location.read_errors as e:
             raise StorageError(f"cannot read {self.uri(name)}: {e}") from e
 
     def read(self, name: str, offset: int, length: int) -> bytes:
@@ -70,7 +68,7 @@ class BlobFolder:
         """Fill `buffer` with the object's bytes [offset, offset + len(buffer)); short objects raise."""
         try:
             got = self._readinto(self._relative(name), offset, buffer)
-        except (OSError, S3Exception) as e:
+        except self.location.read_errors as e:
             raise StorageError(f"cannot read {self.uri(name)} at byte {offset}: {e}") from e
         if got != len(buffer):
             raise StorageError(
@@ -81,11 +79,13 @@ class BlobFolder:
     def _readinto(self, relative: str, offset: int, buffer: memoryview) -> int:
         if isinstance(self.location, LocalLocation):
             return _pread_all(Path(self.location.root) / relative, offset, buffer)
-        if isinstance(self.location, S3Location):
+        if is_s3(self.location.uri):
             return self._ranged_get(relative, offset, buffer)
         raise StorageError(f"{self.location.uri}: ranged reads need a local folder or an s3:// prefix")
 
     def _ranged_get(self, relative: str, offset: int, buffer: memoryview) -> int:
+        from s3torchconnector import S3ReaderConstructor
+
         bucket, key = split_s3_uri(self.location.child_uri(relative))
         client = self.location.client
         if relative not in self._sizes:

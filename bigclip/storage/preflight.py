@@ -19,7 +19,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from bigclip.errors import StorageError
-from bigclip.storage.locations import LocalLocation, Location, S3Location
+from bigclip.storage.locations import LocalLocation, Location, open_location
+from bigclip.storage.s3 import is_s3
 
 # Probe objects sit beside the checkpoints, each under its own name: no shared folder that one
 # node could delete while another is writing into it (all nodes probe a shared filesystem at once).
@@ -92,7 +93,7 @@ def explain_error(error: BaseException | str) -> str:
 
 def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
     """(name, check) pairs in the order they are run; each check returns a detail line."""
-    if isinstance(location, S3Location):
+    if is_s3(location.uri):
         return _s3_checks(location)
     if isinstance(location, LocalLocation):
         return _local_checks(location)
@@ -107,10 +108,10 @@ def check_access(location: Location, *, timeout_s: float = 20.0) -> None:
             raise StorageError(f"checkpoint location {location.uri} is not usable: {name}: {result.detail}")
 
 
-def _s3_checks(location: S3Location) -> list[tuple[str, Callable[[], str]]]:
+def _s3_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
     settings = location.settings
     # Two attempts only: a wrong bucket or endpoint should fail now, not after ten back-offs.
-    probe = S3Location(location.uri, settings=settings, max_attempts=2)
+    probe = open_location(location.uri, s3=settings, max_attempts=2)
     key = probe_name()
     payload = uuid.uuid4().bytes * 64
 
@@ -127,9 +128,7 @@ def _s3_checks(location: S3Location) -> list[tuple[str, Callable[[], str]]]:
 
     def listing() -> str:
         next(iter(probe.client.list_objects(probe.bucket, probe._key(""), "/", 1)), None)
-        return (
-            f"bucket {probe.bucket} answers (endpoint {settings.endpoint or 'AWS'}, region {settings.region})"
-        )
+        return f"bucket {probe.bucket} answers (endpoint {settings.endpoint or 'AWS'}, region {settings.region_name})"
 
     def put() -> str:
         probe.write_bytes(key, payload)

@@ -9,6 +9,8 @@ One place decides the endpoint, region and addressing style, so a loopback S3 se
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +40,17 @@ def join_s3_uri(bucket: str, key: str) -> str:
 
 @dataclass(frozen=True)
 class S3Settings:
-    """Endpoint and region. `endpoint=None` means AWS itself (virtual-hosted addressing)."""
+    """Endpoint and region. `endpoint=None` means AWS itself (virtual-hosted addressing).
+
+    `region` "" means "not given": `region_name` then asks the AWS config (through botocore)
+    the first time an S3 client needs it, so a run that never touches S3 imports no S3 library."""
 
     region: str
     endpoint: str | None = None
+
+    @property
+    def region_name(self) -> str:
+        return self.region or _default_region()
 
     @classmethod
     def resolve(cls, *, endpoint: str = "", region: str = "") -> S3Settings:
@@ -50,14 +59,26 @@ class S3Settings:
             endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         )
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or ""
-        if not region:
-            region = _region_from_aws_config() or "us-east-1"
         return cls(region=region, endpoint=endpoint)
 
     @property
     def path_style(self) -> bool:
         # S3-compatible stores (MinIO, moto, Ceph) generally need path-style addressing.
         return self.endpoint is not None
+
+
+S3_PACKAGES = {"boto3": "boto3", "s3torchconnector": "'s3torchconnector[dcp]'"}
+
+
+def require_s3_package(module: str, *, uri: str = "") -> None:
+    """Fail in seconds, naming the package, when an s3:// option needs a library that is missing
+    (GPU images and air-gapped nodes often lack them; a local run never needs them)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        what = f"{uri}: S3 access" if uri else "S3 access"
+        raise StorageError(f"{what} needs {module}, which cannot be imported ({e}); "
+                           f"install it with: pip install {S3_PACKAGES[module]}") from e  # fmt: skip
 
 
 _boto3_clients: dict[tuple[int, S3Settings, bool], Any] = {}
@@ -71,6 +92,7 @@ def boto3_client(settings: S3Settings, *, fast_fail: bool = False) -> Any:
     fail in seconds rather than after ten adaptive retries."""
     key = (os.getpid(), settings, fast_fail)
     if key not in _boto3_clients:
+        require_s3_package("boto3")
         import boto3
         from botocore.config import Config
 
@@ -82,7 +104,7 @@ def boto3_client(settings: S3Settings, *, fast_fail: bool = False) -> Any:
             s3={"addressing_style": "path" if settings.path_style else "auto"}, retries=retries, **timeouts
         )
         _boto3_clients[key] = boto3.client(
-            "s3", region_name=settings.region, endpoint_url=settings.endpoint, config=config
+            "s3", region_name=settings.region_name, endpoint_url=settings.endpoint, config=config
         )
     return _boto3_clients[key]
 
@@ -93,19 +115,22 @@ def s3torch_client(settings: S3Settings, *, max_attempts: int | None = None) -> 
 
     s3torchconnector exports no client class with an endpoint and list/delete; its own DCP
     classes use `_s3client.S3Client`, and so does bigclip, from this one place only."""
+    require_s3_package("s3torchconnector")
     from s3torchconnector import S3ClientConfig
     from s3torchconnector._s3client import S3Client
 
     config = S3ClientConfig(force_path_style=settings.path_style)
     if max_attempts is not None:
         config = dataclasses.replace(config, max_attempts=max_attempts)
-    return S3Client(settings.region, endpoint=settings.endpoint, s3client_config=config)
+    return S3Client(settings.region_name, endpoint=settings.endpoint, s3client_config=config)
 
 
-def _region_from_aws_config() -> str | None:
+@functools.cache
+def _default_region() -> str:
+    """The AWS config's region (~/.aws/config, AWS_PROFILE), else us-east-1."""
     try:
         import botocore.session
 
-        return botocore.session.get_session().get_config_variable("region")
-    except Exception:  # no botocore config at all: fall back to the default region
-        return None
+        return botocore.session.get_session().get_config_variable("region") or "us-east-1"
+    except Exception:  # no botocore, or no config at all
+        return "us-east-1"

@@ -22,12 +22,15 @@ import os
 import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bigclip.errors import StorageError
 from bigclip.storage.hashing import ObjectRecord
-from bigclip.storage.locations import LocalLocation, Location, S3Location, fsync_dir
-from bigclip.storage.s3 import boto3_client, split_s3_uri
+from bigclip.storage.locations import LocalLocation, Location, fsync_dir
+from bigclip.storage.s3 import boto3_client, is_s3, split_s3_uri
+
+if TYPE_CHECKING:
+    from bigclip.storage.s3_location import S3Location
 
 PART_BYTES = 64 << 20  # S3 parts: at least 5 MiB; 64 MiB allows objects up to 640 GB
 PARTS_IN_FLIGHT = 3
@@ -45,7 +48,7 @@ class Sink(Protocol):
 def open_sink(location: Location, relative: str, *, overwrite: bool) -> Sink:
     if isinstance(location, LocalLocation):
         return LocalSink(Path(location.root) / relative, overwrite=overwrite)
-    if isinstance(location, S3Location):
+    if is_s3(location.uri):
         return S3Sink(location, relative, overwrite=overwrite)
     raise StorageError(f"{location.uri}: outputs go to a local folder or an s3:// prefix")
 
@@ -201,7 +204,7 @@ def create_exclusive(location: Location, relative: str, data: bytes) -> bool:
             tmp.unlink()
         fsync_dir(target.parent)
         return True
-    if isinstance(location, S3Location):
+    if is_s3(location.uri):
         bucket, key = split_s3_uri(location.child_uri(relative))
         try:
             boto3_client(location.settings).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.locations import S3Location
+from bigclip.storage.locations import open_location
 from bigclip.storage.redact import redact_text
 from bigclip.storage.s3 import S3Settings, is_s3
 
@@ -48,7 +48,7 @@ class S3Target:
     MAX_ATTEMPTS = 3
 
     def __init__(self, uri: str, *, s3: S3Settings | None) -> None:
-        self._location = S3Location(uri, settings=s3 or S3Settings.resolve(), max_attempts=self.MAX_ATTEMPTS)
+        self._location = open_location(uri, s3=s3 or S3Settings.resolve(), max_attempts=self.MAX_ATTEMPTS)
         self.uri = self._location.uri
 
     def upload(self, local: Path, relative: str) -> None:
