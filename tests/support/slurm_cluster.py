@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CPUS = 16  # declared (config_overrides): room for several 2-rank jobs at once on a 2-core box
 GPUS = 2
@@ -41,24 +40,11 @@ def missing_reason() -> str:
     """Why a cluster cannot be started here ('' when it can)."""
     if os.geteuid() != 0:
         return "needs root (munged, slurmd and the fake GPU device nodes)"
-    if not all(shutil.which(d, path="/usr/sbin:/usr/bin:/sbin:/bin") for d in DAEMONS):
-        if not shutil.which("apt-get"):
-            return "slurm-wlm and munge are not installed and apt-get is not available"
-        return "not installed"
+    missing = [d for d in DAEMONS if not shutil.which(d, path="/usr/sbin:/usr/bin:/sbin:/bin")]
+    if missing:
+        how = "`make slurm-deps` installs them" if shutil.which("apt-get") else "and apt-get is not available"
+        return f"{', '.join(missing)} not installed (Debian packages slurm-wlm, munge): {how}"
     return ""
-
-
-def ensure_installed() -> str:
-    """Install slurm-wlm and munge with apt when missing (as root). Returns a skip reason or ''."""
-    reason = missing_reason()
-    if reason != "not installed":
-        return reason
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            return f"`{' '.join(cmd)}` failed: {done.stderr[-500:]}"
-    return missing_reason()
 
 
 def _free_port() -> int:
