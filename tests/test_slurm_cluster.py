@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from support.launch_harness import read_keys
-from support.slurm_cluster import SlurmCluster, missing_reason
+from support.slurm_cluster import ClusterUnavailable, SlurmCluster, missing_reason
 
 from bigclip.launch.slurm import main as slurm_main
 
@@ -143,13 +143,16 @@ def _stop_reference(cluster: SlurmCluster, root: Path, deadline: float) -> None:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, demo_data):
-    reason = missing_reason()
+    root = tmp_path_factory.mktemp("slurm")
+    try:
+        reason = missing_reason()
+        cluster = None if reason else SlurmCluster.start(root / "cluster")
+    except ClusterUnavailable as e:
+        reason = str(e)
     if reason:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the Slurm tests: {reason} (make slurm-deps installs Slurm)")
         pytest.skip(f"no real Slurm here: {reason}")
-    root = tmp_path_factory.mktemp("slurm")
-    cluster = SlurmCluster.start(root / "cluster")
     cluster.env["PYTHONPATH"] = os.pathsep.join([str(ROOT), cluster.env.get("PYTHONPATH", "")])
     cluster.env["PYTHONWARNINGS"] = "ignore"
     stop = threading.Event()

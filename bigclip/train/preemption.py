@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from bigclip.distributed import cpu_group
+from bigclip.train.metrics import get_logger
 from bigclip.train.signals import SignalFlag, catch_preemption_signals
 
 REQUEUE_EXIT_CODE = 85
@@ -55,7 +57,12 @@ class PreemptionWatcher:
         flag = torch.tensor([self.flag.signum], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
-        return int(flag.item())
+        signum = int(flag.item())
+        if signum:
+            mine = self.flag.signum
+            seen = f"{time.monotonic() - self.flag.received_at:.1f} s ago" if mine else "by another rank"
+            get_logger().info(f"preemption: {signal.Signals(signum).name} received {seen}; checkpointing now")
+        return signum
 
     def close(self) -> None:
         """Restore the previous handlers and forget the signal (a next run in this process starts clean)."""

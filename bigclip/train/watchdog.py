@@ -42,7 +42,7 @@ from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, side_store
 from bigclip.train.heartbeats import Heartbeats, RollCall, main_thread_location
 from bigclip.train.metrics import get_logger
-from bigclip.train.preemption import REQUEUE_EXIT_CODE, write_requeue_marker
+from bigclip.train.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, write_requeue_marker
 from bigclip.train.signals import catch_preemption_signals
 
 AUTO_FACTOR = 10.0
@@ -148,8 +148,10 @@ class StepWatchdog:
         _exit_now(REQUEUE_EXIT_CODE)
 
     def _write_marker(self, record: dict) -> None:
-        try:  # every survivor writes it: under srun the first to exit ends the others
+        try:  # every survivor writes it (under srun the first to exit ends the others); the first stays
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if (self.run_dir / REQUEUE_MARKER).exists():
+                return  # a peer's report, made while this rank was the stuck one (SIGCONT by the launcher)
             write_requeue_marker(self.run_dir, record, writer=self.rank)
         except OSError as e:
             get_logger().error(f"step watchdog: could not write the requeue marker in {self.run_dir}: {e}")

@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -36,11 +37,18 @@ GPUS = 2
 REQUEUE_DELAY_S = 10  # AuthInfo cred_expire: a requeued job waits this + 1 s before it may start
 
 
+SBIN = "/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _daemon(name: str) -> str:
+    return shutil.which(name, path=f"{os.environ.get('PATH', '')}:{SBIN}") or name
+
+
 def missing_reason() -> str:
     """Why a cluster cannot be started here ('' when it can)."""
     if os.geteuid() != 0:
         return "needs root (munged, slurmd and the fake GPU device nodes)"
-    missing = [d for d in DAEMONS if not shutil.which(d, path="/usr/sbin:/usr/bin:/sbin:/bin")]
+    missing = [d for d in DAEMONS if _daemon(d) == d]
     if missing:
         how = "`make slurm-deps` installs them" if shutil.which("apt-get") else "and apt-get is not available"
         return f"{', '.join(missing)} not installed (Debian packages slurm-wlm, munge): {how}"
@@ -126,17 +134,21 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         subprocess.run(
-            ["munged", f"--socket={m}/munge.socket", f"--key-file={key}", f"--pid-file={m}/munged.pid",
+            [_daemon("munged"), f"--socket={m}/munge.socket", f"--key-file={key}", f"--pid-file={m}/munged.pid",
              f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed", "--force"],
             check=True, capture_output=True, timeout=30,
         )  # fmt: skip
         self.pids["munged"] = _read_pid(m / "munged.pid")
         conf = str(self.root / "slurm.conf")
         subprocess.run(
-            ["slurmctld", "-f", conf, "-i"], env=self.env, check=True, capture_output=True, timeout=30
+            [_daemon("slurmctld"), "-f", conf, "-i"],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            timeout=30,
         )
         self.pids["slurmctld"] = _wait_pid(self.root / "slurmctld.pid")
-        subprocess.run(["slurmd", "-f", conf, "-N", self.host], env=self.env, check=True, capture_output=True,
+        subprocess.run([_daemon("slurmd"), "-f", conf, "-N", self.host], env=self.env, check=True, capture_output=True,
                        timeout=30)  # fmt: skip
         self.pids["slurmd"] = _wait_pid(self.root / "slurmd.pid")
 
@@ -194,11 +206,21 @@ class SlurmCluster:
         self.stop()
 
 
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot host the test cluster (the message says why)."""
+
+
 def _make_fake_gpus() -> None:
     for i in range(GPUS):
         path = Path(f"/dev/fakegpu{i}")
-        if not path.exists():
-            os.mknod(path, 0o666 | 0o020000, os.makedev(1, 3))  # a character device like /dev/null
+        if path.exists():
+            continue
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a character device like /dev/null
+        except OSError as e:
+            raise ClusterUnavailable(
+                f"cannot create the fake GPU device {path} ({e}): no CAP_MKNOD here"
+            ) from e
 
 
 def _read_pid(path: Path) -> int:
