@@ -57,3 +57,8 @@ _FLAG = SignalFlag()
 def catch_preemption_signals() -> SignalFlag:
     """This process's flag, installed (the same object on every call)."""
     return _FLAG.install()
+
+
+def preemption_flag() -> SignalFlag:
+    """This process's flag, as it is (for readers in other threads, e.g. the step watchdog)."""
+    return _FLAG

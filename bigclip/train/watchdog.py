@@ -43,7 +43,7 @@ from bigclip.distributed import Runtime, side_store
 from bigclip.train.heartbeats import Heartbeats, RollCall, main_thread_location
 from bigclip.train.metrics import get_logger
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, write_requeue_marker
-from bigclip.train.signals import catch_preemption_signals
+from bigclip.train.signals import preemption_flag
 
 AUTO_FACTOR = 10.0
 AUTO_FLOOR_S = 300.0
@@ -118,7 +118,7 @@ class StepWatchdog:
                 self.heartbeats.beat(self.step)
             limit, last = step_limit(self.timeout_s, self._intervals), self._last_step_at
             idle = time.monotonic() - last if last is not None else 0.0
-            standing_aside = self._paused or catch_preemption_signals().signum
+            standing_aside = self._paused or preemption_flag().signum
             if limit is not None and last is not None and idle > limit and not standing_aside:
                 self._give_up(limit=limit, idle=idle)
 
