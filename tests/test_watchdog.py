@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 from support.launch_harness import read_keys, srun_like, wait_all, wait_for_step
 from support.train_harness import demo_argv
 
+from bigclip.distributed import free_port
 from bigclip.train.preemption import REQUEUE_EXIT_CODE
 from bigclip.train.watchdog import AUTO_FLOOR_S, step_limit
 
@@ -92,3 +95,33 @@ def test_killed_rank_makes_the_others_fail_fast_naming_it(demo_data, tmp_path: P
         log = _log(tmp_path, rank)
         assert "ranks [1]" in log and "not answering" in log, log[-3000:]
     print(f"killed rank -> others exited {codes} after {took:.1f} s")
+
+
+PEER = """
+import sys, time, torch, torch.distributed as dist
+from bigclip.distributed import cpu_group, init_distributed
+init_distributed(backend="gloo", timeout_s=3)
+if dist.get_rank() == 1:
+    time.sleep(30)  # alive, but never joins the collective below
+    sys.exit(0)
+start = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1), group=cpu_group())
+except Exception as e:
+    print(f"failed after {time.monotonic() - start:.1f} s: {type(e).__name__}")
+"""
+
+
+def test_dist_timeout_bounds_every_collective(tmp_path: Path) -> None:
+    """--dist-timeout reaches the process group: a peer that never shows up is an error, not a wait."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "SLURM_NTASKS": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", PEER], env=env | {"SLURM_PROCID": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]  # fmt: skip
+    try:
+        out, _ = procs[0].communicate(timeout=60)
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    found = re.search(r"failed after ([\d.]+) s", out)
+    assert found and 2.5 < float(found.group(1)) < 20, out[-2000:]
