@@ -42,8 +42,13 @@ class Row:
 
 
 ROWS = [
-    Row("gpu-tests", ("-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu_ops.py", "tests/test_gpu_engines.py"), 420,
-        ("pytest",), ()),  # fmt: skip
+    Row(
+        "gpu-tests",
+        ("-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu_ops.py", "tests/test_gpu_engines.py"),
+        420,
+        ("pytest",),
+        (),
+    ),  # fmt: skip
     Row("engines-fsdp", ("benchmarks/engines_gpu.py", "--engine", "fsdp"), 540),
     Row("engines-zero3", ("benchmarks/engines_gpu.py", "--engine", "zero3"), 540, ("deepspeed",)),
     Row(
