@@ -260,6 +260,8 @@ IN_TORCH_2_0 = frozenset(
     ]
 )
 
+IN_TORCH_2_0 |= {"torch.cuda.empty_cache", "torch.mm(out=)", "torch.version", "torch.version.cuda"}
+
 _CUT_2_6 = "merged Nov 2024, before the 2.6 branch cut"
 _DCP_2_2 = "the DCP save/load API with storage_writer/storage_reader/process_group (torch 2.2 release notes)"
 _STAGER = (
