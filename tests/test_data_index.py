@@ -36,7 +36,8 @@ def damaged(tmp_path):
     meta = [{"__key__": "__meta__", "json": b"{}"}] + samples[:5]
     write_shard(f"{root}/2.tar", meta)
     whole = tar_bytes(samples)
-    members = tarfile.open(fileobj=io.BytesIO(whole)).getmembers()
+    with tarfile.open(fileobj=io.BytesIO(whole)) as tar:
+        members = tar.getmembers()
     with open(f"{root}/3.tar", "wb") as f:
         f.write(whole[: members[11].offset_data + 5])  # cut inside the data of sample 5's second member
     garbled = bytearray(whole)

@@ -28,10 +28,9 @@ settings (world size, --workers, --batch-size, --shard-interleave, --seed, shard
 continues exactly: every rank gets the batches, samples and crops an uninterrupted run would
 have had (stream_state.py). Otherwise the unfinished shards are re-planned over this run's
 readers and continue at their cursors, so no sample of the epoch is seen twice or skipped,
-and a log line says why the order changed. With --dataset-resampled, shards are drawn with
-replacement: at the same settings the stream continues exactly as well; at others there is
-no exactly-once to keep, and resume starts a fresh stream keyed by (seed, epoch, samples
-consumed), with the same remaining step budget.
+and a log line says why the order changed. With --dataset-resampled the same holds for the
+epoch's global sequence of shard draws (position.py): N -> M ranks, no draw is read twice or
+skipped, and crops stay keyed by (draw, sample).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
 from bigclip.data.device import image_normalizer
 from bigclip.data.resume.assignment import ReaderAssignment, assign_readers
 from bigclip.data.resume.position import DataPosition, RankProgress
-from bigclip.data.resume.randomness import stream_key
+from bigclip.data.resume.randomness import draws_key, stream_key
 from bigclip.data.resume.reader_state import ReaderState
 from bigclip.data.resume.stream_state import RankStream, StreamSettings, StreamState
 from bigclip.data.shards import ShardList
@@ -179,6 +178,8 @@ class TrainLoader:
             tokenizer=tokenizer,
             crop_key=f"bigclip-crop/{seed}/{epoch}",
             s3=s3,
+            draws_key=draws_key(seed=seed, epoch=epoch),
+            cumulative=self.shards.cumulative_weights(),
         )
 
     def _reader_specs(self, assignment: ReaderAssignment, *, seed: int) -> list[ReaderSpec]:
@@ -191,6 +192,7 @@ class TrainLoader:
                 key=stream_key(seed=seed, epoch=epoch, origin=origin, rank=self.rank, worker=w),
                 plan=assignment.tasks[w],
                 state=assignment.stream.readers[w],
+                tail=assignment.tails[w],
             )
             for w in assignment.stream.carry + assignment.stream.active
         ]

@@ -38,8 +38,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from bigclip.data.augment import erase_boxes
 from bigclip.data.decode import BAD_IMAGE, decode_sample
-from bigclip.data.resume.assignment import ShardTask
-from bigclip.data.resume.randomness import choose, keyed_rng
+from bigclip.data.resume.assignment import ShardTask, Tail
+from bigclip.data.resume.randomness import choose, choose_weighted, keyed_rng
 from bigclip.data.resume.reader_state import OpenShardState, ReaderState, encode_row
 from bigclip.data.tar_samples import START, Cursor, RawSample, ShardSamples
 from bigclip.data.tokenizer import Tokenizer
@@ -58,8 +58,9 @@ class ReaderSpec:
 
     worker: int
     key: str  # randomness.stream_key(...)
-    plan: list[ShardTask]  # shards to read in order (unused with --dataset-resampled: drawn instead)
+    plan: list[ShardTask]  # shards (draws, with --dataset-resampled) to read in order
     state: ReaderState = field(default_factory=ReaderState)
+    tail: Tail | None = None  # --dataset-resampled: the draws to read after the plan, endlessly
 
 
 @dataclass
@@ -106,16 +107,25 @@ class ReaderStream(IterableDataset):
         tokenizer: Tokenizer,
         crop_key: str,
         s3: S3Settings | None,
+        draws_key: str = "",
+        cumulative: list[float] | None = None,
     ) -> None:
         self.readers = readers
         self.urls = urls
-        self.resampled = resampled  # shards drawn with replacement, forever, instead of a plan
+        self.resampled = resampled  # tasks are draws of shards with replacement, endlessly
+        self.draws_key, self.cumulative = draws_key, cumulative  # which shard each draw is
         self.batch_size = batch_size
         self.interleave = interleave
         self.transform = transform
         self.tokenizer = tokenizer
         self.crop_key = crop_key  # (seed, epoch): with (shard, sample index), keys a sample's crop
         self.s3 = s3
+
+    def url(self, task: int) -> str:
+        """The shard a task id names: the shard itself, or the shard drawn at that draw."""
+        if not self.resampled:
+            return self.urls[task]
+        return self.urls[choose_weighted(self.draws_key, task, self.cumulative)]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -172,27 +182,26 @@ class Reader:
         return bool(self.open)
 
     def _next_task(self) -> ShardTask | None:
-        if not self.stream.resampled:
-            if self.tasks >= len(self.spec.plan):
-                return None
-            task = self.spec.plan[self.tasks]
-        elif self.fruitless >= MAX_FRUITLESS_DRAWS:
+        plan, tail = self.spec.plan, self.spec.tail
+        if self.tasks < len(plan):
+            task = plan[self.tasks]
+        elif tail is None or self.fruitless >= MAX_FRUITLESS_DRAWS:
             return None
         else:
-            shard = choose(f"{self.spec.key}/shard", self.tasks, len(self.stream.urls))
-            task = ShardTask(shard, self.stream.urls[shard], START)
+            draw = tail.draw(self.tasks - len(plan))
+            task = ShardTask(draw, self.stream.url(draw), START)
         self.tasks += 1
         return task
 
     def _reopen(self, state: OpenShardState) -> _OpenShard:
-        reader = ShardSamples(self.stream.urls[state.shard], start=state.read, s3=self.stream.s3)
+        reader = ShardSamples(self.stream.url(state.shard), start=state.read, s3=self.stream.s3)
         return _OpenShard(state.shard, reader, iter(reader), state.read, state.valid, state.fruitful)
 
     def _close(self, shard: _OpenShard, pending: _Pending) -> None:
         pending.ends[shard.shard] = shard.valid.to_json()
         self.fruitless = 0 if shard.fruitful else self.fruitless + 1
         if shard.reader.error:
-            url = self.stream.urls[shard.shard]
+            url = self.stream.url(shard.shard)
             pending.broken.append(url)
             log.warning("shard %s ends early, keeping what was read: %s", url, shard.reader.error)
 
@@ -203,7 +212,7 @@ class Reader:
         if pixels is None:
             reason = decoded if isinstance(decoded, str) else BAD_IMAGE
             pending.skipped[reason] += 1
-            self._log_skip(reason, raw, self.stream.urls[shard.shard])
+            self._log_skip(reason, raw, self.stream.url(shard.shard))
             return False
         shard.valid, shard.fruitful = raw.after, True
         slot = len(pending.keys)
@@ -237,11 +246,10 @@ class Reader:
             row[k] = torch.tensor([*box, seed])
         row[:, 4] = seed
 
-    def _crop_rng(self, shard: int, index: int, *, purpose: str = "") -> random.Random:
+    def _crop_rng(self, task: int, index: int, *, purpose: str = "") -> random.Random:
+        """Keyed by (seed, epoch, shard or draw, sample index): the same at every world size."""
         extra = (purpose,) if purpose else ()  # the crop's key is unchanged from earlier versions
-        if self.stream.resampled:  # a shard may be drawn twice in an epoch: key by this reader's draw instead
-            return keyed_rng(self.spec.key, "crop", self.draws, *extra)
-        return keyed_rng(self.stream.crop_key, shard, index, *extra)
+        return keyed_rng(self.stream.crop_key, task, index, *extra)
 
     def _log_skip(self, reason: str, raw: RawSample, url: str) -> None:
         self.logged_skips += 1
