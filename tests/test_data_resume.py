@@ -18,7 +18,7 @@ from bigclip.data import build_train_loader, validate_data
 from bigclip.data.resume.assignment import draw_shard
 from bigclip.data.resume.position import decode_bitmap
 from bigclip.distributed import spawn
-from bigclip.errors import DataError
+from bigclip.errors import ConfigError, DataError
 
 SIZES = [13, 7, 22, 9, 16, 11, 5, 18, 10]  # unequal shards; one compressed, every 6th sample corrupt
 BAD_EVERY = 6
@@ -196,3 +196,30 @@ def test_a_moved_dataset_keeps_its_position(dataset, tmp_path):
     pattern = "::".join(str(moved / os.path.basename(p)) for p in dataset.split("::"))
     rest = run_phase(0, 1, pattern, workers=0, batch_size=BATCH, steps=0, position=state)
     assert rest["state"]["samples"] > state["samples"]
+
+
+def test_upsampling_factors_weight_each_source_as_openclip(tmp_path):
+    a = write_dataset(str(tmp_path / "a"), [6, 6])
+    b = write_dataset(str(tmp_path / "b"), [6, 6], bad_every=1)  # unreadable: a draw from b shows as skips
+    sources = "{" + a.replace("::", ",") + "}::{" + b.replace("::", ",") + "}"  # two sources, two shards each
+    shards = validate_data(
+        data_config(sources, dataset_resampled=True, train_data_upsampling_factors="1::3"), world_size=1
+    )
+    assert shards.weights == (1.0, 1.0, 3.0, 3.0)  # every shard carries its source's factor
+    shard_of = draw_shard(shards, seed=0, epoch=0)
+    counts = Counter(shard_of(d) for d in range(8000))
+    assert abs(counts[2] + counts[3] - 6000) < 250  # 3/4 of the draws from the second source
+    only_a = data_config(
+        sources, dataset_resampled=True, train_data_upsampling_factors="1::0", train_num_samples=16
+    )
+    loader = build_train_loader(
+        only_a, rank=0, world_size=1, seed=0, epoch=0, image_size=IMAGE_SIZE, tokenizer=TOKENIZER
+    )
+    assert sum(len(batch.keys) for batch in loader) == 16 and loader.stats.skipped_total == 0
+    with pytest.raises(DataError, match="one non-negative number per '::' source"):
+        validate_data(
+            data_config(sources, dataset_resampled=True, train_data_upsampling_factors="1::2::3"),
+            world_size=1,
+        )
+    with pytest.raises(ConfigError, match="needs --dataset-resampled"):
+        data_config(sources, train_data_upsampling_factors="1::2").validate()
