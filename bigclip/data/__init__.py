@@ -11,12 +11,13 @@ May import storage, config, distributed and errors.
     held_out = load_eval_set(cfg.data.val_data, image_size=S, tokenizer=tokenizer)  # uint8 images
     normalize = image_normalizer(cfg.data, device=d, dtype=engine.image_dtype)  # uint8 -> model input
 
-Module map: shards (patterns, existence, sizes) -> streams (local / S3 bytes) ->
-tar_samples (samples + cursors) -> decode -> worker (read, transform, batch) -> batching +
-loader (consumer side: worker order, re-batching, epoch end); validation checks all of it
-before a model is built. resume/ holds who reads what (assignment), what has been consumed
-(position) and how to continue the same stream (reader_state, stream_state, randomness).
-eval, transforms and tokenizer stand alone.
+Module map: shards (patterns, existence, sizes, upsampling weights) -> streams (local / S3
+bytes) -> tar_samples (samples + cursors) -> decode -> worker (read, transform to uint8, batch)
+-> batching + loader (consumer side: worker order, re-batching, epoch end) -> device
+(normalisation on the GPU); validation checks all of it before a model is built. resume/ holds
+who reads what (assignment), what has been consumed (position) and how to continue the same
+stream (reader_state, stream_state, randomness). transforms (+ augment: --aug-cfg), eval,
+tokenizer and index (`bigclip index-shards`) stand alone.
 """
 
 from bigclip.data.augment import Augmentation

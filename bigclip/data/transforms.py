@@ -8,11 +8,15 @@ Two ways to produce the crop, both from the same sampled box:
          1/2, 1/4 or 1/8, the largest that keeps the crop at least `size` pixels), then crop
          and resize in one call (`resize(box=...)`, sub-pixel box, no intermediate crop),
          bilinear. PNG/WebP have no reduced decode and take the same call at full size.
-         Measured here (benchmarks/data_loader.py): against the exact path on photo-like
-         JPEGs, PSNR 44 dB (400-800 px) and 42 dB (1024-1600 px) on average, >= 34 dB per image
-         (tests/test_data_fast_transform.py holds it to >= 40 dB mean, >= 32 dB each); bicubic
-         after the reduced decode gains < 1 dB on large images for 10-20% more time.
-         Decode + crop + resize cost 2.5 ms instead of 4.9, and 6.4 ms instead of 17 ms.
+         Quality, as PSNR against the exact path's result (OpenCLIP's full-resolution bicubic
+         crop) on photo-like JPEGs: 46.7 dB (400-800 px) and 45.7 dB (1024-1600 px) on average
+         over 200 images each, 41.6 dB at worst (benchmarks/data_loader.py); over other crops
+         single images went down to 34 dB. tests/test_data_fast_transform.py holds it to
+         >= 40 dB mean and >= 32 dB per image. For scale: JPEG q90 compression itself moves the
+         exact 224 px result by 44-49 dB. Filter: bicubic after the reduced decode took 10-20%
+         more time for < 1 dB on large images; libjpeg's fast IDCT and simplejpeg 1.9 were
+         within 10% of PIL's `draft` here, so no extra dependency. Decode + crop + resize took
+         2.5 ms instead of 4.9 (400-800 px) and 6.4 ms instead of 17 (1024-1600 px).
 Evaluation (`EvalTransform`) stays exact, as OpenCLIP's `image_transform(is_train=False)`:
 `--image-resize-mode shortest` (resize the short side, centre crop), `longest` (resize the long
 side, pad with 0 and centre crop) or `squash`, with `--image-interpolation` (bicubic unless
