@@ -30,9 +30,16 @@ from typing import BinaryIO
 
 from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
-from bigclip.data.shards import SIZES_FILE, _read_sizes_json, validate_shards
+from bigclip.data.shards import SIZES_FILE, read_sizes_json, validate_shards
 from bigclip.data.streams import open_shard
-from bigclip.data.tar_samples import _is_metadata, _recording_tarinfo, is_compressed, key_and_ext, read_errors
+from bigclip.data.tar_samples import (
+    check_clean_end,
+    is_compressed,
+    is_metadata,
+    key_and_ext,
+    read_errors,
+    recording_tarinfo,
+)
 from bigclip.errors import DataError
 from bigclip.storage.progress import progress_bar
 from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
@@ -71,19 +78,15 @@ def count_samples(url: str, *, s3: S3Settings | None = None) -> ShardCount:
         size = _object_size(url, s3)
         mode = "r|gz" if is_compressed(url) else ("r|" if is_s3(url) else "r:")
         with _open(url, s3) as stream:
-            tar = tarfile.open(fileobj=stream, mode=mode, tarinfo=_recording_tarinfo())  # noqa: SIM115
+            tar = tarfile.open(fileobj=stream, mode=mode, tarinfo=recording_tarinfo())  # noqa: SIM115
             for info in tar:
                 name_key, _ = key_and_ext(info.name)
-                if info.isreg() and not _is_metadata(info.name) and name_key is not None and name_key != key:
+                if info.isreg() and not is_metadata(info.name) and name_key is not None and name_key != key:
                     samples, key = samples + 1, name_key  # counted on its first header, as the reader
                 if size is not None and info.offset_data + info.size > size:
                     raise tarfile.ReadError(f"{info.name} is cut short at byte {size}")
                 tar.members = []  # iteration keeps every TarInfo otherwise
-            stopped_by = tar.tarinfo.stopped_by
-            if stopped_by is not None and not isinstance(
-                stopped_by, (tarfile.EOFHeaderError, tarfile.EmptyHeaderError)
-            ):
-                raise tarfile.ReadError(f"damaged tar header at byte {tar.offset} ({stopped_by})")
+            check_clean_end(tar)
     except (*read_errors(url), ValueError) as e:
         # The sample being read when the damage was found may be incomplete: the reader drops it too.
         return ShardCount(url, max(0, samples - 1) if key is not None else 0, f"{type(e).__name__}: {e}")
@@ -113,7 +116,7 @@ def write_sizes(counts: list[ShardCount], *, s3: S3Settings | None = None) -> li
         by_dir.setdefault(directory, {})[name] = c.samples
     written = []
     for directory, sizes in by_dir.items():
-        merged = _read_sizes_json(directory, s3) | sizes
+        merged = read_sizes_json(directory, s3) | sizes
         path = f"{directory}/{SIZES_FILE}"
         text = json.dumps(dict(sorted(merged.items())), indent=0)
         if is_s3(path):

@@ -203,13 +203,13 @@ def _sizes(urls: list[str], settings: S3Settings | None) -> list[int | None]:
     for url in urls:
         directory, name = url.rsplit("/", 1) if "/" in url else (".", url)
         if directory not in tables:
-            tables[directory] = _read_sizes_json(directory, settings)
+            tables[directory] = read_sizes_json(directory, settings)
         size = tables[directory].get(name)
         sizes.append(int(size) if size is not None else None)
     return sizes
 
 
-def _read_sizes_json(directory: str, settings: S3Settings | None) -> dict[str, int]:
+def read_sizes_json(directory: str, settings: S3Settings | None) -> dict[str, int]:
     path = f"{directory}/{SIZES_FILE}"
     try:
         text = _read_small_s3_object(path, settings) if is_s3(path) else _read_local_text(path)
