@@ -23,7 +23,7 @@ def test_two_ranks_learn_and_log(demo_data, tmp_path):
     run_dir = Path(summary["run_dir"])
     log = (run_dir / "out.log").read_text()
     assert "Train Epoch: 0 [" in log and "/s/gpu LR:" in log and "Contrastive_loss:" in log
-    assert "Data wait: " in log and "loader capacity: " in log
+    assert "Data (t): " in log and "Loader capacity: " in log
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])

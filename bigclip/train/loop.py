@@ -226,7 +226,7 @@ def _log_step(
                        samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
                        global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
                        logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
-        + f" Data wait: {timer.data.avg:.3f}s loader capacity: {capacity:#g}/s/gpu"
+        + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
     )  # fmt: skip
     run.tensorboard.scalars(
         {
