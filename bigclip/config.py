@@ -103,8 +103,41 @@ class DataConfig:
         "Shards each data worker reads at once, taking samples from them in random order "
         "(mixing without a shuffle buffer, which keeps resume exact).",
     )
+    train_data_upsampling_factors: str = _opt(
+        "",
+        "With --dataset-resampled and several '::'-separated --train-data sources: one weight per "
+        "source, e.g. 1::2::0.5 (a shard is drawn with its source's weight, OpenCLIP's semantics).",
+    )
+    image_mean: list[float] = _opt([], "Normalisation mean, one value or R G B (default: OpenAI CLIP's).")
+    image_std: list[float] = _opt([], "Normalisation std, one value or R G B (default: OpenAI CLIP's).")
+    image_interpolation: str = _opt(
+        "bicubic",
+        "Evaluation resize filter ('random' is bicubic there, as in OpenCLIP); training uses --train-transform's.",
+        choices=("bicubic", "bilinear", "random"),
+    )
+    image_resize_mode: str = _opt(
+        "shortest",
+        "Evaluation resize: shortest side + centre crop, longest side + pad, or squash.",
+        choices=("shortest", "longest", "squash"),
+    )
+    aug_cfg: dict = _opt(
+        {},
+        "Training augmentation, OpenCLIP's KEY=VALUE pairs: scale ratio color_jitter color_jitter_prob "
+        "gray_scale_prob re_prob re_count use_timm, e.g. --aug-cfg scale='(0.4, 1.0)' gray_scale_prob=0.2.",
+    )
+    train_transform: str = _opt(
+        "fast",
+        "Training crop: 'fast' (JPEG decoded at reduced size, bilinear) or 'exact' (OpenCLIP's full "
+        "decode + bicubic).",
+        choices=("fast", "exact"),
+    )
 
     def validate(self) -> None:
+        if self.train_data_upsampling_factors and not self.dataset_resampled:
+            raise ConfigError(
+                "--train-data-upsampling-factors needs --dataset-resampled (shards drawn with replacement), "
+                "as in OpenCLIP"
+            )
         if self.shard_interleave < 1:
             raise ConfigError(f"--shard-interleave must be at least 1, got {self.shard_interleave}")
         if self.batch_size < 1:
