@@ -11,16 +11,19 @@ Field metadata understood by `bigclip.cli_args`:
   choices  allowed values
   aliases  extra flag names (e.g. OpenCLIP's `--use-bnb-linear` for `--int8`)
   convert  callable applied to a value given through an alias
+OpenCLIP options bigclip refuses, and OpenCLIP's other spellings of values, are in
+`bigclip.openclip_flags` (one table).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
 from bigclip.errors import ConfigError
+from bigclip.openclip_flags import bnb_linear_to_int8, loss_dist_impl_to_exchange, opt_to_optimizer
 
 PRECISIONS = ("amp_bf16", "amp", "fp32", "pure_bf16")
 ENGINES = ("fsdp", "deepspeed")
@@ -28,22 +31,9 @@ LOSSES = ("clip", "siglip")
 LOSS_EXCHANGES = ("ring", "allgather")
 INT8_MODES = ("none", "switchback-global", "switchback-vectorwise", "switchback-memefficient")
 OPTIMIZERS = ("adamw", "adamw8bit")
-
-# OpenCLIP's `--use-bnb-linear` class names, mapped onto `--int8` modes.
-_BNB_LINEAR_ALIASES = {
-    "SwitchBackLinearGlobal": "switchback-global",
-    "SwitchBackLinearGlobalMemEfficient": "switchback-memefficient",
-    "SwitchBackLinearVectorwise": "switchback-vectorwise",
-}
-
-
-def _bnb_linear_to_int8(value: str) -> str:
-    if value not in _BNB_LINEAR_ALIASES:
-        raise ConfigError(
-            f"--use-bnb-linear {value!r} is not supported; use one of {sorted(_BNB_LINEAR_ALIASES)} "
-            f"or --int8 {{{','.join(INT8_MODES)}}}"
-        )
-    return _BNB_LINEAR_ALIASES[value]
+LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
+TOKENIZERS = ("open_clip", "hashing")  # bigclip.data.tokenizer builds them
+METRIC_SINKS = ("tensorboard", "wandb")
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -68,11 +58,24 @@ class ModelConfig:
         "Run MLP linears as int8 SwitchBack layers.",
         choices=INT8_MODES,
         aliases=("--use-bnb-linear",),
-        convert=_bnb_linear_to_int8,
+        convert=bnb_linear_to_int8,
     )
     int8_attention: bool = _opt(False, "With --int8, also swap the attention projections.")
+    force_quick_gelu: bool = _opt(
+        False, "Use QuickGELU, as OpenAI's weights need (same as a -quickgelu model)."
+    )
+    force_image_size: list[int] = _opt([], "Override the model's image size: N or N N (square only).")
+    force_context_length: int = _opt(0, "Override the text tower's context length (0: the model's).")
+    cache_dir: str = _opt("", "Where downloaded --pretrained files are cached (default: $BIGCLIP_CACHE).")
 
     def validate(self) -> None:
+        if isinstance(self.force_image_size, int):  # from a YAML file: `force_image_size: 224`
+            self.force_image_size = [self.force_image_size]
+        size = self.force_image_size
+        if size and (len(size) > 2 or len(set(size)) != 1 or size[0] < 1):
+            raise ConfigError(f"--force-image-size takes N or N N (bigclip's ViTs are square), got {size}")
+        if self.force_context_length < 0:
+            raise ConfigError(f"--force-context-length must be positive, got {self.force_context_length}")
         if not 0.0 <= self.force_patch_dropout < 1.0:
             raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
         if self.int8_attention and self.int8 == "none":
@@ -90,13 +93,18 @@ class DataConfig:
     val_data: str = _opt("", "Held-out shards for retrieval evaluation (same pattern syntax).")
     train_num_samples: int = _opt(0, "Samples per epoch (0: read sizes.json beside the shards).")
     val_num_samples: int = _opt(0, "Held-out samples to evaluate (0: all).")
+    val_frequency: int = _opt(1, "Evaluate --val-data every N epochs and after the last (0: never).")
+    dataset_type: str = _opt(
+        "webdataset", "Dataset format (OpenCLIP's 'auto' means webdataset).", choices=("webdataset",)
+    )
     dataset_resampled: bool = _opt(False, "Sample shards with replacement (an endless stream).")
     workers: int = _opt(4, "Data-loader worker processes per rank.")
     batch_size: int = _opt(64, "Batch size per GPU (per rank).")
     tokenizer: str = _opt(
-        "simple",
-        "Text tokenizer: built-in 'simple' (no download) or 'open_clip'.",
-        choices=("simple", "open_clip"),
+        "open_clip",
+        "Text tokenizer: OpenCLIP's BPE ('open_clip', the ids OpenCLIP weights know) or, opt-in, 'hashing' "
+        "(word ids by a stable hash, no vocabulary; for models trained from scratch only).",
+        choices=TOKENIZERS,
     )
     shard_interleave: int = _opt(
         4,
@@ -113,11 +121,18 @@ class DataConfig:
             raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
         if self.train_num_samples < 0 or self.val_num_samples < 0:
             raise ConfigError("--train-num-samples and --val-num-samples must be 0 (auto) or positive")
+        if self.val_frequency < 0:
+            raise ConfigError(f"--val-frequency must be 0 (never) or positive, got {self.val_frequency}")
+        if self.tokenizer not in TOKENIZERS:  # e.g. from a YAML file or an old checkpoint's config
+            raise ConfigError(f"--tokenizer {self.tokenizer!r}: use one of {', '.join(TOKENIZERS)}")
 
 
 @dataclass
 class OptimConfig:
-    optimizer: str = _opt("adamw", "Optimizer: torch AdamW or bitsandbytes' 8-bit AdamW.", choices=OPTIMIZERS)
+    optimizer: str = _opt(
+        "adamw", "Optimizer: torch AdamW or bitsandbytes' 8-bit AdamW.", choices=OPTIMIZERS,
+        aliases=("--opt",), convert=opt_to_optimizer,
+    )  # fmt: skip
     lr: float = _opt(5e-4, "Peak learning rate.")
     beta1: float = _opt(0.9, "Adam beta1.")
     beta2: float = _opt(0.98, "Adam beta2.")
@@ -126,7 +141,11 @@ class OptimConfig:
     warmup: int = _opt(10000, "Linear warmup steps.")
     epochs: int = _opt(32, "Epochs to train.")
     max_steps: int = _opt(0, "Stop after this many optimizer steps in total (0: run all epochs).")
-    lr_scheduler: str = _opt("cosine", "LR schedule after warmup.", choices=("cosine", "const"))
+    lr_scheduler: str = _opt("cosine", "LR schedule after warmup.", choices=LR_SCHEDULERS)
+    epochs_cooldown: int = _opt(0, "const-cooldown: decay over the last N epochs (OpenCLIP semantics).")
+    lr_cooldown_end: float = _opt(0.0, "const-cooldown: learning rate at the end of the cooldown.")
+    lr_cooldown_power: float = _opt(1.0, "const-cooldown: decay power (1: linear).")
+    skip_scheduler: bool = _opt(False, "Keep --lr constant from the first step (no warmup, no decay).")
     grad_clip_norm: float = _opt(0.0, "Clip the global gradient norm to this value (0: off).")
     accum_freq: int = _opt(1, "Micro-batches per optimizer step (features cached, OpenCLIP semantics).")
     seed: int = _opt(0, "Random seed (weights, data order, patch dropout).")
@@ -140,6 +159,14 @@ class OptimConfig:
             raise ConfigError("set --epochs or --max-steps to at least 1")
         if self.warmup < 0 or self.wd < 0 or self.grad_clip_norm < 0:
             raise ConfigError("--warmup, --wd and --grad-clip-norm must not be negative")
+        if self.lr_scheduler == "const-cooldown" and self.epochs_cooldown < 1:
+            raise ConfigError(
+                "--lr-scheduler const-cooldown needs --epochs-cooldown N (epochs of decay at the end)"
+            )
+        if self.epochs_cooldown < 0 or self.lr_cooldown_end < 0 or self.lr_cooldown_power <= 0:
+            raise ConfigError(
+                "--epochs-cooldown and --lr-cooldown-end must not be negative, --lr-cooldown-power > 0"
+            )
 
 
 @dataclass
@@ -158,6 +185,8 @@ class LossConfig:
         "How the chunked loss sees other ranks' features: 'ring' (chunks passed to the neighbour, "
         "flat memory) or 'allgather' (all features gathered, memory grows with the global batch).",
         choices=LOSS_EXCHANGES,
+        aliases=("--loss-dist-impl",),  # OpenCLIP's names for the same choice (bidir/shift, gather/reduce)
+        convert=loss_dist_impl_to_exchange,
     )
 
     def validate(self) -> None:
@@ -193,10 +222,19 @@ class EngineConfig:
         aliases=("--local_rank",),
         convert=int,
     )
+    dist_url: str = _opt("env://", "Rendezvous: env:// only (MASTER_ADDR/PORT, set by torchrun and srun).")
+    set_device_rank: bool = _opt(
+        True, "Use cuda:LOCAL_RANK; --no-set-device-rank uses cuda:0 (one GPU visible)."
+    )
 
     def validate(self) -> None:
         if self.engine == "deepspeed" and not self.deepspeed_config:
             raise ConfigError("--engine deepspeed needs --deepspeed-config, e.g. ds_configs/zero3.json")
+        if self.dist_url not in ("", "env://"):
+            raise ConfigError(
+                f"--dist-url {self.dist_url}: bigclip rendezvouses through the environment (env://); set "
+                "MASTER_ADDR and MASTER_PORT (torchrun and srun with bigclip's sbatch scripts do)"
+            )
 
 
 @dataclass
@@ -212,6 +250,9 @@ class CheckpointConfig:
     keep_last: int = _opt(0, "Keep the newest K local checkpoints (0: all).")
     remote_keep_last: int = _opt(0, "Keep the newest K checkpoints on S3 (0: all).")
     allow_batch_size_change: bool = _opt(False, "Allow resuming with a different global batch size.")
+    allow_tokenizer_change: bool = _opt(
+        False, "Allow --resume/--pretrained weights trained with another --tokenizer than this run's."
+    )
     s3_endpoint: str = _opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS).")
     s3_region: str = _opt("", "S3 region (default: AWS_REGION / AWS config, else us-east-1).")
     registry: str = _opt(
@@ -230,8 +271,13 @@ class LogConfig:
     name: str = _opt("", "Run name (default: date-model-lr-batch-precision).")
     log_every_n_steps: int = _opt(100, "Print a log line and write scalars every N steps.")
     report_to: str = _opt(
-        "tensorboard", "Metric sinks: 'tensorboard' or '' for none.", choices=("tensorboard", "")
+        "tensorboard",
+        "Metric sinks, comma-separated: tensorboard, wandb (pip install wandb), or '' for none.",
     )
+    wandb_project_name: str = _opt("open-clip", "wandb project (WANDB_MODE=offline: written locally).")
+    wandb_notes: str = _opt("", "wandb run notes.")
+    log_local: bool = _opt(False, "Every node's local rank 0 logs too, to out-RANK.log (else rank 0 only).")
+    debug: bool = _opt(False, "Log at DEBUG level.")
     remote_sync: str = _opt("", "Copy the run directory to this URI in the background (e.g. s3://b/runs).")
     remote_sync_frequency: int = _opt(300, "Seconds between remote syncs.")
     remote_sync_protocol: str = _opt("s3", "How to reach --remote-sync.", choices=("s3", "fsspec"))
@@ -242,6 +288,20 @@ class LogConfig:
     def validate(self) -> None:
         if self.log_every_n_steps < 1:
             raise ConfigError(f"--log-every-n-steps must be at least 1, got {self.log_every_n_steps}")
+        unknown = set(self.sinks()) - set(METRIC_SINKS)
+        if unknown:
+            raise ConfigError(
+                f"--report-to {self.report_to!r}: unknown {sorted(unknown)}; use {', '.join(METRIC_SINKS)}"
+            )
+        if "wandb" in self.sinks() and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "--report-to wandb needs wandb: pip install 'bigclip[wandb]' (or pip install wandb)"
+            )
+
+    def sinks(self) -> list[str]:
+        """OpenCLIP's --report-to: 'all' or a comma list."""
+        names = [n.strip() for n in self.report_to.split(",") if n.strip()]
+        return list(METRIC_SINKS) if "all" in names else names
 
 
 @dataclass
@@ -280,14 +340,3 @@ def section_of(field_name: str) -> str:
         if field_name in {f.name for f in dataclasses.fields(section.default_factory)}:
             return section.name
     raise KeyError(field_name)
-
-
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate for an optimizer step: linear warmup, then cosine to 0 (or constant)."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    if cfg.lr_scheduler == "const":
-        return cfg.lr
-    decay_steps = max(1, total_steps - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / decay_steps)
-    return 0.5 * (1 + math.cos(math.pi * progress)) * cfg.lr

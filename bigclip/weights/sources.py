@@ -17,6 +17,7 @@ against its manifest (names truncated objects) and `.metadata` against its SHA-2
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import urllib.error
@@ -30,6 +31,7 @@ import torch
 
 from bigclip.checkpoint import catalog
 from bigclip.checkpoint.manifest import MANIFEST_NAME, size_problems
+from bigclip.data.tokenizer import saved_tokenizer
 from bigclip.errors import StorageError
 from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.hashing import ObjectRecord
@@ -146,6 +148,19 @@ def _registry_file(registry: Registry, published: Published) -> Path:
     if isinstance(registry.location, LocalLocation):
         return Path(registry.location.root) / key  # content-addressed: safe to map in place
     return download(registry.location.child_uri(key), s3=registry.s3, suffix=".pt")
+
+
+def weights_tokenizer(source: WeightSource) -> str:
+    """The tokenizer the weights were trained with: a bigclip checkpoint's saved config, a
+    consolidated file's `bigclip.tokenizer` metadata; files from elsewhere are OpenCLIP's, whose
+    CLIP models all use its BPE tokenizer ('' when a bigclip file does not say)."""
+    if source.kind == "dcp":
+        has_config = "train.config" in source.reader.value_keys("train.")
+        return saved_tokenizer({}, json.loads(source.reader.read_value("train.config"))) if has_config else ""
+    metadata = getattr(source.reader, "metadata", {}) if source.kind == "safetensors" else {}
+    if "bigclip.tokenizer" in metadata:
+        return saved_tokenizer({"tokenizer": metadata["bigclip.tokenizer"]})
+    return "" if "bigclip.source" in metadata else "open_clip"
 
 
 def _safetensors_source(reader: SafetensorsReader, uri: str) -> WeightSource:
