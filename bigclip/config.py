@@ -82,7 +82,11 @@ class ModelConfig:
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
         from bigclip.models.registry import get_model_config  # raises, listing valid names
 
-        get_model_config(self.model)
+        vision = get_model_config(self.model).vision_cfg
+        if size and size[0] < vision.patch_size:
+            raise ConfigError(
+                f"--force-image-size {size[0]} is below {self.model}'s patch size {vision.patch_size}"
+            )
 
 
 @dataclass

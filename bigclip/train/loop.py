@@ -157,7 +157,8 @@ def record_batch_keys(run: Run, keys: list[str]) -> None:
 
 
 def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
-    """Train until the epoch's data ends (True) or the step budget does (False)."""
+    """Train until the epoch's data ends (True) or the step budget does (False, unless it ends
+    with the epoch)."""
     cfg, state = run.cfg, run.state
     timer, loss_avg = StepTimer(), Average()
     for group, keys in micro_batches(loader, k=cfg.optim.accum_freq):
@@ -176,8 +177,8 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
             _log_step(
                 run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq
             )
-        if state.step >= run.total_steps:
-            return False
+        if state.step >= run.total_steps:  # a budget that ends with the epoch completes it (evaluated, saved)
+            return state.epoch_step >= run.steps_per_epoch
         if save_due(cfg, state, epoch_end=False, final=False):
             save_checkpoint(run, data_position=loader.state_dict())
         check_preemption(run, loader)
