@@ -36,6 +36,13 @@ TOKENIZERS = ("open_clip", "hashing")  # bigclip.data.tokenizer builds them
 METRIC_SINKS = ("tensorboard", "wandb")
 
 
+def _installed(package: str) -> bool:
+    try:  # without importing it: an optional package is checked when its option is parsed
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        return False
+
+
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     """A dataclass field with CLI metadata."""
     meta["help"] = help
@@ -62,7 +69,7 @@ class ModelConfig:
     )
     int8_attention: bool = _opt(False, "With --int8, also swap the attention projections.")
     force_quick_gelu: bool = _opt(
-        False, "Use QuickGELU, as OpenAI's weights need (same as a -quickgelu model)."
+        False, "QuickGELU activations, as OpenAI's weights need (= a -quickgelu model)."
     )
     force_image_size: list[int] = _opt([], "Override the model's image size: N or N N (square only).")
     force_context_length: int = _opt(0, "Override the text tower's context length (0: the model's).")
@@ -99,7 +106,7 @@ class DataConfig:
     val_num_samples: int = _opt(0, "Held-out samples to evaluate (0: all).")
     val_frequency: int = _opt(1, "Evaluate --val-data every N epochs and after the last (0: never).")
     dataset_type: str = _opt(
-        "webdataset", "Dataset format (OpenCLIP's 'auto' means webdataset).", choices=("webdataset",)
+        "webdataset", "Data format (OpenCLIP's 'auto': webdataset).", choices=("webdataset",)
     )
     dataset_resampled: bool = _opt(False, "Sample shards with replacement (an endless stream).")
     workers: int = _opt(4, "Data-loader worker processes per rank.")
@@ -227,9 +234,7 @@ class EngineConfig:
         convert=int,
     )
     dist_url: str = _opt("env://", "Rendezvous: env:// only (MASTER_ADDR/PORT, set by torchrun and srun).")
-    set_device_rank: bool = _opt(
-        True, "Use cuda:LOCAL_RANK; --no-set-device-rank uses cuda:0 (one GPU visible)."
-    )
+    set_device_rank: bool = _opt(True, "cuda:LOCAL_RANK; --no-set-device-rank: cuda:0 (one GPU per process).")
 
     def validate(self) -> None:
         if self.engine == "deepspeed" and not self.deepspeed_config:
@@ -255,7 +260,7 @@ class CheckpointConfig:
     remote_keep_last: int = _opt(0, "Keep the newest K checkpoints on S3 (0: all).")
     allow_batch_size_change: bool = _opt(False, "Allow resuming with a different global batch size.")
     allow_tokenizer_change: bool = _opt(
-        False, "Allow --resume/--pretrained weights trained with another --tokenizer than this run's."
+        False, "Allow weights of another --tokenizer (--resume, --pretrained)."
     )
     s3_endpoint: str = _opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS).")
     s3_region: str = _opt("", "S3 region (default: AWS_REGION / AWS config, else us-east-1).")
@@ -297,10 +302,8 @@ class LogConfig:
             raise ConfigError(
                 f"--report-to {self.report_to!r}: unknown {sorted(unknown)}; use {', '.join(METRIC_SINKS)}"
             )
-        if "wandb" in self.sinks() and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                "--report-to wandb needs wandb: pip install 'bigclip[wandb]' (or pip install wandb)"
-            )
+        if "wandb" in self.sinks() and not _installed("wandb"):
+            raise ConfigError("--report-to wandb needs wandb: pip install 'bigclip[wandb]'")
 
     def sinks(self) -> list[str]:
         """OpenCLIP's --report-to: 'all' or a comma list."""
