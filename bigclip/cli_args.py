@@ -84,7 +84,7 @@ def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
             _add_field(group, f, cls)
     refused = parser.add_argument_group("OpenCLIP options bigclip refuses (each fails, saying why)")
     for flag, why in openclip_flags.REFUSED.items():
-        refused.add_argument(flag, nargs="*", action=_Refuse, help=why)
+        refused.add_argument(flag, nargs="*", metavar="VALUE", action=_Refuse, help=why)
     return parser
 
 
