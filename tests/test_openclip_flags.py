@@ -157,3 +157,46 @@ def test_refused_options_in_a_yaml_file_say_why(tmp_path):
     path.write_text("precision: bf16\n")
     with pytest.raises(ConfigError, match="--precision bf16.*amp_bf16"):
         parse_train_args(["--config", str(path)])
+
+
+def test_cache_dir_is_where_pretrained_downloads_go(tmp_path):
+    """--cache-dir: OpenCLIP's download cache, here for --pretrained http(s)/s3 .pt/.bin files."""
+    import functools
+    import http.server
+    import threading
+
+    import torch
+
+    from bigclip.weights.sources import open_weights
+
+    served = tmp_path / "served"
+    served.mkdir()
+    torch.save({"state_dict": {"module.logit_scale": torch.ones(())}}, served / "w.pt")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cache = parse_train_args(["--cache-dir", str(tmp_path / "cache")]).model.cache_dir
+        source = open_weights(f"http://127.0.0.1:{server.server_port}/w.pt", cache=cache)
+    finally:
+        server.shutdown()
+    assert [t.name for t in source.reader.tensors()] == ["logit_scale"]
+    assert [p.name.endswith("-w.pt") for p in (tmp_path / "cache" / "downloads").iterdir()] == [True]
+
+
+def test_log_local_and_debug_choose_who_logs_and_how_much(tmp_path):
+    import logging
+
+    from bigclip.train.metrics import log_file_name, setup_logging
+
+    assert log_file_name(rank=0, local_rank=0, log_local=False) == "out.log"
+    assert log_file_name(rank=8, local_rank=0, log_local=False) is None  # global master only
+    assert log_file_name(rank=8, local_rank=0, log_local=True) == "out-8.log"  # each node's master
+    assert log_file_name(rank=9, local_rank=1, log_local=True) is None
+    node_master = setup_logging(
+        rank=8, local_rank=0, log_local=True, debug=True, log_file=tmp_path / "out-8.log"
+    )
+    assert node_master.level == logging.DEBUG
+    node_master.debug("hello from rank 8")
+    assert "hello from rank 8" in (tmp_path / "out-8.log").read_text()
+    assert setup_logging(rank=9, local_rank=1, log_local=True).level == logging.WARNING

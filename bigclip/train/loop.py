@@ -37,20 +37,19 @@ from bigclip.train.checkpointing import (
     resume,
     save_due,
 )
-from bigclip.train.evaluate import evaluate_retrieval
+from bigclip.train.evaluate import evaluate_retrieval, val_due
 from bigclip.train.metrics import (
     Average,
     Scalars,
     StepTimer,
     get_logger,
     peak_memory_gb,
-    setup_logging,
     train_log_line,
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
 from bigclip.train.remote_sync import RemoteSync
 from bigclip.train.schedule import lr_at
-from bigclip.train.setup import apply_cache_dir, log_file, prepare_run_dir, requested_device, seed_everything
+from bigclip.train.setup import prepare_run_dir, requested_device, seed_everything, start_logging
 from bigclip.train.step import StepOutput, train_step
 from bigclip.weights import pretrained
 
@@ -92,10 +91,8 @@ def setup(cfg: TrainConfig) -> Run:
     preemption = PreemptionWatcher()
     runtime = init_distributed(backend=cfg.engine.dist_backend, device=requested_device(cfg.engine))
     run_dir = prepare_run_dir(cfg, runtime)
-    log = setup_logging(rank=runtime.rank, log_file=log_file(cfg.log, run_dir, runtime),
-                        local_rank=runtime.local_rank, log_local=cfg.log.log_local, debug=cfg.log.debug)  # fmt: skip
+    log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
-    apply_cache_dir(cfg.model.cache_dir)
     text_cfg = model_config(cfg).text_cfg
     tokenizer = data.build_tokenizer(
         cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
@@ -110,8 +107,7 @@ def setup(cfg: TrainConfig) -> Run:
     engine.build(build_model(cfg))
     # Before --resume, which wins; a resumed run does not read the initial weights at all.
     lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if pretrained.applies(cfg, store) else None
-    scalars = Scalars.open(cfg.log, run_dir=run_dir, is_main=runtime.is_main, config=cfg.to_dict(),
-                           resuming=bool(cfg.checkpoint.resume))  # fmt: skip
+    scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
     run.preemption, run.pretrained_lease = preemption, lease
     if cfg.log.remote_sync and runtime.is_main:
@@ -157,8 +153,7 @@ def record_batch_keys(run: Run, keys: list[str]) -> None:
 
 
 def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
-    """Train until the epoch's data ends (True) or the step budget does (False, unless it ends
-    with the epoch)."""
+    """Train until the epoch's data ends (True) or the step budget does (False, unless at the epoch end)."""
     cfg, state = run.cfg, run.state
     timer, loss_avg = StepTimer(), Average()
     for group, keys in micro_batches(loader, k=cfg.optim.accum_freq):
@@ -258,12 +253,6 @@ def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
         f"checkpoint step {run.state.step} -> {where} ({mode}); training blocked {blocked:.3f}s"
     )
     run.scalars.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
-
-
-def val_due(cfg: TrainConfig, epoch: int) -> bool:
-    """OpenCLIP's --val-frequency: after every Nth completed epoch and after the last one."""
-    every = cfg.data.val_frequency
-    return bool(every) and (epoch % every == 0 or epoch == cfg.optim.epochs)
 
 
 def evaluate(run: Run) -> dict[str, float] | None:

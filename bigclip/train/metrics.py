@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from bigclip.config import LogConfig
+from bigclip.config import LogConfig, TrainConfig
 from bigclip.storage.redact import redact
 
 LOGGER_NAME = "bigclip"
@@ -154,11 +154,12 @@ class Scalars:
         self.sinks = sinks
 
     @classmethod
-    def open(cls, log: LogConfig, *, run_dir: Path, is_main: bool, config: dict, resuming: bool) -> Scalars:
-        names = log.sinks() if is_main else []
+    def open(cls, cfg: TrainConfig, *, run_dir: Path, is_main: bool) -> Scalars:
+        names = cfg.log.sinks() if is_main else []
         sinks: list[ScalarSink] = [TensorBoard(run_dir / "tensorboard")] if "tensorboard" in names else []
         if "wandb" in names:
-            sinks.append(Wandb(log, config=config, run_dir=run_dir, resuming=resuming))
+            resuming = bool(cfg.checkpoint.resume)
+            sinks.append(Wandb(cfg.log, config=cfg.to_dict(), run_dir=run_dir, resuming=resuming))
         return cls(sinks)
 
     def scalars(self, values: dict[str, float], *, step: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-import os
+import logging
 import random
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import yaml
 
 from bigclip.config import EngineConfig, LogConfig, TrainConfig
 from bigclip.distributed import Runtime
-from bigclip.train.metrics import log_file_name
+from bigclip.train.metrics import log_file_name, setup_logging
 
 
 def run_name(cfg: TrainConfig, runtime: Runtime) -> str:
@@ -56,10 +56,11 @@ def seed_everything(seed: int, rank: int) -> None:
     random.seed(seed + rank)
 
 
-def log_file(log: LogConfig, run_dir: Path, runtime: Runtime) -> Path | None:
-    """out.log on rank 0; with --log-local, out-RANK.log on each node's local rank 0 too."""
+def start_logging(log: LogConfig, run_dir: Path, runtime: Runtime) -> logging.Logger:
+    """The run's logger: out.log on rank 0; with --log-local, out-RANK.log on each node's local rank 0 too."""
     name = log_file_name(rank=runtime.rank, local_rank=runtime.local_rank, log_local=log.log_local)
-    return run_dir / name if name else None
+    return setup_logging(rank=runtime.rank, log_file=run_dir / name if name else None,
+                         local_rank=runtime.local_rank, log_local=log.log_local, debug=log.debug)  # fmt: skip
 
 
 def requested_device(engine: EngineConfig) -> str:
@@ -68,10 +69,3 @@ def requested_device(engine: EngineConfig) -> str:
     if engine.device or engine.set_device_rank or not torch.cuda.is_available():
         return engine.device
     return "cuda:0"
-
-
-def apply_cache_dir(cache_dir: str) -> None:
-    """--cache-dir: where downloaded --pretrained files go (bigclip.weights.sources reads
-    $BIGCLIP_CACHE, also in processes this one starts)."""
-    if cache_dir:
-        os.environ["BIGCLIP_CACHE"] = cache_dir

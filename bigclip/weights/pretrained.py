@@ -110,7 +110,7 @@ def _open_on_rank0(
         lease = registry.acquire_lease(parse_registry_ref(uri), owner=owner)
         atexit.register(lease.release)  # also on an exception that ends the run; idempotent
     try:
-        source = open_weights(uri, s3=s3, registry=cfg.checkpoint.registry)
+        source = open_weights(uri, s3=s3, registry=cfg.checkpoint.registry, cache=cfg.model.cache_dir)
         if source.model and source.model != cfg.model.model:
             log.warning(
                 f"--pretrained {uri} was saved from model {source.model}; this run builds {cfg.model.model}"
