@@ -15,7 +15,7 @@ tar_samples (samples + cursors) -> decode -> worker (read, transform, batch) -> 
 loader (consumer side: worker order, re-batching, epoch end); validation checks all of it
 before a model is built. resume/ holds who reads what (assignment), what has been consumed
 (position) and how to continue the same stream (reader_state, stream_state, randomness).
-eval, transforms and tokenizer (OpenCLIP's BPE in bpe_tokenizer, opt-in hashing) stand alone.
+eval, transforms and tokenizer stand alone.
 """
 
 from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set
