@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = create_model("tiny", device="cpu")
-    tokenizer = build_tokenizer("simple", context_length=model.context_length, vocab_size=49408)
+    tokenizer = build_tokenizer("open_clip", context_length=model.context_length, vocab_size=49408)
     with tempfile.TemporaryDirectory() as tmp:
         demo = write_demo_data(tmp, samples=args.samples, shards=8, val_samples=args.val_samples)
         held_out = load_eval_set(demo.val_pattern, image_size=model.image_size, tokenizer=tokenizer)

@@ -1,6 +1,8 @@
 """Build the training argument parser from the config dataclasses, and parse into a TrainConfig.
 
-Precedence: dataclass defaults < `--config FILE.yaml` < command-line flags.
+Precedence: dataclass defaults < `--config FILE.yaml` < command-line flags. OpenCLIP options
+bigclip refuses are declared from `bigclip.openclip_flags.REFUSED` and fail as they are parsed;
+OpenCLIP's other spellings of values are converted (or refused) by `resolve_value`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from bigclip import openclip_flags
 from bigclip.config import TrainConfig, section_of
 from bigclip.errors import ConfigError
 
@@ -46,6 +49,19 @@ class _KeyValues(argparse.Action):
         setattr(namespace, self.dest, result)
 
 
+class _Refuse(argparse.Action):
+    """An OpenCLIP option bigclip does not take: fails as soon as argparse meets it, saying why."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        raise ConfigError(openclip_flags.refusal(self.option_strings[0]))
+
+
+def _choices(f: dataclasses.Field) -> list[str] | None:
+    """The field's choices plus OpenCLIP's spellings, which `resolve_value` converts or refuses."""
+    choices = f.metadata.get("choices")
+    return None if choices is None else [*choices, *openclip_flags.accepted_spellings(f.name)]
+
+
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type) -> None:
     meta = f.metadata
     kind = _scalar_type(f, owner)
@@ -64,7 +80,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type
         )
     else:
         group.add_argument(
-            *names, dest=f.name, type=kind, default=None, choices=meta.get("choices"), help=meta.get("help")
+            *names, dest=f.name, type=kind, default=None, choices=_choices(f), help=meta.get("help")
         )
     for alias in meta.get("aliases", ()):
         # Aliases take their own spelling of the value and convert it (OpenCLIP compatibility).
@@ -88,6 +104,9 @@ def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
         group = parser.add_argument_group(section.name)
         for f in dataclasses.fields(cls):
             _add_field(group, f, cls)
+    refused = parser.add_argument_group("OpenCLIP options bigclip refuses (each fails, saying why)")
+    for flag, why in openclip_flags.REFUSED.items():
+        refused.add_argument(flag, nargs="*", metavar="VALUE", action=_Refuse, help=why)
     return parser
 
 
@@ -109,11 +128,13 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 
 def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
+    if _flag(name) in openclip_flags.REFUSED:
+        raise ConfigError(openclip_flags.refusal(_flag(name)))
     try:
         section = getattr(cfg, section_of(name))
     except KeyError:
         raise ConfigError(f"unknown option {name!r} (see `bigclip train --help`)") from None
-    setattr(section, name, value)
+    setattr(section, name, openclip_flags.resolve_value(name, value))
 
 
 def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
@@ -131,7 +152,7 @@ def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
                 setattr(section, f.name, f.metadata["convert"](alias_value))
             value = getattr(args, f.name)
             if value is not None:
-                setattr(section, f.name, value)
+                setattr(section, f.name, openclip_flags.resolve_value(f.name, value))
     return cfg.validate()
 
 

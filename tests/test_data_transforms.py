@@ -127,19 +127,19 @@ def test_build_tokenizer_errors_are_clear():
     with pytest.raises(ConfigError, match="unknown tokenizer"):
         build_tokenizer("bpe", context_length=16, vocab_size=100)
     with pytest.raises(ConfigError, match="context_length"):
-        build_tokenizer("simple", context_length=1, vocab_size=100)
+        build_tokenizer("hashing", context_length=1, vocab_size=100)
+    with pytest.raises(ConfigError, match="vocab_size is 1000"):
+        build_tokenizer("open_clip", context_length=16, vocab_size=1000)
 
 
-def test_open_clip_tokenizer_or_a_clear_error():
-    try:
-        import open_clip
+def test_default_tokenizer_is_openclips_bpe_and_hashing_is_opt_in():
+    """The issue's case: the default gave 26159 for "a", OpenCLIP's tokenizer gives 320."""
+    from bigclip.cli_args import parse_train_args
 
-        importable = hasattr(open_clip, "get_tokenizer")
-    except ImportError:
-        importable = False
-    if not importable:
-        with pytest.raises(ConfigError, match="--tokenizer simple"):
-            build_tokenizer("open_clip", context_length=32, vocab_size=49408)
-        return
-    ids = build_tokenizer("open_clip", context_length=32, vocab_size=49408)(["a red circle"])
-    assert ids.shape == (1, 32) and ids[0, 0] == 49406 and ids[0].argmax() == ids[0].tolist().index(49407)
+    default = parse_train_args([]).data.tokenizer
+    assert default == "open_clip"
+    ids = build_tokenizer(default, context_length=32, vocab_size=49408)(["a red circle"])
+    assert ids[0, :5].tolist() == [49406, 320, 736, 7117, 49407]
+    assert parse_train_args(["--tokenizer", "hashing"]).data.tokenizer == "hashing"
+    with pytest.raises(ConfigError, match="now named 'hashing'"):
+        parse_train_args(["--tokenizer", "simple"])

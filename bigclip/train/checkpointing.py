@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from bigclip.checkpoint import LATEST, CheckpointStore, keep_last_for
 from bigclip.config import TrainConfig
+from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import ConfigError
@@ -114,7 +115,12 @@ def checkpoint_contents(
 
 
 def manifest_meta(cfg: TrainConfig, runtime: Runtime, global_batch: int) -> dict[str, Any]:
-    return {"engine": cfg.engine.engine, "model": cfg.model.model, "global_batch": global_batch}
+    return {
+        "engine": cfg.engine.engine,
+        "model": cfg.model.model,
+        "global_batch": global_batch,
+        "tokenizer": cfg.data.tokenizer,  # the ids the weights learned (checked on --resume/--pretrained)
+    }
 
 
 def resume(
@@ -127,8 +133,12 @@ def resume(
         return TrainState(), None
     contents = checkpoint_contents(engine, cfg, TrainState(), runtime, None)
     manifest = store.load(contents, which)
-    _check_compatible(manifest.meta, cfg, global_batch)
     train = contents["train"]
+    _check_compatible(manifest.meta, cfg, global_batch)
+    check_tokenizer(
+        saved_tokenizer(manifest.meta, json.loads(train["config"])), cfg.data.tokenizer,
+        allow=cfg.checkpoint.allow_tokenizer_change, what=f"--resume {manifest.uri}",
+    )  # fmt: skip
     state = TrainState(**{k: int(train[k]) for k in asdict(TrainState())})
     _restore_rng(json.loads(train["rng"]), runtime, seed=cfg.optim.seed, step=state.step)
     get_logger().info(

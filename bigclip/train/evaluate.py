@@ -1,4 +1,5 @@
-"""Zero-shot retrieval on held-out image-caption pairs: top-1 image->text and text->image.
+"""Zero-shot retrieval on held-out image-caption pairs: top-1 image->text and text->image, and
+when to run it (`val_due`, OpenCLIP's --val-frequency).
 
 Sample i's image matches caption i. Every rank embeds the samples with index = rank (mod world
 size); ranks pad to the same number of samples because a sharded model needs every rank in
@@ -12,10 +13,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from bigclip.config import TrainConfig
 from bigclip.data import EvalSample, ImageNormalizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
+
+
+def val_due(cfg: TrainConfig, epoch: int) -> bool:
+    """OpenCLIP's --val-frequency: after every Nth completed epoch and after the last one."""
+    every = cfg.data.val_frequency
+    return bool(every) and (epoch % every == 0 or epoch == cfg.optim.epochs)
 
 
 def retrieval_top1(image_features: torch.Tensor, text_features: torch.Tensor) -> dict[str, float]:

@@ -22,12 +22,11 @@ import torch.distributed as dist
 from bigclip import data
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
-from bigclip.config import TrainConfig, lr_at
+from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, cpu_group, init_distributed
 from bigclip.engines import Engine, build_engine
 from bigclip.errors import NonFiniteLossError
-from bigclip.models import get_model_config
-from bigclip.models.from_config import build_model
+from bigclip.models.from_config import build_model, model_config
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
 from bigclip.train.checkpointing import (
@@ -38,19 +37,19 @@ from bigclip.train.checkpointing import (
     resume,
     save_due,
 )
-from bigclip.train.evaluate import evaluate_retrieval
+from bigclip.train.evaluate import evaluate_retrieval, val_due
 from bigclip.train.metrics import (
     Average,
+    Scalars,
     StepTimer,
-    TensorBoard,
     get_logger,
     peak_memory_gb,
-    setup_logging,
     train_log_line,
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
 from bigclip.train.remote_sync import RemoteSync
-from bigclip.train.setup import prepare_run_dir, seed_everything
+from bigclip.train.schedule import lr_at
+from bigclip.train.setup import prepare_run_dir, requested_device, seed_everything, start_logging
 from bigclip.train.step import StepOutput, train_step
 from bigclip.weights import pretrained
 
@@ -68,13 +67,14 @@ class Run:
     engine: Engine
     loss_fn: torch.nn.Module
     tokenizer: Any
-    tensorboard: TensorBoard
+    scalars: Scalars  # --report-to: TensorBoard, wandb
     shards: data.ShardList
     s3: S3Settings
     store: CheckpointStore
     state: TrainState = field(default_factory=TrainState)
     data_position: dict | None = None  # where the data stream resumes in the current epoch
     total_steps: int = 0
+    steps_per_epoch: int = 0  # planned optimizer steps per epoch (the LR schedule's cooldown uses it)
     last_loss: float | None = None  # the global loss at the latest log step
     last_saved_step: int = -1
     preemption: PreemptionWatcher | None = None
@@ -89,11 +89,11 @@ class Run:
 def setup(cfg: TrainConfig) -> Run:
     """Check everything that can fail cheaply (data, storage) before building the model."""
     preemption = PreemptionWatcher()
-    runtime = init_distributed(backend=cfg.engine.dist_backend, device=cfg.engine.device)
+    runtime = init_distributed(backend=cfg.engine.dist_backend, device=requested_device(cfg.engine))
     run_dir = prepare_run_dir(cfg, runtime)
-    log = setup_logging(rank=runtime.rank, log_file=run_dir / "out.log")
+    log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
-    text_cfg = get_model_config(cfg.model.model).text_cfg
+    text_cfg = model_config(cfg).text_cfg
     tokenizer = data.build_tokenizer(
         cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
     )
@@ -107,8 +107,8 @@ def setup(cfg: TrainConfig) -> Run:
     engine.build(build_model(cfg))
     # Before --resume, which wins; a resumed run does not read the initial weights at all.
     lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if pretrained.applies(cfg, store) else None
-    tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
-    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
+    scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
+    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
     run.preemption, run.pretrained_lease = preemption, lease
     if cfg.log.remote_sync and runtime.is_main:
         remote = f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
@@ -154,14 +154,14 @@ def record_batch_keys(run: Run, keys: list[str]) -> None:
 
 
 def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
-    """Train until the epoch's data ends (True) or the step budget does (False)."""
+    """Train until the epoch's data ends (True) or the step budget does (False, unless at the epoch end)."""
     cfg, state = run.cfg, run.state
     timer, loss_avg = StepTimer(), Average()
     for group, keys in micro_batches(loader, k=cfg.optim.accum_freq):
         timer.data_ready()
         if cfg.log.batch_keys_file:
             record_batch_keys(run, keys)
-        lr = lr_at(state.step, cfg.optim, run.total_steps)
+        lr = lr_at(state.step, cfg.optim, run.total_steps, steps_per_epoch=run.steps_per_epoch)
         try:
             out = train_step(run.engine, run.loss_fn, group, lr=lr)
         except NonFiniteLossError as e:
@@ -174,8 +174,8 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
                 run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
                 capacity=loader.stats.take_capacity(),
             )  # fmt: skip
-        if state.step >= run.total_steps:
-            return False
+        if state.step >= run.total_steps:  # a budget that ends with the epoch completes it (evaluated, saved)
+            return state.epoch_step >= run.steps_per_epoch
         if save_due(cfg, state, epoch_end=False, final=False):
             save_checkpoint(run, data_position=loader.state_dict())
         check_preemption(run, loader)
@@ -199,7 +199,7 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
 def close_run(run: Run) -> None:
     """Release what the run holds; the final remote sync is waited for (logs are complete remotely)."""
     run.store.close()
-    run.tensorboard.close()
+    run.scalars.close()
     run.preemption.close()
     if run.pretrained_lease is not None:
         run.pretrained_lease.release()
@@ -228,7 +228,7 @@ def _log_step(
                        logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
         + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
     )  # fmt: skip
-    run.tensorboard.scalars(
+    run.scalars.scalars(
         {
             "train/loss": loss_value,
             "train/lr": lr,
@@ -261,11 +261,11 @@ def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
     get_logger().info(
         f"checkpoint step {run.state.step} -> {where} ({mode}); training blocked {blocked:.3f}s"
     )
-    run.tensorboard.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
+    run.scalars.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
 
 
 def evaluate(run: Run) -> dict[str, float] | None:
-    if not run.cfg.data.val_data:
+    if not run.cfg.data.val_data or not run.cfg.data.val_frequency:
         return None
     mine = data.iter_eval_samples(
         run.cfg.data.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
@@ -279,7 +279,7 @@ def evaluate(run: Run) -> dict[str, float] | None:
     metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
     if run.runtime.is_main:
         get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
-        run.tensorboard.scalars({f"val/{k}": v for k, v in metrics.items()}, step=run.state.step)
+        run.scalars.scalars({f"val/{k}": v for k, v in metrics.items()}, step=run.state.step)
         with open(run.run_dir / "results.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
     return metrics
@@ -290,6 +290,7 @@ def fit(run: Run) -> dict[str, Any]:
     loader = build_loader(run)
     steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
     run.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
+    run.steps_per_epoch = steps_per_epoch
     metrics = None
     while state.step < run.total_steps and state.epoch < cfg.optim.epochs:
         run.engine.train()
@@ -297,7 +298,7 @@ def fit(run: Run) -> dict[str, Any]:
             break  # step budget spent mid-epoch
         loader.close()
         state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
-        metrics = evaluate(run)
+        metrics = evaluate(run) if val_due(cfg, state.epoch) else metrics
         if save_due(cfg, state, epoch_end=True, final=False):
             save_checkpoint(run, data_position=None)
         if state.step < run.total_steps and state.epoch < cfg.optim.epochs:

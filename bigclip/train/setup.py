@@ -1,8 +1,9 @@
-"""Everything a run does once before its first step: its name, its directory, its seeds."""
+"""Everything a run does once before its first step: its name, directory, log file, device, seeds."""
 
 from __future__ import annotations
 
 import datetime
+import logging
 import random
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from bigclip.config import TrainConfig
+from bigclip.config import EngineConfig, LogConfig, TrainConfig
 from bigclip.distributed import Runtime
+from bigclip.train.metrics import log_file_name, setup_logging
 
 
 def run_name(cfg: TrainConfig, runtime: Runtime) -> str:
@@ -52,3 +54,18 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
     np.random.seed(seed + rank)
     random.seed(seed + rank)
+
+
+def start_logging(log: LogConfig, run_dir: Path, runtime: Runtime) -> logging.Logger:
+    """The run's logger: out.log on rank 0; with --log-local, out-RANK.log on each node's local rank 0 too."""
+    name = log_file_name(rank=runtime.rank, local_rank=runtime.local_rank, log_local=log.log_local)
+    return setup_logging(rank=runtime.rank, log_file=run_dir / name if name else None,
+                         local_rank=runtime.local_rank, log_local=log.log_local, debug=log.debug)  # fmt: skip
+
+
+def requested_device(engine: EngineConfig) -> str:
+    """--device, else with --no-set-device-rank the first visible GPU (OpenCLIP: cuda:0, for one
+    GPU per process), else '' (cuda:LOCAL_RANK, or the CPU)."""
+    if engine.device or engine.set_device_rank or not torch.cuda.is_available():
+        return engine.device
+    return "cuda:0"
