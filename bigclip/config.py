@@ -208,9 +208,24 @@ class CheckpointConfig:
     save_every_n_steps: int = _opt(0, "Also save every N optimizer steps (0: off).")
     resume: str = _opt("", "Resume from 'latest', a checkpoint path, or an s3:// URI.")
     async_save: bool = _opt(False, "Stage state in CPU memory and upload in the background.")
-    delete_previous_checkpoint: bool = _opt(False, "Keep only the newest local checkpoint.")
-    keep_last: int = _opt(0, "Keep the newest K local checkpoints (0: all).")
-    remote_keep_last: int = _opt(0, "Keep the newest K checkpoints on S3 (0: all).")
+    save_most_recent: bool = _opt(
+        False,
+        "Also checkpoint at every epoch end (OpenCLIP's epoch_latest.pt); such a checkpoint is "
+        "deleted once a newer one commits, so only the most recent of them is kept.",
+    )
+    delete_previous_checkpoint: bool = _opt(
+        False, "Keep only the newest local checkpoint (the --remote-sync copy keeps all)."
+    )
+    keep_last: int = _opt(0, "Keep the newest K local checkpoints (0: all; the remote copy keeps all).")
+    remote_keep_last: int = _opt(
+        0,
+        "Keep the newest K checkpoints on S3: an s3:// --checkpoint-dir or the --remote-sync copy (0: all).",
+    )
+    overwrite_run: bool = _opt(
+        False,
+        "Start a run whose checkpoint folder (or --remote-sync copy) already holds checkpoints, "
+        "deleting them first; without it such a run is refused unless it resumes.",
+    )
     allow_batch_size_change: bool = _opt(False, "Allow resuming with a different global batch size.")
     s3_endpoint: str = _opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS).")
     s3_region: str = _opt("", "S3 region (default: AWS_REGION / AWS config, else us-east-1).")
@@ -232,9 +247,15 @@ class LogConfig:
     report_to: str = _opt(
         "tensorboard", "Metric sinks: 'tensorboard' or '' for none.", choices=("tensorboard", "")
     )
-    remote_sync: str = _opt("", "Copy the run directory to this URI in the background (e.g. s3://b/runs).")
-    remote_sync_frequency: int = _opt(300, "Seconds between remote syncs.")
-    remote_sync_protocol: str = _opt("s3", "How to reach --remote-sync.", choices=("s3", "fsspec"))
+    remote_sync: str = _opt(
+        "",
+        "Back the run up to URI/NAME in the background (e.g. s3://b/runs): logs, TensorBoard and every "
+        "committed checkpoint; --resume latest also looks there.",
+    )
+    remote_sync_frequency: int = _opt(300, "Seconds between remote syncs (a commit also starts one).")
+    remote_sync_protocol: str = _opt(
+        "s3", "How to reach --remote-sync: s3, or fsspec (any fsspec scheme).", choices=("s3", "fsspec")
+    )
     batch_keys_file: str = _opt(
         "", "Append each step's sample keys to FILE.rankN.jsonl, to audit data order."
     )
@@ -242,6 +263,17 @@ class LogConfig:
     def validate(self) -> None:
         if self.log_every_n_steps < 1:
             raise ConfigError(f"--log-every-n-steps must be at least 1, got {self.log_every_n_steps}")
+        if self.remote_sync_frequency < 1:
+            raise ConfigError(
+                f"--remote-sync-frequency must be at least 1 (seconds between syncs), got {self.remote_sync_frequency}"
+            )
+        if "://" in self.logs:
+            scheme = self.logs.split("://", 1)[0]
+            raise ConfigError(
+                f"--logs {self.logs}: --logs is the local folder a run writes its logs to; to keep them "
+                f"on {scheme}:// as well, pass --logs ./logs --remote-sync {self.logs} (copied in the "
+                "background with the checkpoints, as OpenCLIP does)"
+            )
 
 
 @dataclass

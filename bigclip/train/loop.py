@@ -25,16 +25,19 @@ from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig, lr_at
 from bigclip.distributed import Runtime, init_distributed
 from bigclip.engines import Engine, build_engine
-from bigclip.errors import NonFiniteLossError
+from bigclip.errors import NonFiniteLossError, StorageError
 from bigclip.models import get_model_config
 from bigclip.models.from_config import build_model
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
+from bigclip.train.backup import guard_new_run, open_remote_sync, resume_target
 from bigclip.train.checkpointing import (
     TrainState,
+    attach,
     checkpoint_contents,
     manifest_meta,
     open_store,
+    regular_save_due,
     resume,
     save_due,
 )
@@ -50,7 +53,7 @@ from bigclip.train.metrics import (
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
 from bigclip.train.remote_sync import RemoteSync
-from bigclip.train.setup import prepare_run_dir, seed_everything
+from bigclip.train.setup import prepare_run_dir, seed_everything, write_config
 from bigclip.train.step import StepOutput, train_step
 from bigclip.weights import pretrained
 
@@ -100,27 +103,27 @@ def setup(cfg: TrainConfig) -> Run:
     s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
     shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
     store = open_store(cfg, run_dir, s3)
+    sync = open_remote_sync(cfg, run_dir, store, s3)  # checked here, before any model is built
+    guard_new_run(cfg, store, sync)
+    which = resume_target(cfg, store, sync)  # '' when there is nothing to resume from
+    write_config(cfg, run_dir, runtime)
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
     )
     engine = build_engine(cfg, runtime)
     engine.build(build_model(cfg))
     # Before --resume, which wins; a resumed run does not read the initial weights at all.
-    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if pretrained.applies(cfg, store) else None
+    applies = not which and pretrained.applies(cfg, store)
+    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
     tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
-    run.preemption, run.pretrained_lease = preemption, lease
-    if cfg.log.remote_sync and runtime.is_main:
-        remote = f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
-        run.remote_sync = RemoteSync(
-            run_dir,
-            remote,
-            every_s=cfg.log.remote_sync_frequency,
-            protocol=cfg.log.remote_sync_protocol,
-            s3=s3,
-        ).start()
-    if cfg.checkpoint.resume:
-        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch)
+    run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
+    attach(store, cfg, sync)
+    if which:
+        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
+        run.last_saved_step = run.state.step  # never saved again over the checkpoint just loaded
+    if sync is not None:
+        sync.start()
     return run
 
 
@@ -190,19 +193,22 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
     run.store.wait()
     announce_requeue(run.run_dir, step=run.state.step, signum=signum, is_main=run.runtime.is_main)
     loader.close()
-    close_run(run)
+    close_run(run, strict=False)  # exit 85 regardless: the requeued job resumes from what is there
     raise Preempted(run.state.step, signum)
 
 
-def close_run(run: Run) -> None:
-    """Release what the run holds; the final remote sync is waited for (logs are complete remotely)."""
+def close_run(run: Run, *, strict: bool = True) -> None:
+    """Release what the run holds. The final remote sync (logs and the last checkpoint) is waited
+    for; if it stays incomplete, `strict` raises a one-line StorageError (a non-zero exit)."""
     run.store.close()
     run.tensorboard.close()
     run.preemption.close()
     if run.pretrained_lease is not None:
         run.pretrained_lease.release()
     if run.remote_sync is not None:
-        run.remote_sync.stop(final_sync=True)
+        report = run.remote_sync.stop(final_sync=True)
+        if not report.ok and strict:
+            raise StorageError(f"remote sync to {run.remote_sync.uri} incomplete: {report.summary()}")
 
 
 def _log_step(
@@ -236,10 +242,12 @@ def _log_step(
     timer.reset()
 
 
-def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
+def save_checkpoint(run: Run, *, data_position: dict | None, most_recent_only: bool = False) -> None:
     """Collective. Logs (and sends to TensorBoard) how long training was blocked."""
+    if run.state.step == run.last_saved_step:
+        return  # this step is saved (or was just loaded): never replace a committed checkpoint
     contents = checkpoint_contents(run.engine, run.cfg, run.state, run.runtime, data_position)
-    meta = manifest_meta(run.cfg, run.runtime, run.global_batch)
+    meta = manifest_meta(run.cfg, run.runtime, run.global_batch, most_recent_only=most_recent_only)
     start = time.perf_counter()
     if run.cfg.checkpoint.async_save:
         pending = run.store.async_save(contents, step=run.state.step, meta=meta)
@@ -286,7 +294,8 @@ def fit(run: Run) -> dict[str, Any]:
         state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
         metrics = evaluate(run)
         if save_due(cfg, state, epoch_end=True, final=False):
-            save_checkpoint(run, data_position=None)
+            kept = regular_save_due(cfg, state, epoch_end=True, final=False)
+            save_checkpoint(run, data_position=None, most_recent_only=not kept)
         if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
             loader = build_loader(run)
     return finish(run, loader, metrics)
@@ -294,7 +303,9 @@ def fit(run: Run) -> dict[str, Any]:
 
 def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str, Any]:
     if run.state.step != run.last_saved_step and save_due(run.cfg, run.state, epoch_end=False, final=True):
-        save_checkpoint(run, data_position=loader.state_dict() if run.state.epoch_step else None)
+        kept = regular_save_due(run.cfg, run.state, epoch_end=False, final=True)
+        position = loader.state_dict() if run.state.epoch_step else None
+        save_checkpoint(run, data_position=position, most_recent_only=not kept)
     loader.close()
     if metrics is None or metrics["step"] != run.state.step:
         metrics = evaluate(run) or metrics  # the final weights get evaluated too
