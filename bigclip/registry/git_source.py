@@ -63,7 +63,9 @@ def _checkout(url: str, ref: str, into: Path) -> str:
         try:
             _git("rev-parse", "--verify", "-q", f"{ref}^{{commit}}", cwd=into)
         except StorageError:
-            raise StorageError(f"{redact_text(url)} has no branch, tag or commit {ref!r} ({shallow})") from None
+            raise StorageError(
+                f"{redact_text(url)} has no branch, tag or commit {ref!r} ({shallow})"
+            ) from None
         _git("update-ref", "FETCH_HEAD", ref, cwd=into)
     _git("checkout", "-q", "FETCH_HEAD", cwd=into)
     return _git("rev-parse", "HEAD", cwd=into)
