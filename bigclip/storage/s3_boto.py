@@ -12,6 +12,7 @@ Checkpoint shards themselves are still written and read through s3torchconnector
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -102,7 +103,7 @@ class BotoS3Location:
         except FileNotFoundError:
             raise
         except Exception as e:  # boto3 wraps client errors in S3UploadFailedError
-            raise StorageError(f"uploading {path} to {self.child_uri(relative)} failed: {_short(e)}") from e
+            raise StorageError(f"uploading to {self.child_uri(relative)} failed: {_short(e)}") from e
 
     def copy(self, source: str, relative: str) -> None:
         """Server-side copy (managed: multipart above 5 GB); nothing passes through this host."""
@@ -131,10 +132,20 @@ class BotoS3Location:
         return S3Location(self.uri, settings=self.settings).dcp_reader(folder)
 
 
+_BOTO_MESSAGE = re.compile(
+    r"An error occurred \((\w+)\) when calling the \w+ operation(?: \(reached max retries: (\d+)\))?: (.*)"
+)
+
+
 def _short(error: BaseException) -> str:
-    """botocore's message without its retry preamble: "NoSuchBucket: The specified bucket does not exist"."""
+    """botocore's message in one line: "NoSuchBucket: The specified bucket does not exist"."""
     response = getattr(error, "response", None)
     if isinstance(response, dict) and response.get("Error"):
         err = response["Error"]
         return f"{err.get('Code', '')}: {err.get('Message', '')}".strip(": ")
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    text = str(error).splitlines()[0] if str(error) else ""
+    found = _BOTO_MESSAGE.search(text)  # S3UploadFailedError wraps the ClientError's text
+    if found:
+        code, retries, message = found.groups()
+        return f"{code}: {message}" + (f" (gave up after {retries} retries)" if retries else "")
+    return f"{type(error).__name__}: {text}"
