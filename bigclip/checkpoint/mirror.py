@@ -157,8 +157,9 @@ class CheckpointMirror:
         self._commit(entry, manifest, raw)
         report = MirrorReport(entry.folder, entry.step, manifest.total_bytes, uploaded, copied,
                               time.perf_counter() - started, self._lag(entry.folder))  # fmt: skip
-        log.info("backed up %s to %s: %d of %d bytes uploaded, %d copied remotely, %.1fs", entry.folder,
-                 self.remote.uri, uploaded, manifest.total_bytes, copied, report.seconds)  # fmt: skip
+        log.info("backed up %s to %s: %d of %d bytes uploaded, %d copied remotely, in %.2fs; "
+                 "committed remotely %.2fs after its local commit", entry.folder, self.remote.uri, uploaded,
+                 manifest.total_bytes, copied, report.seconds, report.lag_s)  # fmt: skip
         self._after_commit(entry, manifest)
         return report
 
