@@ -55,7 +55,9 @@ def remote_objects(s3: LoopbackS3, prefix: str) -> dict[str, bytes]:
 
 def remote_commits(s3: LoopbackS3, prefix: str) -> list[int]:
     listing = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}checkpoints/").get("Contents", [])
-    return sorted(int(o["Key"].split("/step_")[1][:8]) for o in listing if o["Key"].endswith("/manifest.json"))
+    return sorted(
+        int(o["Key"].split("/step_")[1][:8]) for o in listing if o["Key"].endswith("/manifest.json")
+    )
 
 
 @pytest.mark.dist
@@ -68,7 +70,9 @@ def test_spot_instance_pattern_resumes_exactly_from_the_remote_copy(demo_data, t
     reference = train(argv(demo_data, tmp_path / "ref", "ref", *flags))
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    job = argv(demo_data, tmp_path / "logs", "spot", *flags, "--remote-sync", remote, "--remote-sync-frequency", "1")
+    job = argv(
+        demo_data, tmp_path / "logs", "spot", *flags, "--remote-sync", remote, "--remote-sync-frequency", "1"
+    )
     prefix = f"{remote.removeprefix(f's3://{BUCKET}/')}/spot/"
     first = subprocess.Popen([sys.executable, "-m", "bigclip.train", *job], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
@@ -111,7 +115,9 @@ def _equal(a: object, b: object) -> bool:
 
 @pytest.mark.dist
 def test_a_wrong_remote_sync_bucket_stops_every_rank_before_the_model_is_built(demo_data, tmp_path, s3):
-    job = argv(demo_data, tmp_path, "wrong", "--max-steps", "4", "--remote-sync", "s3://no-such-bucket-x/runs")
+    job = argv(
+        demo_data, tmp_path, "wrong", "--max-steps", "4", "--remote-sync", "s3://no-such-bucket-x/runs"
+    )
     started = time.monotonic()
     procs = srun_like(job, 2, tmp_path)
     assert wait_all(procs, timeout_s=120) == [2, 2]
@@ -141,7 +147,9 @@ def test_a_final_sync_that_fails_makes_the_run_exit_non_zero_with_one_line(demo_
 @pytest.mark.dist
 def test_reusing_a_name_is_refused_unless_resuming_or_overwriting(demo_data, tmp_path, s3):
     remote = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
-    job = argv(demo_data, tmp_path, "exp", "--max-steps", "2", "--save-every-n-steps", "2", "--remote-sync", remote)
+    job = argv(
+        demo_data, tmp_path, "exp", "--max-steps", "2", "--save-every-n-steps", "2", "--remote-sync", remote
+    )
     assert train(job).returncode == 0
     config = (tmp_path / "exp" / "config.yaml").read_bytes()
     refused = train([*job, "--lr", "1e-3"])
@@ -157,7 +165,17 @@ def test_reusing_a_name_is_refused_unless_resuming_or_overwriting(demo_data, tmp
 
 @pytest.mark.dist
 def test_resuming_a_run_that_ended_at_an_epoch_end_saves_nothing_over_it(demo_data, tmp_path):
-    job = argv(demo_data, tmp_path, "ended", "--train-num-samples", "128", "--save-frequency", "1", "--resume", "latest")
+    job = argv(
+        demo_data,
+        tmp_path,
+        "ended",
+        "--train-num-samples",
+        "128",
+        "--save-frequency",
+        "1",
+        "--resume",
+        "latest",
+    )
     assert train(job).returncode == 0
     manifest = tmp_path / "ended" / "checkpoints" / "step_00000004" / "manifest.json"
     before = (manifest.read_bytes(), manifest.stat().st_mtime_ns)
@@ -168,7 +186,9 @@ def test_resuming_a_run_that_ended_at_an_epoch_end_saves_nothing_over_it(demo_da
 
 
 @pytest.mark.dist
-def test_save_most_recent_keeps_only_the_newest_of_its_checkpoints_locally_and_remotely(demo_data, tmp_path, s3):
+def test_save_most_recent_keeps_only_the_newest_of_its_checkpoints_locally_and_remotely(
+    demo_data, tmp_path, s3
+):
     remote = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
     job = argv(demo_data, tmp_path, "recent", "--train-num-samples", "64", "--epochs", "5", "--save-frequency", "2",
                "--save-most-recent", "--remote-sync", remote, "--remote-sync-frequency", "1")  # fmt: skip
@@ -176,7 +196,9 @@ def test_save_most_recent_keeps_only_the_newest_of_its_checkpoints_locally_and_r
     assert done.returncode == 0, done.stderr[-2000:]
     # Epoch ends at steps 2, 4, 6, 8, 10: --save-frequency 2 keeps 4 and 8; 10 is the final save;
     # 2 and 6 were saved only as the most recent and are gone once a newer one committed.
-    local = sorted(p.name for p in (tmp_path / "recent" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    local = sorted(
+        p.name for p in (tmp_path / "recent" / "checkpoints").iterdir() if p.name.startswith("step_")
+    )
     assert local == ["step_00000004", "step_00000008", "step_00000010"]
     prefix = f"{remote.removeprefix(f's3://{BUCKET}/')}/recent/"
     assert remote_commits(s3, prefix) == [4, 8, 10]
