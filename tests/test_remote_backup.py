@@ -70,9 +70,8 @@ def test_spot_instance_pattern_resumes_exactly_from_the_remote_copy(demo_data, t
     reference = train(argv(demo_data, tmp_path / "ref", "ref", *flags))
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    job = argv(
-        demo_data, tmp_path / "logs", "spot", *flags, "--remote-sync", remote, "--remote-sync-frequency", "1"
-    )
+    backup = ("--remote-sync", remote, "--remote-sync-frequency", "1", "--keep-last", "1")
+    job = argv(demo_data, tmp_path / "logs", "spot", *flags, *backup)
     prefix = f"{remote.removeprefix(f's3://{BUCKET}/')}/spot/"
     first = subprocess.Popen([sys.executable, "-m", "bigclip.train", *job], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
@@ -97,7 +96,11 @@ def test_spot_instance_pattern_resumes_exactly_from_the_remote_copy(demo_data, t
     after = remote_objects(s3, prefix)
     assert all(after[k] == v for k, v in logs_of_first.items())  # nothing of the first attempt overwritten
     assert any(k.startswith("out.attempt-") for k in after)  # the second attempt's log beside it
-    assert remote_commits(s3, prefix)[-1] == 24
+    assert remote_commits(s3, prefix) == [8, 16, 24]  # the remote keeps all
+    local = [
+        p.name for p in (tmp_path / "logs" / "spot" / "checkpoints").iterdir() if p.name.startswith("step_")
+    ]
+    assert local == ["step_00000024"]  # --keep-last 1 pruned the others once they were backed up
 
     want = whole_checkpoint(tmp_path / "ref" / "ref" / "checkpoints" / "step_00000024")
     got = whole_checkpoint(tmp_path / "logs" / "spot" / "checkpoints" / "step_00000024")

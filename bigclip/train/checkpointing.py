@@ -67,7 +67,9 @@ def attach(store: CheckpointStore, cfg: TrainConfig, sync: RemoteSync | None) ->
         return
     pruner = MostRecentPruner(store) if cfg.checkpoint.save_most_recent else None
     if sync is not None and sync.mirror is not None:
-        store.keep = sync.mirror.needed
+        store.keep = sync.mirror.needed  # pruned once backed up: the sync prunes after each copy
+        if store.keep_last > 0:
+            sync.on_backed_up = lambda: store.apply_retention(keep_last=store.keep_last)
 
     def on_commit(folder: str, manifest: Manifest) -> None:
         if pruner is not None:

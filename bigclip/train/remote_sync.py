@@ -26,7 +26,7 @@ import fnmatch
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,9 +102,11 @@ class RemoteSync:
         checkpoints: LocalLocation | None = None,
         remote_keep_last: int = 0,
         exclude: tuple[str, ...] = (),
+        on_backed_up: Callable[[], object] | None = None,
     ) -> None:
         """Validates the protocol and target now, so a bad flag fails before training starts.
-        `checkpoints`: the local checkpoint root to mirror to REMOTE/checkpoints (None: logs only)."""
+        `checkpoints`: the local checkpoint root to mirror to REMOTE/checkpoints (None: logs only).
+        `on_backed_up`: called after a round that copied a checkpoint (local pruning waits for it)."""
         if every_s <= 0:
             raise ConfigError(f"--remote-sync-frequency must be a positive number of seconds, got {every_s}")
         self.local_dir, self.every_s = Path(local_dir), every_s
@@ -114,11 +116,11 @@ class RemoteSync:
             remote = open_target(f"{remote_uri.rstrip('/')}/{CHECKPOINTS}", protocol=protocol, s3=s3)
             self.mirror = CheckpointMirror(checkpoints, remote, keep_last=remote_keep_last)
         self.exclude = (*exclude, CHECKPOINTS)  # checkpoints go through the mirror, whole ones only
+        self.on_backed_up = on_backed_up
         self.attempt = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         self.upload_counts: dict[str, int] = {}
         self._synced: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) uploaded
         self._names: dict[str, str] = {}  # relative path -> where it goes remotely
-        self._earlier: dict[str, int] | None = None  # remote log files found on the first round
         self._lock = threading.Lock()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
@@ -169,6 +171,8 @@ class RemoteSync:
             if self.mirror is not None:
                 report.checkpoints = self.mirror.sync()
                 report.failed.update({f"checkpoint {f}": why for f, why in self.mirror.failures.items()})
+                if report.checkpoints and self.on_backed_up is not None:
+                    self.on_backed_up()
             report.seconds = time.perf_counter() - started
         self._log(report)
         return report
@@ -209,23 +213,21 @@ class RemoteSync:
     def _destination(self, path: Path, relative: str) -> str:
         """Where `relative` goes: its own name, unless that would overwrite an earlier attempt's file."""
         if relative not in self._names:
-            if self._earlier is None:
-                listing = self.target.list_files("")
-                self._earlier = {k: v for k, v in listing.items() if not k.startswith(f"{CHECKPOINTS}/")}
             name = relative
-            if relative in self._earlier and not self._extends(path, relative, self._earlier[relative]):
+            if self.target.exists(relative) and not self._extends(path, relative):
                 name = attempt_name(relative, self.attempt)
                 log.info("remote %s is from an earlier attempt and is kept; this attempt's copy is %s",
                          relative, name)  # fmt: skip
             self._names[relative] = name
         return self._names[relative]
 
-    def _extends(self, path: Path, relative: str, remote_size: int) -> bool:
-        """Whether the local file starts with the remote one's bytes (an append, nothing lost)."""
-        if remote_size > _IN_MEMORY or path.stat().st_size < remote_size:
-            return False
+    def _extends(self, path: Path, relative: str) -> bool:
+        """Whether the local file starts with the remote one's bytes (an append: nothing is lost)."""
+        if path.stat().st_size > _IN_MEMORY:
+            return False  # too big to compare cheaply: keep both
+        remote = self.target.read_bytes(relative)
         with open(path, "rb") as f:
-            return f.read(remote_size) == self.target.read_bytes(relative)
+            return f.read(len(remote)) == remote
 
     def _changed_files(self) -> Iterator[tuple[Path, str, tuple[int, int]]]:
         if not self.local_dir.is_dir():
