@@ -160,7 +160,7 @@ def test_reusing_a_name_is_refused_unless_resuming_or_overwriting(demo_data, tmp
     assert "experiment 'exp' exists" in refused.stderr and "--resume latest" in refused.stderr
     assert (tmp_path / "exp" / "config.yaml").read_bytes() == config  # the refused run changed nothing
     shutil.rmtree(tmp_path / "exp")  # only the remote copy is left: still refused
-    assert "holds 1 committed checkpoint" in train(job).stderr
+    assert "holds committed checkpoints (the newest at step 2)" in train(job).stderr
     overwritten = train([*job, "--overwrite-run"])
     assert overwritten.returncode == 0, overwritten.stderr[-2000:]
     assert "--overwrite-run: deleted the checkpoints under" in overwritten.stdout

@@ -67,26 +67,22 @@ def _remote_checkpoints(sync: RemoteSync | None) -> Location | None:
     return sync.mirror.remote if sync is not None and sync.mirror is not None else None
 
 
-def _committed(location: Location) -> list[catalog.Entry]:
-    return [e for e in catalog.entries(location) if e.committed]
-
-
 def guard_new_run(cfg: TrainConfig, store: CheckpointStore, sync: RemoteSync | None) -> None:
     """Collective: refuse to start over an earlier run's checkpoints (see the module docstring)."""
     if cfg.checkpoint.resume:
         return
 
     def check() -> None:
-        found = [(loc, _committed(loc)) for loc in (store.location, _remote_checkpoints(sync)) if loc]
-        found = [(loc, entries) for loc, entries in found if entries]
+        locations = [loc for loc in (store.location, _remote_checkpoints(sync)) if loc is not None]
+        found = [(loc, newest) for loc in locations if (newest := catalog.latest_committed(loc))]
         if not found:
             return
         if not cfg.checkpoint.overwrite_run:
-            loc, entries = found[0]
+            loc, newest = found[0]
             raise ConfigError(
-                f"experiment {cfg.log.name!r} exists: {loc.uri} holds {len(entries)} committed "
-                f"checkpoint(s), the newest at step {entries[0].step}. Use --resume latest to continue "
-                "it or a new --name to start another run; --overwrite-run deletes them and starts over"
+                f"experiment {cfg.log.name!r} exists: {loc.uri} holds committed checkpoints (the newest at "
+                f"step {newest.step}). Use --resume latest to continue it or a new --name to start another "
+                "run; --overwrite-run deletes them and starts over"
             )
         for loc, _ in found:
             for entry in catalog.entries(loc):
