@@ -215,3 +215,18 @@ def test_a_sync_that_keeps_failing_reports_what_was_not_backed_up(tmp_path, s3):
     assert not report.ok and sync.upload_counts == {"out.log": 1}
     assert report.summary().startswith("checkpoint step_00000001 was not backed up: ")
     assert "SlowDown" in report.summary() and "\n" not in report.summary()
+
+
+def test_a_remote_checkpoint_of_the_same_step_with_other_bytes_is_replaced_whole(tmp_path, s3):
+    """A run that resumed from an older checkpoint saves steps the remote already holds."""
+    target = remote(s3, f"{uuid.uuid4().hex[:8]}/checkpoints")
+    save(tmp_path / "a", 1)
+    CheckpointMirror(LocalLocation(tmp_path / "a"), target).sync()
+    other = CheckpointStore(str(tmp_path / "b"), io_threads=2)
+    other.save(state(1, frozen_seed=9), step=1)
+    assert [r.step for r in CheckpointMirror(other.location, target).sync()] == [1]
+    reader = CheckpointStore(target.uri, s3=s3.settings())
+    reader.verify("latest")
+    loaded = state(0, frozen_seed=5)
+    reader.load(loaded, "latest")
+    assert torch.equal(loaded["frozen"], state(1, frozen_seed=9)["frozen"])

@@ -83,12 +83,10 @@ class CheckpointMirror:
         remote = [e for e in catalog.entries(self.remote) if e.committed]
         remote_folders = {e.folder for e in remote}
         for entry in local:
-            if entry.folder in remote_folders:
-                if self._remote_manifest(entry.folder) == self._local_manifest(entry.folder):
-                    self._mirrored[entry.folder] = entry.step
-                else:
-                    log.warning("remote %s differs from the local one; it will be replaced",
-                                self.remote.child_uri(entry.folder))  # fmt: skip
+            if entry.folder not in remote_folders:
+                continue
+            if self._remote_manifest(entry.folder) == self._local_manifest(entry.folder):
+                self._mirrored[entry.folder] = entry.step  # already there: not copied again
         for entry in remote[:_INDEXED_REMOTE]:
             raw = self._remote_manifest(entry.folder)
             if raw is not None:
@@ -139,16 +137,20 @@ class CheckpointMirror:
         if raw is None:
             return None  # deleted locally (superseded) since it was listed
         manifest = Manifest.from_json(raw, uri=self.local.child_uri(entry.folder))
+        if self.remote.exists(f"{entry.folder}/{MANIFEST_NAME}"):
+            # Another checkpoint of this step is remote (a run resumed from an older one): uncommit
+            # it first, so no reader ever pairs its manifest with the objects replaced below.
+            log.warning("replacing the remote %s, which differs", self.remote.child_uri(entry.folder))
+            self.remote.delete(f"{entry.folder}/{MANIFEST_NAME}")
         uploaded = copied = 0
         try:
             for name, record in manifest.objects.items():
-                target = f"{entry.folder}/{name}"
-                source = self._sources.get(record.sha256)
-                if source is not None and source != target:
-                    self.remote.copy(source, target)
+                if self._copy_remote(record.sha256, f"{entry.folder}/{name}"):
                     copied += record.size
                 else:
-                    self.remote.put_file(target, Path(self.local.root) / entry.folder / name)
+                    self.remote.put_file(
+                        f"{entry.folder}/{name}", Path(self.local.root) / entry.folder / name
+                    )
                     uploaded += record.size
         except FileNotFoundError:
             if self._local_manifest(entry.folder) is None:
@@ -162,6 +164,19 @@ class CheckpointMirror:
                  manifest.total_bytes, copied, report.seconds, report.lag_s)  # fmt: skip
         self._after_commit(entry, manifest)
         return report
+
+    def _copy_remote(self, sha256: str, target: str) -> bool:
+        """Copy an identical remote object server-side; False when there is none (or it failed)."""
+        source = self._sources.get(sha256)
+        if source is None or source == target:
+            return False
+        try:
+            self.remote.copy(source, target)
+            return True
+        except Exception as e:  # the source was deleted meanwhile, say: upload instead
+            log.info("server-side copy of %s failed (%s); uploading instead", source, e)
+            self._sources.pop(sha256, None)
+            return False
 
     def _commit(self, entry: catalog.Entry, manifest: Manifest, raw: bytes) -> None:
         problems = size_problems(manifest, self.remote.list_files(entry.folder))
