@@ -154,8 +154,10 @@ class CheckpointMirror:
                     uploaded += record.size
         except FileNotFoundError:
             if self._local_manifest(entry.folder) is None:
-                return None  # deleted locally mid-copy: nothing was committed remotely
+                return self._abandon(entry)
             raise
+        if self._local_manifest(entry.folder) is None:
+            return self._abandon(entry)
         self._commit(entry, manifest, raw)
         report = MirrorReport(entry.folder, entry.step, manifest.total_bytes, uploaded, copied,
                               time.perf_counter() - started, self._lag(entry.folder))  # fmt: skip
@@ -177,6 +179,11 @@ class CheckpointMirror:
             log.info("server-side copy of %s failed (%s); uploading instead", source, e)
             self._sources.pop(sha256, None)
             return False
+
+    def _abandon(self, entry: catalog.Entry) -> None:
+        """The checkpoint was deleted locally mid-copy (superseded): drop its uncommitted copy."""
+        log.info("%s was deleted locally while being backed up; its partial copy is removed", entry.folder)
+        self.remote.delete_folder(entry.folder)
 
     def _commit(self, entry: catalog.Entry, manifest: Manifest, raw: bytes) -> None:
         problems = size_problems(manifest, self.remote.list_files(entry.folder))

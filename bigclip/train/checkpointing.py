@@ -99,7 +99,7 @@ class MostRecentPruner:
 
 
 def save_due(cfg: TrainConfig, state: TrainState, *, epoch_end: bool, final: bool) -> bool:
-    """Whether to checkpoint now, for any reason (see `only_most_recent_due` for which)."""
+    """Whether to checkpoint now, for any reason (`regular_save_due`: whether it is kept)."""
     return regular_save_due(cfg, state, epoch_end=epoch_end, final=final) or (
         cfg.checkpoint.save_most_recent and (epoch_end or final)
     )

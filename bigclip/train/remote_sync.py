@@ -151,7 +151,10 @@ class RemoteSync:
             self._thread = None
         report = SyncReport()
         for attempt in range(attempts if final_sync else 0):
-            report = self.sync_once()
+            try:
+                report = self.sync_once()
+            except Exception as e:  # e.g. the run folder vanished: a failed round, not a crash
+                report = SyncReport(failed={"the run folder": redact_text(explain_error(e))})
             if report.ok:
                 break
             if attempt + 1 < attempts:
@@ -172,10 +175,16 @@ class RemoteSync:
                 report.checkpoints = self.mirror.sync()
                 report.failed.update({f"checkpoint {f}": why for f, why in self.mirror.failures.items()})
                 if report.checkpoints and self.on_backed_up is not None:
-                    self.on_backed_up()
+                    self._backed_up()
             report.seconds = time.perf_counter() - started
         self._log(report)
         return report
+
+    def _backed_up(self) -> None:
+        try:
+            self.on_backed_up()
+        except Exception as e:  # local pruning is retried after the next copy
+            log.warning("after a backup: %s", redact_text(explain_error(e)))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
