@@ -61,6 +61,7 @@ def remote_commits(s3: LoopbackS3, prefix: str) -> list[int]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_spot_instance_pattern_resumes_exactly_from_the_remote_copy(demo_data, tmp_path, s3):
     """Train with a local checkpoint folder and --remote-sync; kill it; lose the local disk;
     rerun the same command: it resumes from S3 at the exact step, bitwise as a run that never
