@@ -6,6 +6,7 @@ Precedence: dataclass defaults < `--config FILE.yaml` < command-line flags.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import types
 import typing
@@ -29,11 +30,35 @@ def _scalar_type(f: dataclasses.Field, owner: type) -> type:
     return hint
 
 
+class _KeyValues(argparse.Action):
+    """OpenCLIP's `ParseKwargs`: KEY=VALUE words -> dict, values read with ast.literal_eval."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        result: dict[str, Any] = {}
+        for word in values:
+            key, sep, value = word.partition("=")
+            if not sep or not key:
+                parser.error(f"{option_string} takes KEY=VALUE words, got {word!r}")
+            try:
+                result[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                result[key] = value  # a plain string needs no quotes, as in OpenCLIP
+        setattr(namespace, self.dest, result)
+
+
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type) -> None:
     meta = f.metadata
     kind = _scalar_type(f, owner)
     names = [_flag(f.name)]
-    if kind is bool:
+    origin = typing.get_origin(kind) or kind
+    if origin is list:  # e.g. --image-mean 0.5 0.5 0.5
+        (item,) = typing.get_args(kind)
+        group.add_argument(*names, dest=f.name, type=item, nargs="+", default=None, help=meta.get("help"))
+    elif origin is dict:  # e.g. --aug-cfg scale='(0.4, 1.0)'
+        group.add_argument(
+            *names, dest=f.name, nargs="*", action=_KeyValues, default=None, help=meta.get("help")
+        )
+    elif kind is bool:
         group.add_argument(
             *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=meta.get("help")
         )
@@ -122,6 +147,10 @@ def to_argv(cfg: TrainConfig) -> list[str]:
                 continue
             if isinstance(value, bool):
                 argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+            elif isinstance(value, list):
+                argv += [_flag(f.name), *(str(v) for v in value)]
+            elif isinstance(value, dict):
+                argv += [_flag(f.name), *(f"{k}={v!r}" for k, v in value.items())]
             else:
                 argv += [_flag(f.name), str(value)]
     return argv

@@ -103,8 +103,41 @@ class DataConfig:
         "Shards each data worker reads at once, taking samples from them in random order "
         "(mixing without a shuffle buffer, which keeps resume exact).",
     )
+    train_data_upsampling_factors: str = _opt(
+        "",
+        "With --dataset-resampled and several '::'-separated --train-data sources: one weight per "
+        "source, e.g. 1::2::0.5 (a shard is drawn with its source's weight, OpenCLIP's semantics).",
+    )
+    image_mean: list[float] = _opt([], "Normalisation mean, one value or R G B (default: OpenAI CLIP's).")
+    image_std: list[float] = _opt([], "Normalisation std, one value or R G B (default: OpenAI CLIP's).")
+    image_interpolation: str = _opt(
+        "bicubic",
+        "Evaluation resize filter ('random' is bicubic there, as in OpenCLIP); training uses --train-transform's.",
+        choices=("bicubic", "bilinear", "random"),
+    )
+    image_resize_mode: str = _opt(
+        "shortest",
+        "Evaluation resize: shortest side + centre crop, longest side + pad, or squash.",
+        choices=("shortest", "longest", "squash"),
+    )
+    aug_cfg: dict = _opt(
+        {},
+        "Training augmentation, OpenCLIP's KEY=VALUE pairs: scale ratio color_jitter color_jitter_prob "
+        "gray_scale_prob re_prob re_count use_timm, e.g. --aug-cfg scale='(0.4, 1.0)' gray_scale_prob=0.2.",
+    )
+    train_transform: str = _opt(
+        "fast",
+        "Training crop: 'fast' (JPEG decoded at reduced size, bilinear) or 'exact' (OpenCLIP's full "
+        "decode + bicubic).",
+        choices=("fast", "exact"),
+    )
 
     def validate(self) -> None:
+        if self.train_data_upsampling_factors and not self.dataset_resampled:
+            raise ConfigError(
+                "--train-data-upsampling-factors needs --dataset-resampled (shards drawn with replacement), "
+                "as in OpenCLIP"
+            )
         if self.shard_interleave < 1:
             raise ConfigError(f"--shard-interleave must be at least 1, got {self.shard_interleave}")
         if self.batch_size < 1:
@@ -209,22 +242,15 @@ class CheckpointConfig:
     resume: str = _opt("", "Resume from 'latest', a checkpoint path, or an s3:// URI.")
     async_save: bool = _opt(False, "Stage state in CPU memory and upload in the background.")
     save_most_recent: bool = _opt(
-        False,
-        "Also checkpoint at every epoch end (OpenCLIP's epoch_latest.pt); such a checkpoint is "
-        "deleted once a newer one commits, so only the most recent of them is kept.",
+        False, "Also save at each epoch end; only the newest such checkpoint is kept."
     )
-    delete_previous_checkpoint: bool = _opt(
-        False, "Keep only the newest local checkpoint (the --remote-sync copy keeps all)."
-    )
-    keep_last: int = _opt(0, "Keep the newest K local checkpoints (0: all; the remote copy keeps all).")
+    delete_previous_checkpoint: bool = _opt(False, "Keep only the newest local checkpoint.")
+    keep_last: int = _opt(0, "Keep the newest K local checkpoints (0: all).")
     remote_keep_last: int = _opt(
-        0,
-        "Keep the newest K checkpoints on S3: an s3:// --checkpoint-dir or the --remote-sync copy (0: all).",
+        0, "Keep the newest K checkpoints on S3 or in the --remote-sync copy (0: all)."
     )
     overwrite_run: bool = _opt(
-        False,
-        "Start a run whose checkpoint folder (or --remote-sync copy) already holds checkpoints, "
-        "deleting them first; without it such a run is refused unless it resumes.",
+        False, "Start over in a run folder that holds checkpoints, deleting them first."
     )
     allow_batch_size_change: bool = _opt(False, "Allow resuming with a different global batch size.")
     s3_endpoint: str = _opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS).")
@@ -247,15 +273,9 @@ class LogConfig:
     report_to: str = _opt(
         "tensorboard", "Metric sinks: 'tensorboard' or '' for none.", choices=("tensorboard", "")
     )
-    remote_sync: str = _opt(
-        "",
-        "Back the run up to URI/NAME in the background (e.g. s3://b/runs): logs, TensorBoard and every "
-        "committed checkpoint; --resume latest also looks there.",
-    )
+    remote_sync: str = _opt("", "Back the run up to URI/NAME (logs, checkpoints), e.g. s3://b/runs.")
     remote_sync_frequency: int = _opt(300, "Seconds between remote syncs (a commit also starts one).")
-    remote_sync_protocol: str = _opt(
-        "s3", "How to reach --remote-sync: s3, or fsspec (any fsspec scheme).", choices=("s3", "fsspec")
-    )
+    remote_sync_protocol: str = _opt("s3", "How to reach --remote-sync.", choices=("s3", "fsspec"))
     batch_keys_file: str = _opt(
         "", "Append each step's sample keys to FILE.rankN.jsonl, to audit data order."
     )
@@ -265,15 +285,11 @@ class LogConfig:
             raise ConfigError(f"--log-every-n-steps must be at least 1, got {self.log_every_n_steps}")
         if self.remote_sync_frequency < 1:
             raise ConfigError(
-                f"--remote-sync-frequency must be at least 1 (seconds between syncs), got {self.remote_sync_frequency}"
+                f"--remote-sync-frequency must be at least 1 (seconds), got {self.remote_sync_frequency}"
             )
-        if "://" in self.logs:
-            scheme = self.logs.split("://", 1)[0]
-            raise ConfigError(
-                f"--logs {self.logs}: --logs is the local folder a run writes its logs to; to keep them "
-                f"on {scheme}:// as well, pass --logs ./logs --remote-sync {self.logs} (copied in the "
-                "background with the checkpoints, as OpenCLIP does)"
-            )
+        if "://" in self.logs:  # else a folder literally named 's3:' would appear
+            raise ConfigError(f"--logs {self.logs}: --logs is a local folder; to keep the logs there too, pass "
+                              f"--logs ./logs --remote-sync {self.logs} (OpenCLIP's way)")  # fmt: skip
 
 
 @dataclass

@@ -28,6 +28,16 @@ from bigclip.train.metrics import get_logger
 from bigclip.train.remote_sync import RemoteSync
 
 
+def prepare_backup(
+    cfg: TrainConfig, run_dir: Path, store: CheckpointStore, s3: S3Settings
+) -> tuple[RemoteSync | None, str]:
+    """Collective, before the model is built: the checked RemoteSync (rank 0; not started), the
+    name-reuse guard, and what --resume loads ('' for nothing)."""
+    sync = open_remote_sync(cfg, run_dir, store, s3)
+    guard_new_run(cfg, store, sync)
+    return sync, resume_target(cfg, store, sync)
+
+
 def remote_run_uri(cfg: TrainConfig) -> str:
     return f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
 

@@ -62,7 +62,8 @@ def open_store(cfg: TrainConfig, run_dir: Path, s3: S3Settings) -> CheckpointSto
 
 def attach(store: CheckpointStore, cfg: TrainConfig, sync: RemoteSync | None) -> None:
     """Rank 0: what happens after each commit (--save-most-recent pruning, waking the remote
-    sync) and which checkpoints local retention must keep (those not yet backed up)."""
+    sync) and which checkpoints local retention must keep (those not yet backed up); then
+    starts the sync."""
     if store.group.rank != 0:
         return
     pruner = MostRecentPruner(store) if cfg.checkpoint.save_most_recent else None
@@ -78,6 +79,8 @@ def attach(store: CheckpointStore, cfg: TrainConfig, sync: RemoteSync | None) ->
             sync.notify()
 
     store.on_commit = on_commit
+    if sync is not None:
+        sync.start()
 
 
 class MostRecentPruner:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from bigclip.data import EvalSample
+from bigclip.data import EvalSample, ImageNormalizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
@@ -32,13 +32,13 @@ def retrieval_top1(image_features: torch.Tensor, text_features: torch.Tensor) ->
 
 @torch.no_grad()
 def _embed(
-    engine: Engine, share: list, *, batch_size: int, device: torch.device
+    engine: Engine, share: list, *, batch_size: int, device: torch.device, normalize: ImageNormalizer
 ) -> tuple[torch.Tensor, torch.Tensor]:
     images, texts = [], []
     for start in range(0, len(share), batch_size):
         chunk = share[start : start + batch_size]
         out = engine.forward(
-            torch.stack([s.image for s in chunk]).to(device),
+            normalize(torch.stack([s.image for s in chunk])),  # uint8 -> normalised on the device
             torch.stack([s.tokens for s in chunk]).to(device),
         )
         images.append(out["image_features"].float())
@@ -57,14 +57,22 @@ def _gather_in_order(local: torch.Tensor, *, world: int, total: int) -> torch.Te
 
 
 def evaluate_retrieval(
-    engine: Engine, my_samples: Sequence[EvalSample], runtime: Runtime, *, batch_size: int = 64
+    engine: Engine,
+    my_samples: Sequence[EvalSample],
+    runtime: Runtime,
+    *,
+    normalize: ImageNormalizer,
+    batch_size: int = 64,
 ) -> dict[str, float]:
     """`my_samples`: this rank's share of the held-out set, indices rank, rank + world, ... in order
-    (as `bigclip.data.iter_eval_samples(..., rank=, world_size=)` yields them)."""
+    (as `bigclip.data.iter_eval_samples(..., rank=, world_size=)` yields them); `normalize` puts
+    their uint8 images on the device, as the training loader does (`data.image_normalizer`)."""
     share, total = _padded_share(list(my_samples), runtime)
     was_training = engine.module.training
     engine.eval()
-    image_local, text_local = _embed(engine, share, batch_size=batch_size, device=runtime.device)
+    image_local, text_local = _embed(
+        engine, share, batch_size=batch_size, device=runtime.device, normalize=normalize
+    )
     engine.train(was_training)
     image = _gather_in_order(image_local, world=runtime.world_size, total=total)
     text = _gather_in_order(text_local, world=runtime.world_size, total=total)

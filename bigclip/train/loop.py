@@ -23,14 +23,14 @@ from bigclip import data
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig, lr_at
-from bigclip.distributed import Runtime, init_distributed
+from bigclip.distributed import Runtime, cpu_group, init_distributed
 from bigclip.engines import Engine, build_engine
-from bigclip.errors import NonFiniteLossError, StorageError
+from bigclip.errors import NonFiniteLossError
 from bigclip.models import get_model_config
 from bigclip.models.from_config import build_model
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
-from bigclip.train.backup import guard_new_run, open_remote_sync, resume_target
+from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import (
     TrainState,
     attach,
@@ -103,9 +103,7 @@ def setup(cfg: TrainConfig) -> Run:
     s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
     shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
     store = open_store(cfg, run_dir, s3)
-    sync = open_remote_sync(cfg, run_dir, store, s3)  # checked here, before any model is built
-    guard_new_run(cfg, store, sync)
-    which = resume_target(cfg, store, sync)  # '' when there is nothing to resume from
+    sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
     write_config(cfg, run_dir, runtime)
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
@@ -118,12 +116,10 @@ def setup(cfg: TrainConfig) -> Run:
     tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
     run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
-    attach(store, cfg, sync)
+    attach(store, cfg, sync)  # and starts the sync
     if which:
         run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
         run.last_saved_step = run.state.step  # never saved again over the checkpoint just loaded
-    if sync is not None:
-        sync.start()
     return run
 
 
@@ -134,7 +130,8 @@ def build_loader(run: Run) -> data.TrainLoader:
     return data.build_train_loader(
         run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
         epoch=run.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-        position=run.data_position, device=run.runtime.device, s3=run.s3, shards=run.shards,
+        position=run.data_position, device=run.runtime.device, image_dtype=run.engine.image_dtype,
+        s3=run.s3, shards=run.shards,
     )  # fmt: skip
 
 
@@ -173,8 +170,9 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
         timer.step_done()
         if state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps:
             _log_step(
-                run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq
-            )
+                run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
+                capacity=loader.stats.take_capacity(),
+            )  # fmt: skip
         if state.step >= run.total_steps:
             return False
         if save_due(cfg, state, epoch_end=False, final=False):
@@ -198,25 +196,27 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
 
 
 def close_run(run: Run, *, strict: bool = True) -> None:
-    """Release what the run holds. The final remote sync (logs and the last checkpoint) is waited
-    for; if it stays incomplete, `strict` raises a one-line StorageError (a non-zero exit)."""
+    """Release what the run holds; the final backup is waited for (`strict`: raise if incomplete)."""
     run.store.close()
     run.tensorboard.close()
     run.preemption.close()
     if run.pretrained_lease is not None:
         run.pretrained_lease.release()
     if run.remote_sync is not None:
-        report = run.remote_sync.stop(final_sync=True)
-        if not report.ok and strict:
-            raise StorageError(f"remote sync to {run.remote_sync.uri} incomplete: {report.summary()}")
+        run.remote_sync.finish(strict=strict)
 
 
 def _log_step(
-    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int
-) -> None:
+    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int,
+    capacity: float,
+) -> None:  # fmt: skip
     loss = out.loss.clone()
+    # The slowest rank's data-loader capacity (samples/s its workers could deliver) sets the pace.
+    capacity_t = torch.tensor([capacity], dtype=torch.float64)
     if run.runtime.world_size > 1:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the global loss; every rank logs on the same steps
+        dist.all_reduce(capacity_t, op=dist.ReduceOp.MIN, group=cpu_group())
+    capacity = float(capacity_t)
     loss_value = run.last_loss = loss.item()
     loss_avg.add(loss_value)
     scale = out.logit_scale.item()
@@ -225,6 +225,7 @@ def _log_step(
                        samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
                        global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
                        logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
+        + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
     )  # fmt: skip
     run.tensorboard.scalars(
         {
@@ -234,6 +235,7 @@ def _log_step(
             "train/grad_norm": out.stats.grad_norm.item(),
             "train/samples_per_second": run.global_batch / max(timer.batch.avg, 1e-9),
             "train/data_time": timer.data.avg,
+            "train/data_capacity_per_gpu": capacity,  # < samples_per_second / world size: data-bound
             "train/batch_time": timer.batch.avg,
             "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
         },
@@ -269,8 +271,12 @@ def evaluate(run: Run) -> dict[str, float] | None:
     mine = data.iter_eval_samples(
         run.cfg.data.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
         limit=run.cfg.data.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
+        resize_mode=run.cfg.data.image_resize_mode, interpolation=run.cfg.data.image_interpolation,
     )  # fmt: skip
-    metrics = evaluate_retrieval(run.engine, list(mine), run.runtime, batch_size=run.cfg.data.batch_size)
+    normalize = data.image_normalizer(run.cfg.data, device=run.runtime.device, dtype=run.engine.image_dtype)
+    metrics = evaluate_retrieval(
+        run.engine, list(mine), run.runtime, normalize=normalize, batch_size=run.cfg.data.batch_size
+    )
     metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
     if run.runtime.is_main:
         get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))

@@ -165,6 +165,13 @@ class RemoteSync:
             )
         return report
 
+    def finish(self, *, strict: bool) -> None:
+        """The final round, waited for; if it stays incomplete, `strict` raises one line saying
+        what is not backed up and why (the run then exits non-zero)."""
+        report = self.stop(final_sync=True)
+        if not report.ok and strict:
+            raise StorageError(f"remote sync to {self.uri} incomplete: {report.summary()}")
+
     def sync_once(self) -> SyncReport:
         """One round: changed log files, then committed checkpoints the remote lacks."""
         with self._lock:
