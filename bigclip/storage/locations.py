@@ -88,7 +88,14 @@ class LocalLocation:
         path = self.root / folder
         if not path.is_dir():
             return {}
-        return {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+        files = {}
+        for p in path.iterdir():
+            try:
+                if p.is_file():
+                    files[p.name] = p.stat().st_size
+            except FileNotFoundError:
+                continue  # deleted while listed (a lease released, a temporary file renamed)
+        return files
 
     def exists(self, relative: str) -> bool:
         return (self.root / relative).exists()
