@@ -17,9 +17,17 @@ class CheckpointConfig:
     save_every_n_steps: int = opt(0, "Also save every N optimizer steps (0: off).")
     resume: str = opt("", "Resume from 'latest', a checkpoint path, or an s3:// URI.")
     async_save: bool = opt(False, "Stage state in CPU memory and upload in the background.")
+    save_most_recent: bool = opt(
+        False, "Also save at each epoch end; only the newest such checkpoint is kept."
+    )
     delete_previous_checkpoint: bool = opt(False, "Keep only the newest local checkpoint.")
     keep_last: int = opt(0, "Keep the newest K local checkpoints (0: all).")
-    remote_keep_last: int = opt(0, "Keep the newest K checkpoints on S3 (0: all).")
+    remote_keep_last: int = opt(
+        0, "Keep the newest K checkpoints on S3 or in the --remote-sync copy (0: all)."
+    )
+    overwrite_run: bool = opt(
+        False, "Start over in a run folder that holds checkpoints, deleting them first."
+    )
     allow_batch_size_change: bool = opt(False, "Allow resuming with a different global batch size.")
     allow_tokenizer_change: bool = opt(
         False, "Allow weights of another --tokenizer (--resume, --pretrained)."

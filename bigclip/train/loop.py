@@ -23,17 +23,20 @@ from bigclip import data
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig
-from bigclip.distributed import Runtime, cpu_group, init_distributed
+from bigclip.distributed import Runtime, init_distributed
 from bigclip.engines import Engine, build_engine
 from bigclip.errors import NonFiniteLossError
 from bigclip.models.from_config import build_model, model_config
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
+from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import (
     TrainState,
+    attach,
     checkpoint_contents,
     manifest_meta,
     open_store,
+    regular_save_due,
     resume,
     save_due,
 )
@@ -43,14 +46,19 @@ from bigclip.train.metrics import (
     Scalars,
     StepTimer,
     get_logger,
-    peak_memory_gb,
-    train_log_line,
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
 from bigclip.train.remote_sync import RemoteSync
 from bigclip.train.schedule import lr_at
-from bigclip.train.setup import prepare_run_dir, requested_device, seed_everything, start_logging
-from bigclip.train.step import StepOutput, train_step
+from bigclip.train.setup import (
+    prepare_run_dir,
+    requested_device,
+    seed_everything,
+    start_logging,
+    write_config,
+)
+from bigclip.train.step import train_step
+from bigclip.train.step_log import log_step
 from bigclip.weights import pretrained
 
 if TYPE_CHECKING:
@@ -100,27 +108,23 @@ def setup(cfg: TrainConfig) -> Run:
     s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
     shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
     store = open_store(cfg, run_dir, s3)
+    sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
+    write_config(cfg, run_dir, runtime)
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
     )
     engine = build_engine(cfg, runtime)
     engine.build(build_model(cfg))
     # Before --resume, which wins; a resumed run does not read the initial weights at all.
-    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if pretrained.applies(cfg, store) else None
+    applies = not which and pretrained.applies(cfg, store)
+    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
     scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
-    run.preemption, run.pretrained_lease = preemption, lease
-    if cfg.log.remote_sync and runtime.is_main:
-        remote = f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
-        run.remote_sync = RemoteSync(
-            run_dir,
-            remote,
-            every_s=cfg.log.remote_sync_frequency,
-            protocol=cfg.log.remote_sync_protocol,
-            s3=s3,
-        ).start()
-    if cfg.checkpoint.resume:
-        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch)
+    run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
+    attach(store, cfg, sync)  # and starts the sync
+    if which:
+        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
+        run.last_saved_step = run.state.step  # never saved again over the checkpoint just loaded
     return run
 
 
@@ -170,7 +174,7 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
         state.samples_seen += run.global_batch
         timer.step_done()
         if state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps:
-            _log_step(
+            log_step(
                 run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
                 capacity=loader.stats.take_capacity(),
             )  # fmt: skip
@@ -192,63 +196,27 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
     run.store.wait()
     announce_requeue(run.run_dir, step=run.state.step, signum=signum, is_main=run.runtime.is_main)
     loader.close()
-    close_run(run)
+    close_run(run, strict=False)  # exit 85 regardless: the requeued job resumes from what is there
     raise Preempted(run.state.step, signum)
 
 
-def close_run(run: Run) -> None:
-    """Release what the run holds; the final remote sync is waited for (logs are complete remotely)."""
+def close_run(run: Run, *, strict: bool = True) -> None:
+    """Release what the run holds; the final backup is waited for (`strict`: raise if incomplete)."""
     run.store.close()
     run.scalars.close()
     run.preemption.close()
     if run.pretrained_lease is not None:
         run.pretrained_lease.release()
     if run.remote_sync is not None:
-        run.remote_sync.stop(final_sync=True)
+        run.remote_sync.finish(strict=strict)
 
 
-def _log_step(
-    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int,
-    capacity: float,
-) -> None:  # fmt: skip
-    loss = out.loss.clone()
-    # The slowest rank's data-loader capacity (samples/s its workers could deliver) sets the pace.
-    capacity_t = torch.tensor([capacity], dtype=torch.float64)
-    if run.runtime.world_size > 1:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the global loss; every rank logs on the same steps
-        dist.all_reduce(capacity_t, op=dist.ReduceOp.MIN, group=cpu_group())
-    capacity = float(capacity_t)
-    loss_value = run.last_loss = loss.item()
-    loss_avg.add(loss_value)
-    scale = out.logit_scale.item()
-    get_logger().info(
-        train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
-                       samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
-                       global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
-                       logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
-        + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
-    )  # fmt: skip
-    run.scalars.scalars(
-        {
-            "train/loss": loss_value,
-            "train/lr": lr,
-            "train/logit_scale": scale,
-            "train/grad_norm": out.stats.grad_norm.item(),
-            "train/samples_per_second": run.global_batch / max(timer.batch.avg, 1e-9),
-            "train/data_time": timer.data.avg,
-            "train/data_capacity_per_gpu": capacity,  # < samples_per_second / world size: data-bound
-            "train/batch_time": timer.batch.avg,
-            "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
-        },
-        step=run.state.step,
-    )
-    timer.reset()
-
-
-def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
+def save_checkpoint(run: Run, *, data_position: dict | None, most_recent_only: bool = False) -> None:
     """Collective. Logs (and sends to TensorBoard) how long training was blocked."""
+    if run.state.step == run.last_saved_step:
+        return  # this step is saved (or was just loaded): never replace a committed checkpoint
     contents = checkpoint_contents(run.engine, run.cfg, run.state, run.runtime, data_position)
-    meta = manifest_meta(run.cfg, run.runtime, run.global_batch)
+    meta = manifest_meta(run.cfg, run.runtime, run.global_batch, most_recent_only=most_recent_only)
     start = time.perf_counter()
     if run.cfg.checkpoint.async_save:
         pending = run.store.async_save(contents, step=run.state.step, meta=meta)
@@ -300,7 +268,8 @@ def fit(run: Run) -> dict[str, Any]:
         state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
         metrics = evaluate(run) if val_due(cfg, state.epoch) else metrics
         if save_due(cfg, state, epoch_end=True, final=False):
-            save_checkpoint(run, data_position=None)
+            kept = regular_save_due(cfg, state, epoch_end=True, final=False)
+            save_checkpoint(run, data_position=None, most_recent_only=not kept)
         if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
             loader = build_loader(run)
     return finish(run, loader, metrics)
@@ -308,7 +277,9 @@ def fit(run: Run) -> dict[str, Any]:
 
 def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str, Any]:
     if run.state.step != run.last_saved_step and save_due(run.cfg, run.state, epoch_end=False, final=True):
-        save_checkpoint(run, data_position=loader.state_dict() if run.state.epoch_step else None)
+        kept = regular_save_due(run.cfg, run.state, epoch_end=False, final=True)
+        position = loader.state_dict() if run.state.epoch_step else None
+        save_checkpoint(run, data_position=position, most_recent_only=not kept)
     loader.close()
     if metrics is None or metrics["step"] != run.state.step:
         metrics = evaluate(run) or metrics  # the final weights get evaluated too

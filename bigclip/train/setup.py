@@ -40,13 +40,19 @@ def run_name(cfg: TrainConfig, runtime: Runtime) -> str:
 
 
 def prepare_run_dir(cfg: TrainConfig, runtime: Runtime) -> Path:
-    """logs/NAME with the resolved config beside it (rank 0 writes)."""
+    """logs/NAME (rank 0 creates it); `write_config` fills it once the run may start."""
     cfg.log.name = run_name(cfg, runtime)
     run_dir = Path(cfg.log.logs) / cfg.log.name
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return run_dir
+
+
+def write_config(cfg: TrainConfig, run_dir: Path, runtime: Runtime) -> None:
+    """The resolved config beside the logs (rank 0), written after the checks that may refuse the
+    run, so a refused run leaves an earlier run's config.yaml as it was."""
+    if runtime.is_main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def seed_everything(seed: int, rank: int) -> None:

@@ -146,8 +146,7 @@ def _from_registry(registry: Registry, name: str) -> WeightSource:
 
 
 def _registry_file(registry: Registry, published: Published) -> Path:
-    sha = published.objects[published.entry].sha256
-    key = f"checkpoints/{published.name}/objects/{sha}"
+    key = registry.blob_key(published, published.objects[published.entry].sha256)
     if isinstance(registry.location, LocalLocation):
         return Path(registry.location.root) / key  # content-addressed: safe to map in place
     return download(registry.location.child_uri(key), s3=registry.s3, suffix=".pt")

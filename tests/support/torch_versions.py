@@ -340,6 +340,11 @@ SINCE: dict[str, tuple[str, str]] = {
     f"{_DCP}.staging.StagingOptions(use_pinned_memory=)": ("2.9", _STAGER),
     f"{_DCP}.staging.StagingOptions(use_shared_memory=)": ("2.9", _STAGER),
     f"{_DCP}.filesystem.FileSystem": ("2.2", "FileSystem/FileSystemBase split for fsspec, 2.2"),
+    f"{_DCP}._fsspec_filesystem.FsspecReader": (
+        "2.1",
+        "pytorch#98387 added _fsspec_filesystem.py (merged Apr 2023, before the 2.1 cut); still there, "
+        "private, in 2026 (pytorch#188772 proposes making it public)",
+    ),
     f"{_DCP}.filesystem.FileSystemBase": ("2.2", "FileSystem/FileSystemBase split for fsspec, 2.2"),
     f"{_DCP}.filesystem._StorageReaderTransforms": (
         "2.8",
