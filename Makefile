@@ -1,37 +1,50 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
 # Install order matters: torch pinned first (an unpinned torch pulls a multi-GB CUDA build),
 # then DeepSpeed without build isolation (it is an sdist that imports torch at build time),
-# then bigclip itself.
+# then bigclip itself with every optional extra and the test tools (`.[dev]`).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 DEEPSPEED ?= deepspeed==0.19.8
+OPEN_CLIP ?= open_clip_torch==3.3.0
 VENV := .venv
-PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
 STAMP := $(VENV)/.bigclip-installed
 
-.PHONY: install demo test test-fast lint bench clean slurm-deps
+# make wheelhouse PY=3.12 PLATFORM=manylinux_2_28_x86_64 OUT=DIR [EXTRAS=s3,deepspeed,int8]
+PY ?= 3.12
+PLATFORM ?= manylinux_2_28_x86_64
+OUT ?= wheelhouse
+EXTRAS ?= s3,deepspeed,int8
+
+# make bench-gpu [BENCH_PYTHON=python3] [ROWS="engines-fsdp loss-chunked ..."] [QUICK=1]
+# Runs with the repository on PYTHONPATH: a GPU node needs torch, not a bigclip install.
+BENCH_PYTHON ?= $(PYTHON)
+ROWS ?=
+QUICK ?=
+
+.PHONY: install demo test lint bench bench-gpu wheelhouse clean slurm-deps
 
 install: $(STAMP)
 
-$(PY):
+$(VPY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 
-$(STAMP): $(PY) pyproject.toml
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
-	@$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "$(DEEPSPEED)"
+$(STAMP): $(VPY) pyproject.toml
+	@$(VPY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
+	@$(VPY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "$(DEEPSPEED)"
 	$(PIP) install -e ".[dev]"
 	@# OpenCLIP's own model code is the tests' reference; its torchvision dependency has no CPU
 	@# build here and is not needed for ViT models, hence --no-deps.
-	$(PIP) install --no-deps "open_clip_torch==3.3.0"
+	$(PIP) install --no-deps "$(OPEN_CLIP)"
 	@touch $(STAMP)
 
 demo: install
 	$(VENV)/bin/bigclip demo
 
 test: install slurm-deps
-	$(PY) -m pytest -q tests
+	$(VPY) -m pytest -q tests
 
 # A real one-node Slurm for tests/test_slurm_cluster.py: Debian's slurm-wlm and munge, installed with
 # apt when missing, as root (the tests start their own daemons in a temporary folder). Elsewhere it
@@ -48,6 +61,28 @@ slurm-deps:
 lint: install
 	$(VENV)/bin/ruff check bigclip tests benchmarks
 	$(VENV)/bin/ruff format --check bigclip tests benchmarks
+
+# CPU benchmarks, each a script that prints its table and writes benchmarks/results/NAME.json
+# (about an hour on 2 cores; each runs alone too: python benchmarks/NAME.py --help).
+bench: install
+	$(VPY) benchmarks/loss_memory.py
+	$(VPY) benchmarks/loss_time_gloo.py
+	$(VPY) benchmarks/engines.py
+	$(VPY) benchmarks/switchback.py
+	$(VPY) benchmarks/checkpoint_io.py
+	$(VPY) benchmarks/consolidate.py
+	$(VPY) benchmarks/data_loader.py
+	$(VPY) benchmarks/demo_data_learnability.py
+
+# Every GPU row in its own process under a timeout; results in benchmarks/results/*_gpu.json.
+bench-gpu:
+	PYTHONPATH=$(CURDIR) $(BENCH_PYTHON) benchmarks/gpu_suite.py $(if $(QUICK),--quick) $(ROWS)
+
+# Wheels of bigclip and its non-torch dependencies (DeepSpeed built into a wheel) for GPU nodes
+# without internet: pip install --no-index --find-links OUT 'bigclip[s3,deepspeed,int8]'.
+wheelhouse: install
+	$(VPY) -m bigclip.launch.wheelhouse --python-version $(PY) --platform $(PLATFORM) \
+	    --extras $(EXTRAS) --deepspeed "$(DEEPSPEED)" --out $(OUT)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

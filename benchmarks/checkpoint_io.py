@@ -16,7 +16,8 @@ rounds alternate whether bigclip or the baseline goes first. "server CPU s" is t
 the loopback server spent in a phase: when it is close to the wall time, the server, not
 the client, sets the pace.
 
-    PYTHONPATH=. python benchmarks/checkpoint_io.py [--gib 1.0] [--ranks 2] [--repeats 3]
+    python benchmarks/checkpoint_io.py [--gib 1.0] [--ranks 2] [--repeats 3]
+    python benchmarks/checkpoint_io.py --ranks 1 --name checkpoint_io_gpu    # one GPU
 
 moto parses every request in one Python process (~9 CPU-s per GB), so on a small machine it,
 not either client, sets the pace. `--endpoint URL [--server-pid PID]` runs the same comparison
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import print_table, write_results  # noqa: E402
+from benchmarks.common import gpu_info, print_table, write_results  # noqa: E402
 from bigclip.checkpoint import CheckpointStore  # noqa: E402
 from bigclip.demo.loopback_s3 import LoopbackS3  # noqa: E402
 from bigclip.distributed import spawn  # noqa: E402
@@ -159,7 +160,10 @@ def _rank_main(
     os.environ.update(endpoint_env)
     from bigclip.storage.s3 import S3Settings, boto3_client
 
-    device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
+    # A GPU per rank where there are enough (state staged from device memory, pinned buffers);
+    # else CPU: several ranks cannot share one GPU over gloo.
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     state = sharded_state(world, total_bytes, device)
     settings = S3Settings.resolve()
     store = CheckpointStore(f"{root}/bigclip", s3=settings)
@@ -255,7 +259,9 @@ def main() -> None:
         "async_blocked_fraction_of_sync_save",
     ):
         print(f"{name}: {extra[name]:.3f}")
-    write_results(args.name, rows, ranks=args.ranks, endpoint=endpoint, **extra)
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks
+    gpu = gpu_info() if on_gpu else {}
+    write_results(args.name, rows, ranks=args.ranks, endpoint=endpoint, state_on_gpu=on_gpu, **gpu, **extra)
 
 
 def endpoint_for(args: argparse.Namespace, stack: ExitStack) -> tuple[dict, int | None, str]:

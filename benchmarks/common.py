@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -15,13 +17,18 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
+    """This tree's commit; BIGCLIP_COMMIT where the tree is a copy without .git (a GPU node)."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=RESULTS_DIR.parent,
         )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("BIGCLIP_COMMIT", "unknown")
 
 
 def device_description() -> str:
@@ -63,3 +70,88 @@ def write_results(name: str, rows: list[dict[str, Any]], **extra: Any) -> Path:
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+# -- GPU rows ---------------------------------------------------------------------------------
+
+# Dense bf16 tensor-core peak from NVIDIA's datasheets, TFLOP/s, matched against the device name
+# in order (the first key contained in the name wins; PCIe and NVL parts clock lower than SXM).
+DATASHEET_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM5: "NVIDIA H100 80GB HBM3"
+    ("H200 NVL", 835.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+PEAK_ENV = "BIGCLIP_BF16_PEAK_TFLOPS"  # set by gpu_suite.py so each row does not re-measure
+
+
+def datasheet_bf16_tflops(device_name: str) -> float | None:
+    return next((v for k, v in DATASHEET_BF16_TFLOPS if k in device_name), None)
+
+
+def measured_bf16_tflops(n: int = 8192, reps: int = 20) -> float:
+    """The best sustained rate of an n^3 bf16 matmul on this GPU, TFLOP/s (cuBLAS, fp32 accumulate)."""
+    if os.environ.get(PEAK_ENV):
+        return float(os.environ[PEAK_ENV])
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):  # warm-up: clocks ramp, cuBLAS picks its kernel
+        torch.mm(a, b, out=out)
+    best = math.inf
+    for _ in range(3):  # best of 3 batches of `reps`: a shared or throttling GPU only slows some
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / reps)
+    return 2 * n**3 / best / 1e12
+
+
+def gpu_info() -> dict[str, Any]:
+    """Device, versions and both bf16 peaks, for every *_gpu.json."""
+    props = torch.cuda.get_device_properties(0)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "gpu": props.name,
+        "gpu_memory_GiB": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "bf16_peak_measured_TFLOPs": round(measured_bf16_tflops(), 1),
+        "bf16_peak_datasheet_TFLOPs": datasheet_bf16_tflops(props.name),
+        "peak_measurement": "8192^3 bf16 torch.mm, best of 3 x 20, CUDA events",
+    }
+
+
+def mfu(model_flops_per_s: float, info: dict[str, Any]) -> dict[str, float | None]:
+    """Model FLOPs utilisation over the measured and the datasheet bf16 peak."""
+    measured, sheet = info["bf16_peak_measured_TFLOPs"], info["bf16_peak_datasheet_TFLOPs"]
+    return {
+        "mfu_vs_measured_peak": model_flops_per_s / (measured * 1e12),
+        "mfu_vs_datasheet_peak": model_flops_per_s / (sheet * 1e12) if sheet else None,
+    }
+
+
+def write_gpu_results(name: str, rows: list[dict[str, Any]], **extra: Any) -> Path:
+    """results/NAME_gpu.json with the GPU's description and peaks."""
+    return write_results(f"{name}_gpu", rows, **gpu_info(), **extra)
+
+
+def missing_package(*modules: str) -> str | None:
+    """'needs X (not installed)' for the first module that cannot be found, else None."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            return f"needs {module} (not installed)"
+    return None

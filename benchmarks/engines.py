@@ -6,28 +6,18 @@ gradients, optimizer state, the engines' own buffers; activations are freed by t
 once per storage; "optimizer state" is what the optimizer itself holds. Rows with --optimizer
 adamw8bit show the optimizer state bitsandbytes saves.
 
-GPU (when CUDA is present): ViT-bigG-14 on one GPU, amp_bf16, grad checkpointing, compiled
-blocks, FSDP2 vs ZeRO-3: the largest batch that fits (doubling, then bisection; one fresh
-process per trial), samples/s and MFU.
+Rows whose package is missing (DeepSpeed, bitsandbytes) are skipped with the reason. The GPU
+rows (ViT-bigG-14 at the largest batch that fits, MFU) are benchmarks/engines_gpu.py.
 
-MFU = model FLOPs per second / the device's peak dense bf16 FLOPs. Model FLOPs per sample =
-3 x forward (backward = 2 x forward), the forward counted from the model config: every matmul
-(2 FLOPs per multiply-add) in the patch embedding, attention projections, attention scores and
-values, MLPs and output projections; 1,065 GFLOPs for ViT-bigG-14 at 224 px. Recomputation under
-grad checkpointing is hardware work, not model work, and is not counted.
-
-    python benchmarks/engines.py                 # CPU rows (+ GPU rows when CUDA is present)
-    python benchmarks/engines.py --no-gpu --steps 4 --batch 4
+    python benchmarks/engines.py [--steps 4 --batch 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -39,14 +29,13 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from common import print_table, write_results  # noqa: E402
+from common import missing_package, print_table, write_results  # noqa: E402
 
 from bigclip.config import TrainConfig  # noqa: E402
-from bigclip.distributed import Runtime, free_port, init_distributed, spawn  # noqa: E402
+from bigclip.distributed import Runtime, spawn  # noqa: E402
 from bigclip.engines import Engine, build_engine  # noqa: E402
 from bigclip.engines.optim import LocalShardOptimizer, local_tensor  # noqa: E402
-from bigclip.models import count_parameters, create_model, get_model_config  # noqa: E402
-from bigclip.models.flops import forward_flops  # noqa: E402
+from bigclip.models import count_parameters, create_model  # noqa: E402
 from bigclip.models.from_config import build_model, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
 from bigclip.train.step import contrastive_loss  # noqa: E402
@@ -57,7 +46,6 @@ CPU_RUNS = [  # (engine, ds_config, optimizer, precision); the first row of each
     ("fsdp", "", "adamw8bit", "fp32"),
     ("deepspeed", "zero2", "adamw8bit", "fp32"),
 ]
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, SXM parts
 
 
 def run_config(engine: str, ds_config: str, **flags: object) -> TrainConfig:
@@ -148,10 +136,10 @@ def cpu_worker(rank: int, world: int, run: tuple[str, str, str, str], batch: int
     return {"step_s": statistics.median(times), "state": state_bytes, "optim": optimizer_state_bytes(engine)}
 
 
-def cpu_rows(*, batch: int, steps: int, world: int = 2) -> list[dict]:
+def cpu_rows(runs: list[tuple], *, batch: int, steps: int, world: int = 2) -> list[dict]:
     params = count_parameters(create_model("ViT-B-32", device="meta"))["total"]
     rows = []
-    for run in CPU_RUNS:
+    for run in runs:
         ranks = spawn(cpu_worker, world, run, batch, steps)
         rows.append(
             {
@@ -174,88 +162,31 @@ def cpu_rows(*, batch: int, steps: int, world: int = 2) -> list[dict]:
     return rows
 
 
-def gpu_trial(engine_name: str, batch: int, steps: int) -> dict:
-    """One fresh process: ViT-bigG-14 on cuda:0 at `batch`; {"oom": True} if it does not fit."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    flags = {
-        "model.model": "ViT-bigG-14",
-        "model.grad_checkpointing": True,
-        "model.torchcompile": True,
-        "engine.precision": "amp_bf16",
-        "data.batch_size": batch,
-    }
-    if engine_name == "zero3":
-        cfg = run_config("deepspeed", "zero3", **flags)
-    else:
-        cfg = run_config("fsdp", "", **flags)
-    try:
-        runtime = init_distributed()
-        engine = build_engine(cfg, runtime)
-        engine.build(build_model(cfg))
-        times, _ = timed_steps(engine, cfg, steps)
-    except torch.OutOfMemoryError:
-        return {"oom": True}
-    step_s = statistics.median(times)
-    peak = _peak_bf16_flops(torch.cuda.get_device_name())
-    flops = 3 * forward_flops(get_model_config("ViT-bigG-14")) * batch / step_s
-    return {
-        "oom": False,
-        "step_s": step_s,
-        "samples_per_s": batch / step_s,
-        "mfu": flops / peak if peak else None,
-        "peak_memory_GB": torch.cuda.max_memory_allocated() / 2**30,
-    }
-
-
-def _peak_bf16_flops(device_name: str) -> float | None:
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
-
-
-def _run_trial(engine_name: str, batch: int, steps: int) -> dict:
-    command = [sys.executable, __file__, "--gpu-trial", engine_name, str(batch), str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"oom": True, "error": done.stderr[-2000:]}
-
-
-def gpu_rows(*, steps: int) -> list[dict]:
-    rows = []
-    for engine_name in ("fsdp", "zero3"):
-        best, fits, batch = None, 0, 8
-        while (trial := _run_trial(engine_name, batch, steps)) and not trial["oom"]:
-            best, fits, batch = trial, batch, batch * 2
-        low, high = fits, batch  # bisect between the last fit and the first failure, in steps of 8
-        while high - low > 8:
-            middle = (low + high) // 16 * 8
-            trial = _run_trial(engine_name, middle, steps)
-            low, high, best = (middle, high, trial) if not trial["oom"] else (low, middle, best)
-        row = {"engine": engine_name, "model": "ViT-bigG-14", "batch": low}
-        rows.append({**row, **best} if best else {**row, "error": trial.get("error", "batch 8 does not fit")})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4, help="per-rank batch for the CPU rows")
+    parser.add_argument("--batch", type=int, default=4, help="per-rank batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per engine")
-    parser.add_argument("--no-gpu", action="store_true")
-    parser.add_argument("--gpu-trial", nargs=3, metavar=("ENGINE", "BATCH", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.gpu_trial:
-        engine_name, batch, steps = args.gpu_trial
-        print(json.dumps(gpu_trial(engine_name, int(batch), int(steps))))
-        return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the CPU rows run DeepSpeed on its CPU accelerator
-    rows = cpu_rows(batch=args.batch, steps=args.steps)
+    runs, skipped = runnable(CPU_RUNS)
+    for run, reason in skipped:
+        print(f"skipped {run}: {reason}")
+    rows = cpu_rows(runs, batch=args.batch, steps=args.steps)
     print_table(rows)
-    extra = {"cpu_setup": f"ViT-B-32, 2 ranks x batch {args.batch}, gloo, {args.steps} timed steps"}
-    if torch.cuda.is_available() and not args.no_gpu:
-        gpu = gpu_rows(steps=args.steps)
-        print_table(gpu)
-        extra["gpu_rows"] = gpu
-        extra["gpu_setup"] = "ViT-bigG-14, amp_bf16, grad checkpointing, compiled blocks, 1 GPU"
-    write_results("engines", rows, **extra)
+    setup = f"ViT-B-32, 2 ranks x batch {args.batch}, gloo, {args.steps} timed steps"
+    write_results("engines", rows, cpu_setup=setup, skipped=[f"{r}: {why}" for r, why in skipped])
+
+
+def runnable(runs: list[tuple]) -> tuple[list[tuple], list[tuple[tuple, str]]]:
+    """The runs whose packages are installed, and the others with the reason."""
+    keep, skipped = [], []
+    for run in runs:
+        needs = (["deepspeed"] if run[0] == "deepspeed" else []) + (
+            ["bitsandbytes"] if run[2] == "adamw8bit" else []
+        )
+        reason = missing_package(*needs)
+        (skipped.append((run, reason)) if reason else keep.append(run))
+    return keep, skipped
 
 
 if __name__ == "__main__":

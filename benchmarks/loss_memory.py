@@ -1,7 +1,7 @@
 """Loss memory and time of rank 0 of 16: unchunked OpenCLIP local loss vs the chunked loss.
 
-    PYTHONPATH=. python benchmarks/loss_memory.py            # the full table (~10-15 min on CPU)
-    PYTHONPATH=. python benchmarks/loss_memory.py --quick    # small sizes, a smoke run
+    python benchmarks/loss_memory.py            # the full table (~10-15 min on CPU)
+    python benchmarks/loss_memory.py --quick    # small sizes, a smoke run
 
 Setting: CLIP loss, embed dim 1280 (ViT-bigG-14), 16 data-parallel ranks, local batch 512, 2,048
 and 4,096 (global 8,192, 32,768 and 65,536), fp32 features. Methods: `unchunked` is OpenCLIP's
@@ -36,17 +36,22 @@ import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import print_table, write_results  # benchmarks/ is the script's directory
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from bigclip.distributed import spawn
-from bigclip.ops.loss.contrastive import ChunkedContrastiveLoss, ClipLoss
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # runs as `python benchmarks/loss_memory.py`
+
+from common import gpu_info, print_table, write_results  # noqa: E402
+
+from bigclip.distributed import spawn  # noqa: E402
+from bigclip.ops.loss.contrastive import ChunkedContrastiveLoss, ClipLoss  # noqa: E402
 
 METHODS = ("unchunked", "ring", "allgather")
 DIM = 1280
@@ -133,17 +138,16 @@ def seconds(loss_fn: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> float
     return time.perf_counter() - start
 
 
-def device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+def device(kind: str = "") -> torch.device:
+    """`kind` ('cpu' / 'cuda'), else CUDA when present."""
+    if kind == "cpu" or not (kind or torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
-def memory_mib(method: str, local: int, chunk: int) -> float:
+def memory_mib(method: str, local: int, chunk: int, kind: str = "") -> float:
     """Peak loss memory of rank 0 under the current process group."""
-    return peak_loss_bytes(build(method, chunk), make_inputs(local, device())) / MiB
+    return peak_loss_bytes(build(method, chunk), make_inputs(local, device(kind))) / MiB
 
 
 def best_seconds(local: int, chunk: int, repeats: int) -> dict[str, float]:
@@ -157,7 +161,9 @@ def best_seconds(local: int, chunk: int, repeats: int) -> dict[str, float]:
     return best
 
 
-def fake_worker(mode: str, world: int, local: int, chunk: int, method: str = "", repeats: int = 1) -> dict:
+def fake_worker(
+    mode: str, world: int, local: int, chunk: int, method: str = "", repeats: int = 1, kind: str = ""
+) -> dict:
     """Rank 0 of `world` under the fake process group, in this (fresh) process."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -168,7 +174,7 @@ def fake_worker(mode: str, world: int, local: int, chunk: int, method: str = "",
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         if mode == "memory":
-            return {"peak_MiB": memory_mib(method, local, chunk)}
+            return {"peak_MiB": memory_mib(method, local, chunk, kind)}
         return best_seconds(local, chunk, repeats)
     finally:
         dist.destroy_process_group()
@@ -190,14 +196,16 @@ def run_fake(**spec: Any) -> dict[str, Any]:
 
 
 def real_worker(rank: int, world: int, local: int, chunk: int) -> dict[str, float]:
-    return {m: memory_mib(m, local, chunk) for m in METHODS}
+    # gloo moves CPU tensors: the fake-vs-real check runs on CPU on a GPU machine too.
+    return {m: memory_mib(m, local, chunk, "cpu") for m in METHODS}
 
 
 def fake_vs_real(local: int, chunk: int, world: int = 4) -> list[dict[str, Any]]:
     real = spawn(real_worker, world, local, chunk)[0]
     rows = []
     for method in METHODS:
-        fake = run_fake(mode="memory", method=method, world=world, local=local, chunk=chunk)["peak_MiB"]
+        spec = {"method": method, "world": world, "local": local, "chunk": chunk, "kind": "cpu"}
+        fake = run_fake(mode="memory", **spec)["peak_MiB"]
         rows.append(
             {
                 "method": method,
@@ -247,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(check)
     rows = [row for local in locals_ for row in size_rows(local, args.chunk)]
     print_table(rows)
+    gpu = gpu_info() if torch.cuda.is_available() else {}
     write_results(
-        "loss_memory" + ("_quick" if args.quick else ""),
+        "loss_memory" + ("_quick" if args.quick else "") + ("_gpu" if gpu else ""),
         rows,
         embed_dim=DIM,
         world_size=WORLD,
@@ -261,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         timing="best of 3 runs (2 at local 4096), methods interleaved, 1 intra-op thread per measurement",
         fake_vs_real=check,
+        **gpu,
     )
     return 0
 

@@ -9,7 +9,7 @@ is a bf16 nn.Linear. On a GPU int8 runs the Triton kernels ("global-torch": the 
 path, for comparison); on CPU it is the PyTorch path (torch._int_mm; this CPU has AVX512-BF16
 and VNNI), token counts are scaled down, and the figures are for the record, not a goal.
 
-    PYTHONPATH=. python benchmarks/switchback.py [--quick] [--no-e2e]
+    python benchmarks/switchback.py [--quick] [--no-e2e | --e2e-only]
 """
 
 from __future__ import annotations
@@ -17,15 +17,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from benchmarks.common import print_table, write_results
-from bigclip.ops.int8.custom_ops import BACKEND_ENV
-from bigclip.ops.int8.switchback import LINEAR_CLASSES, apply_int8
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # runs as `python benchmarks/switchback.py`
+
+from common import gpu_info, print_table, write_results  # noqa: E402
+
+from bigclip.ops.int8.custom_ops import BACKEND_ENV  # noqa: E402
+from bigclip.ops.int8.switchback import LINEAR_CLASSES, apply_int8  # noqa: E402
 
 SHAPES = [(1664, 8192), (8192, 1664), (1280, 5120), (5120, 1280)]
 GPU_TOKENS = [8192, 16384, 32768, 65536, 131072]
@@ -195,6 +201,7 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer token counts and repetitions")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end ViT-H-14 step (GPU)")
+    parser.add_argument("--e2e-only", action="store_true", help="only the end-to-end ViT-H-14 step (GPU)")
     parser.add_argument(
         "--e2e-batch", type=int, default=0, help="images per step end to end (0: by GPU memory)"
     )
@@ -203,7 +210,7 @@ def main() -> None:
     on_gpu = device.type == "cuda"
     reps = (5 if args.quick else 20) if on_gpu else (3 if args.quick else 5)
     rows = []
-    for in_f, out_f in SHAPES:
+    for in_f, out_f in [] if args.e2e_only else SHAPES:
         for tokens in _token_counts(on_gpu, args.quick):
             rows += bench_layer(in_f, out_f, tokens, device, torch.bfloat16, reps=reps)
             print_table(rows[-len(_variants(device)) :])
@@ -217,10 +224,13 @@ def main() -> None:
         print_table(e2e)
     extra = {"reference_dtype": "bfloat16", "quick": args.quick, "e2e": e2e}
     extra["backend"] = "triton" if on_gpu else "torch._int_mm (CPU)"
+    name = "switchback"
     if on_gpu:
         extra["floors"] = floor_check(rows, e2e)
         print("\nfloors:", extra["floors"])
-    write_results("switchback", rows, **extra)
+        extra |= gpu_info()
+        name += "_e2e_gpu" if args.e2e_only else "_layers_gpu" if args.no_e2e else "_gpu"
+    write_results(name, rows, **extra)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bigclip.errors import ConfigError, NonFiniteLossError
+from bigclip.ops.loss.collectives import all_gather_single
 from bigclip.ops.loss.exchange import world_of
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -73,7 +74,7 @@ def gather_summaries(summary: torch.Tensor, group: dist.ProcessGroup | None) -> 
     _, world = world_of(group)
     if world > 1:
         table = summary.new_empty(world * summary.numel())  # concatenated: gloo takes no stacked output
-        dist.all_gather_single(table, summary, group=group)
+        all_gather_single(table, summary, group=group)
         table = table.view(world, -1)
     else:
         table = summary.unsqueeze(0)

@@ -2,7 +2,7 @@
 
 Rank r owns image rows I_r and text rows T_r ([n, dim] each); logits are z_ij = s * I_i . T_j (+ b).
 Each rank computes the tiles of its own image rows against every rank's text columns, which
-arrive chunk by chunk from an exchange (contrastive_exchange.py), and returns L_r, the loss of
+arrive chunk by chunk from an exchange (exchange.py), and returns L_r, the loss of
 its own rows (k runs over this rank's pairs):
 
   CLIP    L_r = 1/(2n) sum_k [softplus(lse_{j!=k} z_kj - z_kk) + softplus(lse_{i!=k} z_ik - z_kk)]

@@ -6,7 +6,7 @@ logit_scale, logit_bias=None) -> scalar`: this rank's L2-normalised features [n,
 
 Chunked (`--loss-chunk-size c > 0`, ChunkedContrastiveLoss): exact CLIP or SigLIP loss in
 c x c tiles (contrastive_chunked.py) over features streamed between ranks
-(contrastive_exchange.py). Rank r returns L_r, the loss of its own rows (global loss = mean_r
+(exchange.py). Rank r returns L_r, the loss of its own rows (global loss = mean_r
 L_r); after backward its features hold sum_r' dL_r'/d(features_r) and logit_scale/bias hold
 dL_r/ds, so the engine's averaging of parameter gradients gives dL/dtheta exactly (OpenCLIP's
 --local-loss --gather-with-grad convention, which the chunked loss always follows).
@@ -53,6 +53,7 @@ from bigclip.config import LossConfig
 from bigclip.errors import ConfigError
 from bigclip.ops.loss.checks import check_contrastive_inputs
 from bigclip.ops.loss.chunked import ChunkedContrastiveFunction, LossPlan
+from bigclip.ops.loss.collectives import all_gather_single, reduce_scatter_single
 from bigclip.ops.loss.exchange import EXCHANGES, world_of
 
 
@@ -70,14 +71,14 @@ class AllGatherWithGrad(torch.autograd.Function):
         ctx.group = group
         _, world = world_of(group)
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
         _, world = world_of(ctx.group)
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
         return out, None
 
 

@@ -29,6 +29,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from bigclip.ops.loss.collectives import all_gather_single, reduce_scatter_single
+
 REDUCTIONS = ("sum", "logaddexp")
 
 
@@ -233,14 +235,14 @@ class AllGatherExchange(_GroupMember):
             return x.unsqueeze(0)
         # Concatenated along rows, then viewed per rank: gloo takes no stacked output.
         gathered = x.new_empty((self.world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(gathered, x.contiguous(), group=self.group)
+        all_gather_single(gathered, x.contiguous(), group=self.group)
         return gathered.view(self.world, *x.shape)
 
     def _deliver(self, acc: torch.Tensor, out: torch.Tensor, reduce: str) -> None:
         if self.world == 1:
             out.copy_(acc[0])
         elif reduce == "sum":
-            dist.reduce_scatter_single(out, acc.flatten(0, 1), group=self.group)
+            reduce_scatter_single(out, acc.flatten(0, 1), group=self.group)
         else:
             received = torch.empty_like(acc)
             dist.all_to_all_single(received.flatten(0, 1), acc.flatten(0, 1), group=self.group)
