@@ -23,7 +23,7 @@ BENCH_PYTHON ?= $(PYTHON)
 ROWS ?=
 QUICK ?=
 
-.PHONY: install demo test lint bench bench-gpu wheelhouse clean
+.PHONY: install demo test lint bench bench-gpu wheelhouse clean slurm-deps
 
 install: $(STAMP)
 
@@ -43,8 +43,20 @@ $(STAMP): $(VPY) pyproject.toml
 demo: install
 	$(VENV)/bin/bigclip demo
 
-test: install
+test: install slurm-deps
 	$(VPY) -m pytest -q tests
+
+# A real one-node Slurm for tests/test_slurm_cluster.py: Debian's slurm-wlm and munge, installed with
+# apt when missing, as root (the tests start their own daemons in a temporary folder). Elsewhere it
+# does nothing: the tests then skip, saying why, and fail instead when CI is set.
+slurm-deps:
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing slurm-wlm and munge (apt)"; \
+		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } || \
+		echo "slurm-deps: apt-get failed: the Slurm tests will skip (and fail under CI)"; \
+	else echo "slurm-deps: no root or no apt-get: the Slurm tests will skip"; fi
 
 lint: install
 	$(VENV)/bin/ruff check bigclip tests benchmarks

@@ -60,8 +60,18 @@ def pick_device(local_rank: int, requested: str = "") -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(*, backend: str = "", device: str = "", timeout_s: int = 1800) -> Runtime:
-    """Initialise the default process group (idempotent) and return this process's Runtime."""
+DEFAULT_TIMEOUT_S = 1800
+_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)  # of every group made here (see cpu_group)
+
+
+def init_distributed(*, backend: str = "", device: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> Runtime:
+    """Initialise the default process group (idempotent) and return this process's Runtime.
+
+    `timeout_s` bounds every collective of the groups made here, on gloo and NCCL alike: a peer
+    that died or hangs turns into an error after it instead of a wait without end (NCCL's own
+    watchdog then tears the process down; TORCH_NCCL_ASYNC_ERROR_HANDLING).
+    """
+    global _timeout
     rank, world_size, local_rank = launch_env()
     dev = pick_device(local_rank, device)
     if dev.type == "cuda":
@@ -74,11 +84,12 @@ def init_distributed(*, backend: str = "", device: str = "", timeout_s: int = 18
                     "MASTER_PORT is not set; launch with torchrun, deepspeed or the slurm/ scripts"
                 )
             os.environ["MASTER_PORT"] = str(free_port())
+        _timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend or ("nccl" if dev.type == "cuda" else "gloo"),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=_timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
@@ -100,8 +111,27 @@ def cpu_group() -> Any:
         return dist.group.WORLD
     if _gloo_group is None or _gloo_group[0] is not dist.group.WORLD:  # new default group: new gloo group
         # An NCCL flag all-reduce would need a device tensor and a GPU sync every step.
-        _gloo_group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+        # new_group's default timeout is torch's (30 min), not the world's: pass ours.
+        _gloo_group = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=_timeout))
     return _gloo_group[1]
+
+
+def side_store(*, prefix: str, timeout_s: float) -> Any:
+    """A key-value store all ranks share beside the process group, for liveness checks that must
+    not queue behind a hung collective: the default group's own store (TCPStore from env:// or
+    torchrun's agent, FileStore from file://), reached through a client of its own whose
+    operations give up after `timeout_s` (the group's client waits as long as the group's
+    timeout). None outside torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        base = dist.TCPStore(base.host, base.port, is_master=False, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(prefix, base)
 
 
 def _spawn_entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, results: Any) -> None:

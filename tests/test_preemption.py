@@ -1,11 +1,22 @@
-"""Preemption as SLURM delivers it: SIGUSR1 to the ranks, checkpoint, exit 85, requeue resumes."""
+"""Preemption as SLURM and torchrun deliver it: SIGUSR1 or SIGTERM to one rank, to a rank's whole
+process group (its data workers included), or during start-up; checkpoint, exit 85, the requeued
+run resumes at the same batch. (Under a real Slurm: test_slurm_cluster.py.)"""
 
+import json
+import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
-from support.launch_harness import read_keys, srun_like, wait_all, wait_for_step
+import torch
+from support.launch_harness import LAUNCHER_VARIABLES, read_keys, srun_like, wait_all, wait_for_step
 from support.train_harness import demo_argv
+from torch.utils.data import IterableDataset
 
+from bigclip.distributed import free_port
 from bigclip.train.preemption import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.dist
@@ -35,3 +46,79 @@ def test_sigusr1_checkpoints_exits_for_requeue_and_resumes_at_the_same_batch(dem
         assert min(k for k in keys if k >= stopped_at) == stopped_at  # resumed at the exact step
         assert keys[stopped_at] == expected[stopped_at]  # with the same next batch
         assert keys == expected  # and the same stream to the end
+
+
+class _Slow(IterableDataset):
+    def __iter__(self):
+        for i in range(10_000):
+            time.sleep(0.01)
+            yield torch.tensor([i])
+
+
+def test_data_workers_outlive_signals_to_their_group_and_still_stop_with_their_rank(tmp_path):
+    """killpg(SIGTERM/SIGUSR1) from outside (torchrun, Slurm's linuxproc) leaves the workers running;
+    a rank that leaves on an exception without closing its loader still exits (no hang at exit)."""
+    code = f"""
+import os, signal, subprocess, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import torch
+from torch.utils.data import DataLoader
+from test_preemption import _Slow
+from bigclip.data.worker_signals import shield_worker
+from bigclip.train.signals import catch_preemption_signals
+flag = catch_preemption_signals()
+batches = iter(DataLoader(_Slow(), batch_size=None, num_workers=2, multiprocessing_context="fork",
+                          worker_init_fn=shield_worker))
+for i, _ in enumerate(batches):
+    if i in (5, 10):
+        sig = "TERM" if i == 5 else "USR1"
+        subprocess.run(["kill", "-" + sig, "--", f"-{{os.getpgid(0)}}"], check=True, start_new_session=True)
+    if i == 40:
+        print("caught", signal.Signals(flag.signum).name, flush=True)
+        raise SystemExit(3)  # leaving with the loader open: multiprocessing must still reap the workers
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          start_new_session=True)  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "caught SIGTERM" in done.stdout and "DataLoader worker" not in done.stderr
+
+
+def test_torchrun_layout_sigterm_with_workers_checkpoints_and_resumes(demo_data, tmp_path):
+    """torchrun passes SIGTERM to each rank's process group (the data workers included); the ranks
+    checkpoint that step and exit 85, rank 0 writes the marker; the rerun resumes there exactly."""
+    argv = demo_argv(demo_data, tmp_path, "--max-steps", "14", "--resume", "latest", "--save-every-n-steps", "4",
+                     "--save-frequency", "0", "--workers", "2", "--batch-keys-file", str(tmp_path / "keys"),
+                     name="tr")  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "-m", "bigclip.train", "--", *argv]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
+    log = open(tmp_path / "torchrun.log", "ab")  # noqa: SIM115 (owned by the child process)
+    first = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wait_for_step(tmp_path / "keys", 5, [first])
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=300)
+    marker = json.loads((tmp_path / "tr" / "requeue.json").read_text())
+    assert marker["signal"] == "SIGTERM" and marker["step"] >= 5, (tmp_path / "torchrun.log").read_text()[
+        -3000:
+    ]
+    before = [read_keys(tmp_path / "keys", r) for r in range(2)]
+    requeued = srun_like(argv, 2, tmp_path)
+    assert wait_all(requeued) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    assert f"at step {marker['step']} " in (tmp_path / "rank0.log").read_text()
+    for rank in range(2):
+        after = read_keys(tmp_path / "keys", rank)
+        assert sorted(after) == list(range(14))
+        assert all(after[s] == before[rank][s] for s in before[rank] if s < marker["step"])
+
+
+def test_a_signal_during_start_up_does_not_kill_the_rank(demo_data, tmp_path):
+    """SIGUSR1 while Python still imports torch: caught (signals.py), honoured after the first step."""
+    argv = demo_argv(demo_data, tmp_path, "--max-steps", "5", "--save-frequency", "0", name="early")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    proc = subprocess.Popen([sys.executable, "-m", "bigclip.train", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
+    assert "preempted by SIGUSR1 at step 1" in out

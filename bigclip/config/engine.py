@@ -19,6 +19,17 @@ class EngineConfig:
     )
     reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (ZeRO-3-like).")
     dist_backend: str = opt("", "torch.distributed backend (default: nccl on GPU, gloo on CPU).")
+    dist_timeout: int = opt(
+        1800,
+        "Seconds any collective may wait before it fails (the process groups' timeout, gloo and NCCL): "
+        "a dead or hung peer then ends the run instead of stalling it.",
+    )
+    step_timeout: float = opt(
+        0.0,
+        "Step watchdog: when no step finishes for this many seconds, every rank logs which ranks are "
+        "stuck and where, and exits with 85 so the job is requeued from its last checkpoint "
+        "(0: 10x the median step time, at least 300 s, from the 10th step on; negative: off).",
+    )
     device: str = opt("", "Device (default: cuda:LOCAL_RANK when CUDA is present, else cpu).")
     local_rank: int = opt(
         -1,
@@ -32,6 +43,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.engine == "deepspeed" and not self.deepspeed_config:
             raise ConfigError("--engine deepspeed needs --deepspeed-config, e.g. ds_configs/zero3.json")
+        if self.dist_timeout < 1:
+            raise ConfigError(f"--dist-timeout must be at least 1 second, got {self.dist_timeout}")
         if self.dist_url not in ("", "env://"):
             raise ConfigError(
                 f"--dist-url {self.dist_url}: bigclip rendezvouses through the environment (env://); set "

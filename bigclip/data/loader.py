@@ -61,6 +61,7 @@ from bigclip.data.tokenizer import Tokenizer
 from bigclip.data.transforms import train_transform
 from bigclip.data.validation import epoch_samples, validate_data
 from bigclip.data.worker import ReaderSpec, ReaderStream
+from bigclip.data.worker_signals import shield_worker
 from bigclip.distributed import cpu_group
 from bigclip.errors import DataError
 from bigclip.storage.s3 import S3Settings
@@ -261,6 +262,7 @@ class TrainLoader:
             # unused; drawing it from a private generator leaves the training process's RNG
             # (patch dropout) untouched, which exact resume relies on.
             generator=torch.Generator().manual_seed(0),
+            worker_init_fn=shield_worker,  # preemption signals are the rank's to handle
         )
 
     def _settle_before_fork(self) -> None:

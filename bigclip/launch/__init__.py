@@ -1,4 +1,5 @@
-"""`bigclip slurm`: sbatch scripts rendered from training flags, one srun task per GPU or one
-torchrun per node, with the requeue protocol of train/preemption.py.
-An offline tool: imports only cli_args, config and errors; nothing in training imports it.
+"""`bigclip slurm`: sbatch scripts rendered from training flags, one srun task per rank or one
+torchrun per node, with the signal and requeue protocol of train/preemption.py.
+An offline tool: imports cli_args, config and errors, and plan (lazily: the planned checkpoint
+time); nothing in training imports it.
 """

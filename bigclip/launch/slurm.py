@@ -1,20 +1,28 @@
 """`bigclip slurm`: render an sbatch script for a multi-node run from training flags.
 
     bigclip slurm --nodes 128 --gpus-per-node 8 --model ViT-bigG-14 --engine fsdp [training flags] \\
-        [--launcher srun|torchrun] [--time 24:00:00] [--partition P] [--account A] [-o job.sbatch]
+        [--launcher srun|torchrun] [--time 24:00:00] [--partition P] [--account A] [--qos Q] \\
+        [--constraint C] [--gres none|SPEC] [-o job.sbatch]
 
 The training flags are parsed (and so checked) by bigclip's own parser, then written back in
 canonical form (`cli_args.to_argv`) into the script's TRAIN_ARGS. Requeueing needs the rerun to
 find the same checkpoints, so the script always trains with `--resume latest` and a fixed
 `--name` (the job name unless given) under a fixed `--logs`. Launch layouts:
-  srun      one task per GPU; bigclip reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
+  srun      one task per rank; bigclip reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
   torchrun  one task per node running torchrun with the c10d rendezvous on the first node.
-The template (bigclip/launch/slurm_template.py) carries the preemption and requeue logic.
+Resources: one rank per GPU, requested as `--gpus-per-node` unless `--gres` says otherwise
+(`--gres none` for clusters without GPU GRES, or a GRES spec such as gpu:a100:8);
+`--gpus-per-node 0 --ranks-per-node N` for CPU partitions.
+The template (bigclip/launch/slurm_template.py) carries the preemption and requeue logic; the
+planned checkpoint time (`planned_checkpoint_seconds`) sets torchrun's shutdown timeout and is
+checked against --signal-seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import math
 import re
 import shlex
 import sys
@@ -27,25 +35,39 @@ from bigclip.errors import ConfigError
 from bigclip.launch.slurm_template import BODY, HEADER, SRUN_LAUNCH, TORCHRUN_LAUNCH, fill
 
 LAUNCHERS = ("srun", "torchrun")
+NODE_UPLOAD_BYTES_PER_S = 500e6  # a conservative S3 upload rate for one node's checkpoint shards
+CHECKPOINT_FLOOR_S = 120  # process start-up noise, a slow step, a retried upload
+SBATCH_VALUE = re.compile(r"[^\s'\"\\$`]+")  # values that land unquoted on #SBATCH lines
 
 
 @dataclass(frozen=True)
 class Job:
     nodes: int
     gpus_per_node: int
+    ranks_per_node: int = 0  # 0: one per GPU
+    gres: str = ""  # "": --gpus-per-node; "none": no GPU request; else a --gres spec
     launcher: str = "srun"
     time: str = "24:00:00"
     signal_seconds: int = 600
+    checkpoint_seconds: int = 0  # 0: planned from the model and world size
     cpus_per_gpu: int = 12
     partition: str = ""
     account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    exclusive: bool = True
     job_name: str = ""
     python: str = "python"
     setup: str = ""  # a shell line run before launching (e.g. `source .venv/bin/activate`)
 
     @property
+    def ranks(self) -> int:
+        """Ranks per node."""
+        return self.ranks_per_node or self.gpus_per_node
+
+    @property
     def world(self) -> int:
-        return self.nodes * self.gpus_per_node
+        return self.nodes * self.ranks
 
 
 def job_parser() -> argparse.ArgumentParser:
@@ -54,14 +76,23 @@ def job_parser() -> argparse.ArgumentParser:
         description="Render an sbatch script: the options below, plus any `bigclip train` flag.",
     )
     p.add_argument("--nodes", type=int, required=True, help="Nodes to allocate.")
-    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (one rank each).")
+    p.add_argument("--gpus-per-node", type=int, required=True,
+                   help="GPUs per node, one rank each (0: a CPU partition; give --ranks-per-node).")  # fmt: skip
+    p.add_argument("--ranks-per-node", type=int, default=0, help="Ranks per node (default: one per GPU).")
+    p.add_argument("--gres", default="", help="GPU request: 'none' (no GRES on this cluster) or a spec "
+                   "such as gpu:a100:8 (default: --gpus-per-node).")  # fmt: skip
     p.add_argument("--launcher", choices=LAUNCHERS, default="srun", help="Process layout (see module doc).")
     p.add_argument("--time", default=Job.time, help="Time limit per job run, HH:MM:SS or D-HH:MM:SS.")
     p.add_argument("--signal-seconds", type=int, default=Job.signal_seconds,
                    help="SIGUSR1 this long before the time limit: checkpoint, exit, requeue.")  # fmt: skip
+    p.add_argument("--checkpoint-seconds", type=int, default=0,
+                   help="Time the ranks may take to checkpoint after a signal (torchrun's shutdown "
+                   "timeout; default: planned from the model and world size, at least 120).")  # fmt: skip
     p.add_argument("--cpus-per-gpu", type=int, default=Job.cpus_per_gpu, help="CPU cores per rank.")
-    p.add_argument("--partition", default="", help="SLURM partition.")
-    p.add_argument("--account", default="", help="SLURM account.")
+    for name in ("partition", "account", "qos", "constraint"):
+        p.add_argument(f"--{name}", default="", help=f"SLURM --{name} (passed through).")
+    p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
+                   help="Whole nodes (default); --no-exclusive lets other jobs share them.")  # fmt: skip
     p.add_argument("--job-name", default="", help="Job name (default: MODEL-ENGINE-GPUS).")
     p.add_argument("--python", default="python", help="Python interpreter on the nodes.")
     p.add_argument(
@@ -72,19 +103,48 @@ def job_parser() -> argparse.ArgumentParser:
 
 
 def validate_job(job: Job) -> Job:
-    if job.nodes < 1 or job.gpus_per_node < 1 or job.cpus_per_gpu < 1:
-        raise ConfigError("--nodes, --gpus-per-node and --cpus-per-gpu must be at least 1")
+    if job.nodes < 1 or job.cpus_per_gpu < 1 or job.gpus_per_node < 0 or job.ranks_per_node < 0:
+        raise ConfigError(
+            "--nodes and --cpus-per-gpu must be at least 1, --gpus-per-node and --ranks-per-node 0 or more"
+        )
+    if job.ranks < 1:
+        raise ConfigError("--gpus-per-node 0 (a CPU partition) needs --ranks-per-node N")
     if job.signal_seconds < 60:
         raise ConfigError("--signal-seconds below 60 leaves too little time to checkpoint before the limit")
     if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", job.time):
         raise ConfigError(f"--time {job.time!r}: use HH:MM:SS or D-HH:MM:SS")
     if job.job_name and not re.fullmatch(r"[A-Za-z0-9._-]+", job.job_name):
         raise ConfigError(f"--job-name {job.job_name!r}: use letters, digits, '.', '_' and '-'")
+    for flag in ("gres", "partition", "account", "qos", "constraint"):
+        value = getattr(job, flag)
+        if value and not SBATCH_VALUE.fullmatch(value):
+            raise ConfigError(
+                f"--{flag} {value!r}: no spaces, quotes, $, ` or \\ (it is written on a #SBATCH line)"
+            )
     return job
 
 
+def planned_checkpoint_seconds(cfg: TrainConfig, job: Job) -> int:
+    """Seconds from a signal to the ranks' exit: finish the step, save and upload one node's shards
+    (at NODE_UPLOAD_BYTES_PER_S, S3 requests at the per-prefix rate), twice over, at least 120."""
+    if job.checkpoint_seconds:
+        return job.checkpoint_seconds
+    from bigclip.plan.report import S3_WRITES_PER_PREFIX_PER_S, Hardware, build_plan
+    from bigclip.plan.spec import from_train_config
+
+    # Sized with FSDP2's sharding: ZeRO's per-rank share is within 15% of it, and planning ZeRO
+    # would import DeepSpeed to resolve its config (seconds) just to render a script.
+    as_fsdp = copy.deepcopy(cfg)
+    as_fsdp.engine.engine = "fsdp"
+    plan = build_plan(from_train_config(as_fsdp, gpus=job.world), Hardware())
+    upload = plan.checkpoint_rank0_bytes * job.ranks / NODE_UPLOAD_BYTES_PER_S
+    requests = plan.s3_requests_per_save / S3_WRITES_PER_PREFIX_PER_S
+    return max(CHECKPOINT_FLOOR_S, math.ceil(2 * (upload + requests + plan.step_time_s)))
+
+
 def default_job_name(cfg: TrainConfig, job: Job) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{cfg.model.model}-{cfg.engine.engine}-{job.world}gpu")
+    unit = "gpu" if job.gpus_per_node else "rank"
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{cfg.model.model}-{cfg.engine.engine}-{job.world}{unit}")
 
 
 def requeue_ready(cfg: TrainConfig, name: str) -> TrainConfig:
@@ -111,25 +171,38 @@ def train_args_lines(cfg: TrainConfig) -> str:
     return "\n".join(lines)
 
 
+def resource_lines(job: Job) -> str:
+    lines = []
+    if job.gpus_per_node and job.gres != "none":
+        lines.append(f"--gres={job.gres}" if job.gres else f"--gpus-per-node={job.gpus_per_node}")
+    lines.append(f"--cpus-per-task={job.cpus_per_gpu * (job.ranks if job.launcher == 'torchrun' else 1)}")
+    return "".join(f"#SBATCH {line}\n" for line in lines)
+
+
 def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") -> str:
     name = job.job_name or default_job_name(cfg, job)
     cfg = requeue_ready(cfg, name)
-    srun = job.launcher == "srun"
-    extra = [f"#SBATCH --partition={job.partition}"] * bool(job.partition)
-    extra += [f"#SBATCH --account={job.account}"] * bool(job.account)
+    checkpoint_s = planned_checkpoint_seconds(cfg, job)
+    if job.signal_seconds < checkpoint_s:
+        raise ConfigError(
+            f"--signal-seconds {job.signal_seconds} is shorter than the planned checkpoint time ({checkpoint_s} s): "
+            "the time limit would cut the checkpoint short; raise it, or set --checkpoint-seconds"
+        )
+    extra = [f"#SBATCH --{flag}={getattr(job, flag)}" for flag in ("partition", "account", "qos", "constraint")
+             if getattr(job, flag)]  # fmt: skip
     values = {
-        "TITLE": title or f"{cfg.model.model} on {job.nodes} x {job.gpus_per_node} GPUs, {name}",
-        "COMMAND": command, "JOB_NAME": name,
-        "NODES": str(job.nodes), "TASKS_PER_NODE": str(job.gpus_per_node if srun else 1),
-        "GPUS_PER_NODE": str(job.gpus_per_node),
-        "CPUS_PER_TASK": str(job.cpus_per_gpu * (1 if srun else job.gpus_per_node)),
-        "TIME": job.time, "SIGNAL_SECONDS": str(job.signal_seconds), "OUTPUT": "%x-%j.out",
+        "TITLE": title or f"{cfg.model.model} on {job.nodes} x {job.gpus_per_node or job.ranks} "
+        f"{'GPUs' if job.gpus_per_node else 'CPU ranks'}, {name}",
+        "COMMAND": command, "JOB_NAME": name, "NODES": str(job.nodes),
+        "TASKS_PER_NODE": str(job.ranks if job.launcher == "srun" else 1), "RANKS_PER_NODE": str(job.ranks),
+        "RESOURCES": resource_lines(job), "EXCLUSIVE": "#SBATCH --exclusive\n" * job.exclusive, "TIME": job.time, "SIGNAL_SECONDS": str(job.signal_seconds),
+        "CHECKPOINT_SECONDS": str(checkpoint_s), "OUTPUT": "%x-%j.out",
         "EXTRA_SBATCH": "".join(line + "\n" for line in extra), "LOGS": cfg.log.logs, "NAME": cfg.log.name,
         "OMP_THREADS": str(max(1, job.cpus_per_gpu // 2)),
         "ENV_SETUP": job.setup + "\n" if job.setup else "", "WORLD": str(job.world),
         "TRAIN_ARGS": train_args_lines(cfg), "PYTHON": job.python,
     }  # fmt: skip
-    launch = fill(SRUN_LAUNCH if srun else TORCHRUN_LAUNCH, values)
+    launch = fill(SRUN_LAUNCH if job.launcher == "srun" else TORCHRUN_LAUNCH, values)
     return fill(HEADER, values) + fill(BODY, {**values, "LAUNCH": launch})
 
 
@@ -155,11 +228,8 @@ def _without_output(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     args, train_argv = job_parser().parse_known_args(argv)
-    job = validate_job(Job(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node, launcher=args.launcher, time=args.time,
-        signal_seconds=args.signal_seconds, cpus_per_gpu=args.cpus_per_gpu, partition=args.partition,
-        account=args.account, job_name=args.job_name, python=args.python, setup=args.setup,
-    ))  # fmt: skip
+    options = {k: v for k, v in vars(args).items() if k != "output"}
+    job = validate_job(Job(**options))
     cfg = parse_train_args(train_argv)
     _check_safe_values(cfg)
     script = render(job, cfg, command=" ".join(shlex.quote(a) for a in _without_output(argv)))

@@ -1,8 +1,9 @@
 """The sbatch script template rendered by `bigclip slurm` (placeholders: {{NAME}}).
 
 Kept as Python text rather than a package data file: it is rendered, never run, as is. Every
-rendered script passes shellcheck (tests/test_slurm.py). Why each line is there is said in the
-script itself, since that is what users read.
+rendered script passes shellcheck (tests/test_slurm.py) and runs under a real Slurm in the tests
+(tests/test_slurm_cluster.py). Why each line is there is said in the script itself, since that is
+what users read; slurm/README.md has the table of which signal comes from where.
 """
 
 HEADER = """\
@@ -14,11 +15,8 @@ HEADER = """\
 #SBATCH --job-name={{JOB_NAME}}
 #SBATCH --nodes={{NODES}}
 #SBATCH --ntasks-per-node={{TASKS_PER_NODE}}
-#SBATCH --gpus-per-node={{GPUS_PER_NODE}}
-#SBATCH --cpus-per-task={{CPUS_PER_TASK}}
-#SBATCH --time={{TIME}}
-#SBATCH --exclusive
-#SBATCH --requeue
+{{RESOURCES}}#SBATCH --time={{TIME}}
+{{EXCLUSIVE}}#SBATCH --requeue
 #SBATCH --signal=USR1@{{SIGNAL_SECONDS}}
 #SBATCH --open-mode=append
 #SBATCH --output={{OUTPUT}}
@@ -27,13 +25,56 @@ HEADER = """\
 BODY = """
 set -uo pipefail
 
-# Preemption. SLURM sends SIGUSR1 to every task {{SIGNAL_SECONDS}} s before the time limit
-# (--signal above) and SIGTERM when it preempts the job. bigclip finishes the step, commits a
-# checkpoint (the async upload included), rank 0 writes $RUN_DIR/requeue.json, and the ranks exit
-# with 85. This shell then requeues the job; the rerun resumes with --resume latest at that step.
-# SIGTERM also reaches this shell: trap it, or the shell would die at once and SLURM would end the
-# job step while the ranks are still writing their checkpoint.
-trap 'echo "bigclip sbatch: SIGTERM; waiting for the ranks to checkpoint"' TERM
+# Preemption. SLURM sends SIGUSR1 to every task {{SIGNAL_SECONDS}} s before the time limit (--signal
+# above), SIGTERM to the tasks when it preempts the job (then waits the partition's GraceTime), and
+# SIGTERM to every process of the job when it requeues or cancels it (then waits KillWait). The
+# ranks finish their step, commit a checkpoint (the async upload included), rank 0 writes
+# $RUN_DIR/requeue.json, and they exit with 85; this script then requeues the job, once, and the
+# rerun resumes with --resume latest at that step. Planned checkpoint time: {{CHECKPOINT_SECONDS}} s;
+# GraceTime and KillWait must leave at least that.
+# This shell gets signals too (a B: signal, scancel --batch or --full, a requeue, a cancel). It must
+# not die of them (SLURM would end the job step under the ranks' checkpoint): it passes them on to
+# the ranks, as SIGUSR1 through the launcher, and keeps waiting.
+LAUNCHER_PID="" LAUNCHED=0 EARLY_SIGNAL=""
+# shellcheck disable=SC2329  # called by the traps
+forward() {
+    if [[ -z "$LAUNCHER_PID" ]]; then  # before the launch: nothing to checkpoint yet; after: nothing left
+        (( LAUNCHED )) || EARLY_SIGNAL=$1
+        return
+    fi
+    echo "bigclip sbatch: $1 received; asking the ranks to checkpoint and stop"
+    kill -s USR1 "$LAUNCHER_PID" 2>/dev/null || true
+}
+trap 'forward SIGTERM' TERM
+trap 'forward SIGUSR1' USR1
+
+# Requeue once, and only if nobody else did: SLURM itself requeues a job preempted past its grace
+# time or hit by `scontrol requeue` (its Restarts count is then ahead of ours), and a cancelled job
+# must stay cancelled (SLURM would requeue even that).
+job_field() {
+    scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | sed -n "s/.* $1=\\([^ ]*\\).*/\\1/p"
+}
+requeued_already() {
+    local restarts
+    restarts=$(job_field Restarts)
+    (( ${restarts:-0} > ${SLURM_RESTART_COUNT:-0} ))
+}
+requeue_once() {
+    local state reason
+    state=$(job_field JobState) reason=$(job_field Reason)
+    if requeued_already; then
+        echo "bigclip sbatch: SLURM has requeued this job already (preemption, scontrol requeue or a node failure); it resumes from the last checkpoint"
+    elif [[ "$state" == RUNNING || "$reason" == TimeLimit ]]; then
+        # The requeue makes SLURM end this job at once, SIGTERM to scontrol included: it ignores it.
+        if (trap '' TERM; scontrol requeue "$SLURM_JOB_ID") || requeued_already; then
+            echo "bigclip sbatch: requeued job $SLURM_JOB_ID; it resumes from the last checkpoint"
+        else
+            echo "bigclip sbatch: scontrol requeue failed; resubmit this script to resume from the last checkpoint"
+        fi
+    else
+        echo "bigclip sbatch: the job is ending (${state:-unknown}, reason ${reason:-none}: cancelled), so it is not requeued; resubmit this script to resume from the last checkpoint"
+    fi
+}
 
 # NCCL / PyTorch settings, each documented in slurm/README.md. Cluster-specific ones (network
 # interface, InfiniBand HCAs, AWS EFA) are left to the site: uncomment what yours documents.
@@ -63,30 +104,43 @@ TRAIN_ARGS=(
 )
 
 echo "bigclip sbatch: job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0}, {{WORLD}} ranks on $SLURM_JOB_NUM_NODES nodes"
-{{LAUNCH}}
-status=$?
+if [[ -n "$EARLY_SIGNAL" ]]; then
+    echo "bigclip sbatch: $EARLY_SIGNAL before the ranks started: nothing to checkpoint"
+    requeue_once
+    exit 0
+fi
+{{LAUNCH}} &
+LAUNCHER_PID=$! LAUNCHED=1
+# `wait` returns early whenever a trapped signal arrives: wait until the launcher is really gone.
+while kill -0 "$LAUNCHER_PID" 2>/dev/null; do wait "$LAUNCHER_PID"; done
+wait "$LAUNCHER_PID"
+status=$? LAUNCHER_PID=""
 
+# The marker, not the exit code, says "checkpoint committed, requeue me": torchrun exits 1 when its
+# ranks exit 85, and a rank ended by the step watchdog (a hung peer) writes it too.
 if [[ -f "$REQUEUE_MARKER" || $status -eq 85 ]]; then
-    echo "bigclip sbatch: preempted after a committed checkpoint ($(cat "$REQUEUE_MARKER" 2>/dev/null)); requeueing"
-    scontrol requeue "$SLURM_JOB_ID" || echo "bigclip sbatch: scontrol requeue failed; resubmit this script to resume"
+    echo "bigclip sbatch: the ranks stopped and asked for a requeue ($(cat "$REQUEUE_MARKER" 2>/dev/null))"
+    requeue_once
     exit 0
 fi
 exit "$status"
 """
 
 SRUN_LAUNCH = """\
-# One task per GPU: srun sets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, which bigclip reads.
+# One task per rank: srun sets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, which bigclip reads.
 # --kill-on-bad-exit stops the other ranks when one fails, instead of leaving them in a collective
-# until the NCCL timeout; on preemption the ranks meet after the checkpoint, so nothing is cut short.
+# until the timeout; on preemption the ranks meet after the checkpoint, so nothing is cut short.
 srun --kill-on-bad-exit=1 {{PYTHON}} -u -m bigclip.train "${TRAIN_ARGS[@]}\""""
 
 TORCHRUN_LAUNCH = """\
-# One torchrun per node (it starts {{GPUS_PER_NODE}} ranks) with the c10d rendezvous on the first node.
-# torchrun forwards SIGUSR1 only when asked to (--signals-to-handle) and then exits 1 itself;
-# the requeue marker written by rank 0 is what this script trusts. `--` keeps torchrun from
-# reading bigclip's --logs as an abbreviation of its own --logs-specs.
+# One torchrun per node (it starts {{RANKS_PER_NODE}} ranks) with the c10d rendezvous on the first node.
+# torchrun passes SIGUSR1 on only when asked to (--signals-to-handle), to each rank's process
+# group, then SIGKILLs what is left after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds: the planned
+# checkpoint time. It exits 1 itself; the requeue marker written by rank 0 is what this script
+# trusts. `--` keeps torchrun from reading bigclip's --logs as its own --logs-specs.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={{CHECKPOINT_SECONDS}}
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 {{PYTHON}} -m torch.distributed.run \\
-    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={{GPUS_PER_NODE}} \\
+    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={{RANKS_PER_NODE}} \\
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
     --max-restarts=0 --signals-to-handle=SIGTERM,SIGINT,SIGUSR1 \\
     -m bigclip.train -- "${TRAIN_ARGS[@]}\""""

@@ -2,8 +2,13 @@
 
 import sys
 
-from bigclip.errors import BigclipError
-from bigclip.train.loop import main
+from bigclip.train.signals import catch_preemption_signals
+
+# First, before torch is imported (seconds): SIGUSR1/SIGTERM during start-up must not kill the rank.
+catch_preemption_signals()
+
+from bigclip.errors import BigclipError  # noqa: E402
+from bigclip.train.loop import main  # noqa: E402
 
 try:
     sys.exit(main())

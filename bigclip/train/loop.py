@@ -59,6 +59,7 @@ from bigclip.train.setup import (
 )
 from bigclip.train.step import train_step
 from bigclip.train.step_log import log_step
+from bigclip.train.watchdog import StepWatchdog, between_steps
 from bigclip.weights import pretrained
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class Run:
     last_saved_step: int = -1
     preemption: PreemptionWatcher | None = None
     remote_sync: RemoteSync | None = None
+    watchdog: StepWatchdog | None = None
     pretrained_lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
 
     @property
@@ -97,7 +99,11 @@ class Run:
 def setup(cfg: TrainConfig) -> Run:
     """Check everything that can fail cheaply (data, storage) before building the model."""
     preemption = PreemptionWatcher()
-    runtime = init_distributed(backend=cfg.engine.dist_backend, device=requested_device(cfg.engine))
+    runtime = init_distributed(
+        backend=cfg.engine.dist_backend,
+        device=requested_device(cfg.engine),
+        timeout_s=cfg.engine.dist_timeout,
+    )
     run_dir = prepare_run_dir(cfg, runtime)
     log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
@@ -125,9 +131,11 @@ def setup(cfg: TrainConfig) -> Run:
     if which:
         run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
         run.last_saved_step = run.state.step  # never saved again over the checkpoint just loaded
+    run.watchdog = StepWatchdog.start_for(cfg, runtime, run_dir)
     return run
 
 
+@between_steps
 def build_loader(run: Run) -> data.TrainLoader:
     # Data workers are forked, and s3torchconnector tears its clients down before a fork:
     # an upload in flight must finish first.
@@ -173,6 +181,7 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
         state.step, state.epoch_step = state.step + 1, state.epoch_step + 1
         state.samples_seen += run.global_batch
         timer.step_done()
+        run.watchdog.step_done(state.step)  # no sync: it only notes the time
         if state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps:
             log_step(
                 run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
@@ -202,6 +211,7 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
 
 def close_run(run: Run, *, strict: bool = True) -> None:
     """Release what the run holds; the final backup is waited for (`strict`: raise if incomplete)."""
+    run.watchdog.close()
     run.store.close()
     run.scalars.close()
     run.preemption.close()
@@ -211,6 +221,7 @@ def close_run(run: Run, *, strict: bool = True) -> None:
         run.remote_sync.finish(strict=strict)
 
 
+@between_steps
 def save_checkpoint(run: Run, *, data_position: dict | None, most_recent_only: bool = False) -> None:
     """Collective. Logs (and sends to TensorBoard) how long training was blocked."""
     if run.state.step == run.last_saved_step:
@@ -232,6 +243,7 @@ def save_checkpoint(run: Run, *, data_position: dict | None, most_recent_only: b
     run.scalars.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
 
 
+@between_steps
 def evaluate(run: Run) -> dict[str, float] | None:
     if not run.cfg.data.val_data or not run.cfg.data.val_frequency:
         return None
@@ -276,6 +288,7 @@ def fit(run: Run) -> dict[str, Any]:
 
 
 def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str, Any]:
+    run.watchdog.close()  # no steps from here on (the last upload may take long)
     if run.state.step != run.last_saved_step and save_due(run.cfg, run.state, epoch_end=False, final=True):
         kept = regular_save_due(run.cfg, run.state, epoch_end=False, final=True)
         position = loader.state_dict() if run.state.epoch_step else None
@@ -303,11 +316,17 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_train_args(argv)
+    run = None
     try:
-        summary = run_training(cfg)
+        run = setup(cfg)
+        summary = fit(run)
     except Preempted as e:
         get_logger().info(f"{e}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued")
         return REQUEUE_EXIT_CODE
+    except RuntimeError as e:  # a collective failed (a peer died, a timeout): say which ranks are gone
+        if run is not None and run.runtime.world_size > 1:
+            run.watchdog.explain_failure(e)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

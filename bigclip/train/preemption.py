@@ -1,12 +1,15 @@
 """Preemption: a signal asks the run to checkpoint and exit with the code that requeues it.
 
-SLURM sends SIGUSR1 ahead of the time limit with `#SBATCH --signal=USR1@SECONDS` (to every
-task of the job step), and SIGTERM when it preempts or cancels. The handler only sets a flag;
-at the next step boundary the ranks agree (one tiny all-reduce over a CPU group, since
-signals reach ranks at different moments), checkpoint, wait for the upload, and exit with
-REQUEUE_EXIT_CODE. Rank 0 also writes RUN_DIR/requeue.json (`announce_requeue`): torchrun
-exits 1 when its workers exit 85, so the sbatch scripts in slurm/ requeue the job on the marker
-(or on 85 from srun). The requeued job resumes with `--resume latest` at the exact step.
+Which signal comes how (slurm/README.md has the table, tested against a real Slurm):
+SLURM sends SIGUSR1 ahead of the time limit with `#SBATCH --signal=USR1@SECONDS`, and SIGTERM
+when it preempts (to the job steps), requeues or cancels (to every process of the job); torchrun
+passes what it receives on to each rank's whole process group. signals.py catches them from the
+process's first moment; data-loader workers ignore them (data/worker_signals.py), so the rank
+decides when they stop. At the next step boundary the ranks agree (one tiny all-reduce over a
+CPU group, since signals reach ranks at different moments), checkpoint, wait for the upload,
+and exit with REQUEUE_EXIT_CODE. Rank 0 also writes RUN_DIR/requeue.json (`write_requeue_marker`):
+torchrun exits 1 when its workers exit 85, so the sbatch scripts in slurm/ requeue the job on the
+marker (or on 85 from srun). The requeued job resumes with `--resume latest` at the exact step.
 """
 
 from __future__ import annotations
@@ -14,17 +17,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
+import time
 from pathlib import Path
-from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from bigclip.distributed import cpu_group
+from bigclip.train.metrics import get_logger
+from bigclip.train.signals import SignalFlag, catch_preemption_signals
 
 REQUEUE_EXIT_CODE = 85
-PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 REQUEUE_MARKER = "requeue.json"  # in the run directory; read by the sbatch scripts
 
 
@@ -38,40 +42,51 @@ class Preempted(Exception):
 
 
 class PreemptionWatcher:
-    """Install first thing in a run: a signal during start-up must not kill it (SIGUSR1's default)."""
+    """Install first thing in a run: a signal during start-up must not kill it (SIGUSR1's default).
+    A signal caught before (by __main__.py, ahead of the torch import) is kept."""
 
     def __init__(self) -> None:
-        self.signum = 0
-        self._previous: dict[int, object] = {}
-        if threading.current_thread() is threading.main_thread():  # handlers only install there
-            for sig in PREEMPTION_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self.flag: SignalFlag = catch_preemption_signals()
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = signum
+    @property
+    def signum(self) -> int:
+        return self.flag.signum
 
     def requested(self) -> int:
         """Collective: the signal number if any rank was signalled, else 0."""
-        flag = torch.tensor([self.signum], dtype=torch.int64)
+        flag = torch.tensor([self.flag.signum], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
-        return int(flag.item())
+        signum = int(flag.item())
+        if signum:
+            mine = self.flag.signum
+            seen = f"{time.monotonic() - self.flag.received_at:.1f} s ago" if mine else "by another rank"
+            get_logger().info(f"preemption: {signal.Signals(signum).name} received {seen}; checkpointing now")
+        return signum
 
     def close(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        """Restore the previous handlers and forget the signal (a next run in this process starts clean)."""
+        self.flag.uninstall()
+        self.flag.reset()
+
+
+def write_requeue_marker(run_dir: Path, record: dict[str, Any], *, writer: int) -> Path:
+    """Atomically write RUN_DIR/requeue.json ("requeue this job"; the batch script may read it at
+    any moment). Several ranks may write it at once (the watchdog's survivors): each through its
+    own temporary file."""
+    marker = Path(run_dir) / REQUEUE_MARKER
+    tmp = marker.with_name(f".{marker.name}.{writer}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, marker)
+    return marker
 
 
 def announce_requeue(run_dir: Path, *, step: int, signum: int, is_main: bool) -> None:
-    """Call once the preemption checkpoint is committed. Rank 0 writes the requeue marker
-    (atomically: the batch script may read it at any moment); then every rank waits for the
-    others, so a launcher that kills the remaining ranks as soon as one exits (srun
-    --kill-on-bad-exit, DeepSpeed's launcher) cannot cut the commit or the marker short."""
+    """Call once the preemption checkpoint is committed. Rank 0 writes the requeue marker; then
+    every rank waits for the others, so a launcher that kills the remaining ranks as soon as one
+    exits (srun --kill-on-bad-exit, DeepSpeed's launcher) cannot cut the commit or the marker short."""
     if is_main:
-        marker = Path(run_dir) / REQUEUE_MARKER
-        tmp = marker.with_name(f".{marker.name}.tmp")
-        tmp.write_text(json.dumps({"step": step, "signal": signal.Signals(signum).name}) + "\n")
-        os.replace(tmp, marker)
+        record = {"step": step, "signal": signal.Signals(signum).name, "reason": "preempted"}
+        write_requeue_marker(run_dir, record, writer=0)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier(group=cpu_group())

@@ -1,0 +1,198 @@
+"""Step watchdog: a hung rank ends the job with a diagnosis and a requeue, a dead one fails it fast.
+
+At 256+ nodes the common failure is not an exception but silence: a stuck NCCL collective, a
+frozen node, a rank killed by the OOM killer while the others wait for it. A thread per rank
+watches the one thing every engine has in common, the training loop finishing steps:
+
+- `step_done()` after every step records the time (two assignments: no device sync, no
+  collective, nothing on the step's hot path); `paused()` covers the known long stretches
+  between steps (checkpoint saves, epoch ends with evaluation and a new loader).
+- The limit is `--step-timeout` seconds, or by default 10x the median step time over the last
+  100 steps, at least 300 s, once 10 steps have been timed (the first steps compile and warm up).
+- When no step has finished within the limit, the rank dumps every thread's stack
+  (faulthandler, to stderr), takes a roll call of all ranks through heartbeats in the rendezvous
+  store (heartbeats.py: who stopped answering, where each one is), logs it, writes the requeue
+  marker and exits with REQUEUE_EXIT_CODE: the sbatch scripts requeue the job and it resumes
+  from its last committed checkpoint. Every rank does the same, so every healthy rank names the
+  stuck ones; a stopped rank cannot, and srun (--kill-on-bad-exit) or torchrun ends it.
+- A rank that died makes the others' next collective fail (gloo: at once; NCCL: after the
+  process group's timeout, or this watchdog first): `explain_failure` then names the ranks that
+  stopped answering before the error propagates (exit code 1, no requeue: a rank that ran out of
+  memory would do so again).
+While a preemption signal is being handled the watchdog stands aside: the checkpoint may take
+longer than a step, and the scheduler's grace time bounds it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from bigclip.config import TrainConfig
+from bigclip.distributed import Runtime, side_store
+from bigclip.train.heartbeats import Heartbeats, RollCall, main_thread_location
+from bigclip.train.metrics import get_logger
+from bigclip.train.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, write_requeue_marker
+from bigclip.train.signals import preemption_flag
+
+AUTO_FACTOR = 10.0
+AUTO_FLOOR_S = 300.0
+AUTO_MIN_STEPS = 10
+MAX_BEAT_INTERVAL_S = 5.0  # one store write per rank per interval: 205/s on 1024 ranks
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def step_limit(timeout_s: float, intervals: list[float] | deque) -> float | None:
+    """Seconds the next step may take (None: not watching)."""
+    if timeout_s < 0:
+        return None
+    if timeout_s > 0:
+        return timeout_s
+    if len(intervals) < AUTO_MIN_STEPS:
+        return None
+    return max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(intervals))
+
+
+def beat_interval(timeout_s: float) -> float:
+    """A twentieth of an explicit limit (a report within ~1.2x the limit), 1 to 5 s."""
+    return MAX_BEAT_INTERVAL_S if timeout_s <= 0 else min(MAX_BEAT_INTERVAL_S, max(1.0, timeout_s / 20))
+
+
+class StepWatchdog:
+    def __init__(self, *, timeout_s: float, rank: int, run_dir: Path, heartbeats: Heartbeats | None) -> None:
+        self.timeout_s, self.rank, self.run_dir, self.heartbeats = timeout_s, rank, Path(run_dir), heartbeats
+        self.interval_s = heartbeats.interval_s if heartbeats else beat_interval(timeout_s)
+        self.step = 0
+        self._intervals: deque[float] = deque(maxlen=100)
+        self._last_step_at: float | None = None  # not watching before the first step
+        self._paused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="bigclip-step-watchdog", daemon=True)
+
+    @classmethod
+    def start_for(cls, cfg: TrainConfig, runtime: Runtime, run_dir: Path) -> StepWatchdog:
+        timeout_s, beats = cfg.engine.step_timeout, None
+        if runtime.world_size > 1 and timeout_s >= 0:
+            interval = beat_interval(timeout_s)
+            store = side_store(prefix="bigclip/heartbeats", timeout_s=max(10.0, 2 * interval))
+            beats = Heartbeats(store, rank=runtime.rank, world_size=runtime.world_size, interval_s=interval)
+            beats.beat(0)  # present from the start, so a roll call never waits for a missing key
+        watchdog = cls(timeout_s=timeout_s, rank=runtime.rank, run_dir=run_dir, heartbeats=beats)
+        if timeout_s >= 0:
+            watchdog._thread.start()
+        return watchdog
+
+    def step_done(self, step: int) -> None:
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._intervals.append(now - self._last_step_at)
+        self._last_step_at, self.step = now, step
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if self._last_step_at is not None:
+                self._last_step_at = time.monotonic()  # the next step's time starts now
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.heartbeats is not None:
+                self.heartbeats.beat(self.step)
+            limit, last = step_limit(self.timeout_s, self._intervals), self._last_step_at
+            idle = time.monotonic() - last if last is not None else 0.0
+            standing_aside = self._paused or preemption_flag().signum
+            if limit is not None and last is not None and idle > limit and not standing_aside:
+                self._give_up(limit=limit, idle=idle)
+
+    def _give_up(self, *, limit: float, idle: float) -> None:
+        log = get_logger()
+        log.error(
+            f"step watchdog (rank {self.rank}): no step finished for {idle:.1f} s (limit {limit:.0f} s) "
+            f"after step {self.step}; stacks of this rank's threads follow, then a roll call of the ranks"
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        call = None
+        if self.heartbeats is not None:
+            self.heartbeats.activity = f"its own watchdog report, stuck before in {main_thread_location()}"
+            call = self.heartbeats.roll_call(step=self.step)
+        if call is not None:
+            log.error(f"step watchdog (rank {self.rank}): roll call:\n{call.describe()}")
+        record = {"reason": "hung", "step": self.step, "idle_s": round(idle, 1), "by_rank": self.rank,
+                  "silent_ranks": call.silent if call else [], "signal": None}  # fmt: skip
+        self._write_marker(record)
+        log.error(
+            f"step watchdog (rank {self.rank}): exiting with {REQUEUE_EXIT_CODE}: the job is requeued "
+            "and resumes from its last committed checkpoint"
+        )
+        if call is not None and self.heartbeats is not None:
+            answering = [r for r in range(call.world_size) if r not in call.silent]
+            self.heartbeats.depart(answering, step=self.step, timeout_s=3 * self.interval_s)
+        _exit_now(REQUEUE_EXIT_CODE)
+
+    def _write_marker(self, record: dict) -> None:
+        try:  # every survivor writes it (under srun the first to exit ends the others); the first stays
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if (self.run_dir / REQUEUE_MARKER).exists():
+                return  # a peer's report, made while this rank was the stuck one (SIGCONT by the launcher)
+            write_requeue_marker(self.run_dir, record, writer=self.rank)
+        except OSError as e:
+            get_logger().error(f"step watchdog: could not write the requeue marker in {self.run_dir}: {e}")
+
+    def explain_failure(self, error: BaseException) -> RollCall | None:
+        """After a collective failed: log which ranks stopped answering (a roll call, seconds)."""
+        self.close()
+        if self.heartbeats is None:
+            return None
+        self.heartbeats.activity = f"the {type(error).__name__} of a failed collective"
+        call = self.heartbeats.roll_call(step=self.step)
+        answering = [r for r in range(call.world_size) if r not in call.silent]
+        self.heartbeats.depart(answering, step=self.step, timeout_s=3 * self.interval_s)
+        get_logger().error(
+            f"rank {self.rank}: a collective failed after step {self.step} "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
+            f"roll call of the ranks:\n{call.describe()}\nResubmit the job to resume from its last "
+            "committed checkpoint once the cause (out of memory, a lost node) is dealt with."
+        )
+        return call
+
+
+def between_steps(fn: F) -> F:
+    """Decorates a loop function of a Run that runs between steps and may take long (a checkpoint
+    save, evaluation, building a loader): the watchdog pauses while it runs."""
+
+    @functools.wraps(fn)
+    def wrapper(run: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(run, "watchdog", None) is None:
+            return fn(run, *args, **kwargs)
+        with run.watchdog.paused():
+            return fn(run, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _exit_now(code: int) -> None:
+    """Leave from this thread while the main one is stuck: flush the logs, skip the interpreter's
+    shutdown (it would wait for the stuck thread); data workers follow by PR_SET_PDEATHSIG."""
+    for handler in get_logger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
