@@ -71,15 +71,31 @@ class ModelConfig:
         convert=_bnb_linear_to_int8,
     )
     int8_attention: bool = _opt(False, "With --int8, also swap the attention projections.")
+    lock_image: bool = _opt(False, "Freeze the image tower (LiT); frozen weights get no optimizer state.")
+    lock_image_unlocked_groups: int = _opt(
+        0, "With --lock-image, leave the last N layer groups of the image tower trainable."
+    )
+    lock_image_freeze_bn_stats: bool = _opt(
+        False, "OpenCLIP's flag for BatchNorm towers; refused: bigclip's ViT image towers have no BatchNorm."
+    )
+    lock_text: bool = _opt(False, "Freeze the text tower; frozen weights get no optimizer state.")
+    lock_text_unlocked_layers: int = _opt(
+        0, "With --lock-text, leave the last N layer groups of the text tower trainable."
+    )
+    lock_text_freeze_layer_norm: bool = _opt(
+        False, "With --lock-text, freeze the LayerNorms of locked layers too (else they stay trainable)."
+    )
 
     def validate(self) -> None:
         if not 0.0 <= self.force_patch_dropout < 1.0:
             raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
+        from bigclip.models.lock import check_lock_options
         from bigclip.models.registry import get_model_config  # raises, listing valid names
 
         get_model_config(self.model)
+        check_lock_options(self)
 
 
 @dataclass
@@ -90,6 +106,17 @@ class DataConfig:
     val_data: str = _opt("", "Held-out shards for retrieval evaluation (same pattern syntax).")
     train_num_samples: int = _opt(0, "Samples per epoch (0: read sizes.json beside the shards).")
     val_num_samples: int = _opt(0, "Held-out samples to evaluate (0: all).")
+    imagenet_val: str = _opt(
+        "",
+        "Zero-shot classification set: an ImageNet-layout folder (one sub-folder per class) or "
+        "webdataset shards with .cls labels (classnames.txt beside them for non-ImageNet classes).",
+    )
+    imagenet_v2: str = _opt(
+        "", "ImageNet-V2 for zero-shot classification: the folder holding ImageNetV2-matched-frequency/."
+    )
+    zeroshot_frequency: int = _opt(
+        2, "Run zero-shot classification every N epochs and after the last one (0: never)."
+    )
     dataset_resampled: bool = _opt(False, "Sample shards with replacement (an endless stream).")
     workers: int = _opt(4, "Data-loader worker processes per rank.")
     batch_size: int = _opt(64, "Batch size per GPU (per rank).")
@@ -113,6 +140,10 @@ class DataConfig:
             raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
         if self.train_num_samples < 0 or self.val_num_samples < 0:
             raise ConfigError("--train-num-samples and --val-num-samples must be 0 (auto) or positive")
+        if self.zeroshot_frequency < 0:
+            raise ConfigError(
+                f"--zeroshot-frequency must be 0 (never) or positive, got {self.zeroshot_frequency}"
+            )
 
 
 @dataclass

@@ -109,10 +109,14 @@ class DeepSpeedEngine(Engine):
         return partitioned
 
     def _prepare_blocks(self, model: CLIP) -> None:
-        if self.plan.stage == 3:
+        frozen = any(not p.requires_grad for p in model.parameters())
+        if self.plan.stage == 3 and not frozen:
             # Gather each residual block's parameters at once, as FSDP2 does per block: one
             # all-gather per block instead of one per linear/norm, and no ZeRO-3 hooks inside a
             # block, so --torchcompile compiles whole blocks without graph breaks.
+            # Not with frozen parameters (--lock-*): DeepSpeed 0.19 reduces a leaf block's
+            # gradients from its backward hook, which fires before they exist when the block's
+            # input needs no gradient (the first trainable block after frozen ones).
             self.deepspeed.utils.set_z3_leaf_modules(model, list({type(b) for b in model.blocks()}))
         if self.cfg.model.torchcompile:
             self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile() does: no graph breaks
