@@ -52,6 +52,7 @@ from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWat
 from bigclip.train.remote_sync import RemoteSync
 from bigclip.train.setup import prepare_run_dir, seed_everything
 from bigclip.train.step import StepOutput, train_step
+from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class Run:
     preemption: PreemptionWatcher | None = None
     remote_sync: RemoteSync | None = None
     pretrained_lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
+    zeroshot: ZeroShot = field(default_factory=ZeroShot)  # --imagenet-val / --imagenet-v2
 
     @property
     def global_batch(self) -> int:
@@ -99,6 +101,7 @@ def setup(cfg: TrainConfig) -> Run:
     )
     s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
     shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
+    zeroshot = ZeroShot.open(cfg, s3)
     store = open_store(cfg, run_dir, s3)
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
@@ -109,7 +112,7 @@ def setup(cfg: TrainConfig) -> Run:
     lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if pretrained.applies(cfg, store) else None
     tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
-    run.preemption, run.pretrained_lease = preemption, lease
+    run.preemption, run.pretrained_lease, run.zeroshot = preemption, lease, zeroshot
     if cfg.log.remote_sync and runtime.is_main:
         remote = f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
         run.remote_sync = RemoteSync(
@@ -255,14 +258,21 @@ def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
     run.tensorboard.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
 
 
-def evaluate(run: Run) -> dict[str, float] | None:
-    if not run.cfg.data.val_data:
+def evaluate(run: Run, *, final: bool = False) -> dict[str, float] | None:
+    metrics, batch_size = {}, run.cfg.data.batch_size
+    if run.cfg.data.val_data:
+        mine = data.iter_eval_samples(
+            run.cfg.data.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
+            limit=run.cfg.data.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
+        )  # fmt: skip
+        metrics = evaluate_retrieval(run.engine, list(mine), run.runtime, batch_size=batch_size)
+    if run.zeroshot.due(run.state.epoch, final=final):
+        run.store.wait()  # the loader forks workers (see build_loader)
+        metrics |= run.zeroshot.evaluate(
+            run.engine, run.tokenizer, run.runtime, batch_size=batch_size, workers=run.cfg.data.workers
+        )
+    if not metrics:
         return None
-    mine = data.iter_eval_samples(
-        run.cfg.data.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-        limit=run.cfg.data.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
-    )  # fmt: skip
-    metrics = evaluate_retrieval(run.engine, list(mine), run.runtime, batch_size=run.cfg.data.batch_size)
     metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
     if run.runtime.is_main:
         get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
@@ -284,7 +294,7 @@ def fit(run: Run) -> dict[str, Any]:
             break  # step budget spent mid-epoch
         loader.close()
         state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
-        metrics = evaluate(run)
+        metrics = evaluate(run, final=state.step >= run.total_steps or state.epoch >= cfg.optim.epochs)
         if save_due(cfg, state, epoch_end=True, final=False):
             save_checkpoint(run, data_position=None)
         if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
@@ -297,7 +307,7 @@ def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str
         save_checkpoint(run, data_position=loader.state_dict() if run.state.epoch_step else None)
     loader.close()
     if metrics is None or metrics["step"] != run.state.step:
-        metrics = evaluate(run) or metrics  # the final weights get evaluated too
+        metrics = evaluate(run, final=True) or metrics  # the final weights get evaluated too
     run.store.wait()  # the last upload must be committed before the run reports success
     latest = run.store.latest()
     close_run(run)
