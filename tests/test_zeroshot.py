@@ -1,7 +1,7 @@
 """Zero-shot classification: OpenCLIP's classifier and accuracy, computed by sharded ranks.
 
 A small ImageNet-layout folder (shapes drawn by the demo generator) is classified by the tiny
-model under FSDP2 on 2 ranks; the classifier equals OpenCLIP's `build_zero_shot_classifier`
+model under FSDP2 and ZeRO-3 on 2 ranks; the classifier equals OpenCLIP's `build_zero_shot_classifier`
 on the unsharded model and top-1/top-5 equal OpenCLIP's `accuracy` over all images.
 """
 
@@ -17,7 +17,7 @@ from support.openclip_ref import open_clip_model_module
 from test_engine_deepspeed import config, make_engine
 
 from bigclip.config import TrainConfig
-from bigclip.data import build_tokenizer
+from bigclip.data import HashingTokenizer
 from bigclip.data.classification import open_classification_set
 from bigclip.data.transforms import eval_transform
 from bigclip.demo.data import SHAPES, Attributes, draw, encode
@@ -41,40 +41,49 @@ def write_folder_set(root: Path, *, per_class: tuple[int, ...] = (3, 2, 2, 0)) -
     (root / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")
 
 
-def zeroshot_worker(rank: int, world: int, cfg_dict: dict, root: str) -> dict:
-    cfg = TrainConfig.from_dict(cfg_dict).validate()
-    engine = make_engine(rank, world, cfg)
-    data = open_classification_set(root, what="--imagenet-val")
-    tokenizer = build_tokenizer("simple", context_length=32, vocab_size=49408)
-    classifier = build_classifier(engine, tokenizer, data, engine.runtime)
-    loader = data.loader(rank=rank, world_size=world, image_size=64, batch_size=2, workers=1)
-    top1, top5, skipped = classify(engine, classifier, loader, engine.runtime)
-    return {"classifier": classifier, "top1": top1, "top5": top5, "skipped": skipped}
+def tokenizer() -> HashingTokenizer:
+    return HashingTokenizer(context_length=32, vocab_size=49408)  # any tokenizer serves here
 
 
+def zeroshot_worker(rank: int, world: int, cfg_dicts: list[dict], root: str) -> list[dict]:
+    """Worker: each engine in turn builds the classifier and classifies its share."""
+    out = []
+    for cfg_dict in cfg_dicts:
+        cfg = TrainConfig.from_dict(cfg_dict).validate()
+        engine = make_engine(rank, world, cfg)
+        data = open_classification_set(root, what="--imagenet-val")
+        classifier = build_classifier(engine, tokenizer(), data, engine.runtime)
+        loader = data.loader(rank=rank, world_size=world, image_size=64, batch_size=2, workers=1)
+        top1, top5, skipped = classify(engine, classifier, loader, engine.runtime)
+        out.append({"classifier": classifier, "top1": top1, "top5": top5, "skipped": skipped})
+    return out
+
+
+@pytest.mark.dist
 def test_sharded_zero_shot_equals_open_clips_on_one_process(tmp_path):
     write_folder_set(tmp_path)
-    result = spawn(zeroshot_worker, 2, config("fsdp"), str(tmp_path))[0]
-    assert result["skipped"] == 1
+    results = spawn(zeroshot_worker, 2, [config("fsdp"), config("zero3")], str(tmp_path))[0]
     open_clip_model_module()  # registers the installed open_clip package without its __init__
     from open_clip.zero_shot_classifier import build_zero_shot_classifier
 
     model = create_model("tiny", device="cpu", seed=0).eval()  # the engines' initial weights
-    tokenizer = build_tokenizer("simple", context_length=32, vocab_size=49408)
     data = open_classification_set(str(tmp_path), what="--imagenet-val")
     assert data.classnames == sorted(SHAPES) and data.templates == TEMPLATES  # ImageFolder's order
+    templates = [lambda c, t=t: t.replace("{c}", c) for t in TEMPLATES]
+    good = [(p, label) for p, label in data.items if not p.endswith("broken.jpg")]
     with torch.no_grad():
-        templates = [lambda c, t=t: t.replace("{c}", c) for t in TEMPLATES]
         expected = build_zero_shot_classifier(
-            model, tokenizer, data.classnames, templates, num_classes_per_batch=3
+            model, tokenizer(), data.classnames, templates, num_classes_per_batch=3
         )
-        good = [(p, label) for p, label in data.items if not p.endswith("broken.jpg")]
         images = torch.stack([eval_transform(64)(Image.open(p)) for p, _ in good])
         logits = 100.0 * model.encode_image(images, normalize=True) @ expected
     labels = torch.tensor([label for _, label in good])
     top = logits.topk(4, dim=1).indices  # OpenCLIP's accuracy(): top-k hits averaged over images
-    assert result["top1"] == pytest.approx((top[:, 0] == labels).float().mean().item())
-    assert result["top5"] == pytest.approx((top == labels[:, None]).any(dim=1).float().mean().item())
+    for engine, result in zip(("fsdp", "zero3"), results):
+        torch.testing.assert_close(result["classifier"], expected, rtol=1e-5, atol=1e-6, msg=engine)
+        assert result["top1"] == pytest.approx((top[:, 0] == labels).float().mean().item()), engine
+        assert result["top5"] == pytest.approx((top == labels[:, None]).any(dim=1).float().mean().item())
+        assert result["skipped"] == 1, engine
 
 
 def test_zeroshot_runs_when_open_clip_would():
