@@ -15,11 +15,12 @@ from support.engine_harness import assert_same_weights, global_batch
 from support.openclip_ref import open_clip_clip
 from test_engine_deepspeed import config, make_engine, run_steps
 
+from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
 from bigclip.engines.optim import make_optimizer, param_groups
-from bigclip.errors import ConfigError
+from bigclip.errors import ConfigError, StorageError
 from bigclip.models import MAX_LOGIT_SCALE, create_model
 from bigclip.models.lock import lock_image_tower, lock_text_tower
 from bigclip.ops.loss.contrastive import build_loss
@@ -140,3 +141,24 @@ def test_frozen_weights_never_move_and_resume_at_another_world_size(tmp_path):
         assert_same_weights(original["weights"], run["weights"], rtol=1e-4)
         for name in frozen:
             assert torch.equal(run["weights"][name], initial[name]), name
+
+
+def locked_then_unlocked(rank: int, world: int, root: str) -> str:
+    """Worker: save a locked engine's checkpoint, load it into an unlocked one; the error."""
+    locked = make_engine(rank, world, TrainConfig.from_dict(config("fsdp", **LOCKS)).validate())
+    store = CheckpointStore(root)
+    store.save(locked.checkpoint_state(), step=1, meta={"model": "tiny"})
+    unlocked = make_engine(rank, world, TrainConfig.from_dict(config("fsdp")).validate())
+    try:
+        store.load(unlocked.checkpoint_state())
+    except StorageError as e:
+        return str(e)
+    finally:
+        store.close()
+    return ""
+
+
+@pytest.mark.dist
+def test_resuming_with_other_locks_says_so(tmp_path):
+    message = spawn(locked_then_unlocked, 1, str(tmp_path))[0]
+    assert "they were frozen (--lock-image/--lock-text) when it was saved" in message
