@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import print_table, write_results  # noqa: E402
 from bigclip.config import DataConfig  # noqa: E402
-from bigclip.data import build_tokenizer, build_train_loader, load_eval_set  # noqa: E402
+from bigclip.data import build_tokenizer, build_train_loader, image_normalizer, load_eval_set  # noqa: E402
 from bigclip.demo.data import write_demo_data  # noqa: E402
 from bigclip.models import create_model  # noqa: E402
 from bigclip.ops.loss.contrastive import ClipLoss  # noqa: E402
@@ -70,14 +70,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = create_model("tiny", device="cpu")
-    tokenizer = build_tokenizer("simple", context_length=model.context_length, vocab_size=49408)
+    tokenizer = build_tokenizer("open_clip", context_length=model.context_length, vocab_size=49408)
     with tempfile.TemporaryDirectory() as tmp:
         demo = write_demo_data(tmp, samples=args.samples, shards=8, val_samples=args.val_samples)
         held_out = load_eval_set(demo.val_pattern, image_size=model.image_size, tokenizer=tokenizer)
-        before = retrieval_top1(model.eval(), held_out.images, held_out.texts)
+        held_out_images = image_normalizer(DataConfig())(held_out.images)  # uint8 -> normalised
+        before = retrieval_top1(model.eval(), held_out_images, held_out.texts)
         cfg = DataConfig(train_data=demo.train_pattern, batch_size=args.batch_size, workers=1)
         steps, epochs, loss = train(model.train(), cfg, tokenizer, minutes=args.minutes, lr=args.lr)
-        after = retrieval_top1(model.eval(), held_out.images, held_out.texts)
+        after = retrieval_top1(model.eval(), held_out_images, held_out.texts)
     chance = 1 / args.val_samples
     rows = [
         {"when": "before", "steps": 0, "i2t_top1": before[0], "t2i_top1": before[1], "chance": chance},

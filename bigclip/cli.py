@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("bigclip.train.loop", "Train a CLIP model (same flags as `python -m bigclip.train`)."),
     "demo": ("bigclip.demo.runner", "End-to-end demo on CPU: data, S3, 2-rank training, resume, retrieval."),
     "make-demo-data": ("bigclip.demo.data", "Write synthetic captioned-image webdataset shards."),
+    "index-shards": (
+        "bigclip.data.index",
+        "Count the samples of existing shards into sizes.json (local or S3).",
+    ),
     "models": ("bigclip.models.registry", "List model configs with their parameter counts."),
     "doctor": ("bigclip.storage.doctor", "Check S3 credentials, permissions and throughput."),
     "consolidate": ("bigclip.weights.consolidate", "Stream a sharded checkpoint into safetensors."),

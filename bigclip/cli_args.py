@@ -1,11 +1,14 @@
 """Build the training argument parser from the config dataclasses, and parse into a TrainConfig.
 
-Precedence: dataclass defaults < `--config FILE.yaml` < command-line flags.
+Precedence: dataclass defaults < `--config FILE.yaml` < command-line flags. OpenCLIP options
+bigclip refuses are declared from `bigclip.openclip_flags.REFUSED` and fail as they are parsed;
+OpenCLIP's other spellings of values are converted (or refused) by `resolve_value`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import types
 import typing
@@ -14,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from bigclip import openclip_flags
 from bigclip.config import TrainConfig, section_of
 from bigclip.errors import ConfigError
 
@@ -29,17 +33,54 @@ def _scalar_type(f: dataclasses.Field, owner: type) -> type:
     return hint
 
 
+class _KeyValues(argparse.Action):
+    """OpenCLIP's `ParseKwargs`: KEY=VALUE words -> dict, values read with ast.literal_eval."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        result: dict[str, Any] = {}
+        for word in values:
+            key, sep, value = word.partition("=")
+            if not sep or not key:
+                parser.error(f"{option_string} takes KEY=VALUE words, got {word!r}")
+            try:
+                result[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                result[key] = value  # a plain string needs no quotes, as in OpenCLIP
+        setattr(namespace, self.dest, result)
+
+
+class _Refuse(argparse.Action):
+    """An OpenCLIP option bigclip does not take: fails as soon as argparse meets it, saying why."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        raise ConfigError(openclip_flags.refusal(self.option_strings[0]))
+
+
+def _choices(f: dataclasses.Field) -> list[str] | None:
+    """The field's choices plus OpenCLIP's spellings, which `resolve_value` converts or refuses."""
+    choices = f.metadata.get("choices")
+    return None if choices is None else [*choices, *openclip_flags.accepted_spellings(f.name)]
+
+
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type) -> None:
     meta = f.metadata
     kind = _scalar_type(f, owner)
     names = [_flag(f.name)]
-    if kind is bool:
+    origin = typing.get_origin(kind) or kind
+    if origin is list:  # e.g. --image-mean 0.5 0.5 0.5
+        (item,) = typing.get_args(kind)
+        group.add_argument(*names, dest=f.name, type=item, nargs="+", default=None, help=meta.get("help"))
+    elif origin is dict:  # e.g. --aug-cfg scale='(0.4, 1.0)'
+        group.add_argument(
+            *names, dest=f.name, nargs="*", action=_KeyValues, default=None, help=meta.get("help")
+        )
+    elif kind is bool:
         group.add_argument(
             *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=meta.get("help")
         )
     else:
         group.add_argument(
-            *names, dest=f.name, type=kind, default=None, choices=meta.get("choices"), help=meta.get("help")
+            *names, dest=f.name, type=kind, default=None, choices=_choices(f), help=meta.get("help")
         )
     for alias in meta.get("aliases", ()):
         # Aliases take their own spelling of the value and convert it (OpenCLIP compatibility).
@@ -63,6 +104,9 @@ def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
         group = parser.add_argument_group(section.name)
         for f in dataclasses.fields(cls):
             _add_field(group, f, cls)
+    refused = parser.add_argument_group("OpenCLIP options bigclip refuses (each fails, saying why)")
+    for flag, why in openclip_flags.REFUSED.items():
+        refused.add_argument(flag, nargs="*", metavar="VALUE", action=_Refuse, help=why)
     return parser
 
 
@@ -84,11 +128,13 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 
 def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
+    if _flag(name) in openclip_flags.REFUSED:
+        raise ConfigError(openclip_flags.refusal(_flag(name)))
     try:
         section = getattr(cfg, section_of(name))
     except KeyError:
         raise ConfigError(f"unknown option {name!r} (see `bigclip train --help`)") from None
-    setattr(section, name, value)
+    setattr(section, name, openclip_flags.resolve_value(name, value))
 
 
 def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
@@ -106,7 +152,7 @@ def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
                 setattr(section, f.name, f.metadata["convert"](alias_value))
             value = getattr(args, f.name)
             if value is not None:
-                setattr(section, f.name, value)
+                setattr(section, f.name, openclip_flags.resolve_value(f.name, value))
     return cfg.validate()
 
 
@@ -122,6 +168,10 @@ def to_argv(cfg: TrainConfig) -> list[str]:
                 continue
             if isinstance(value, bool):
                 argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+            elif isinstance(value, list):
+                argv += [_flag(f.name), *(str(v) for v in value)]
+            elif isinstance(value, dict):
+                argv += [_flag(f.name), *(f"{k}={v!r}" for k, v in value.items())]
             else:
                 argv += [_flag(f.name), str(value)]
     return argv

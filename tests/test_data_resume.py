@@ -9,13 +9,16 @@ rule dropped is exactly what its final position still lists as unconsumed.
 
 import os
 import shutil
+from collections import Counter
 
 import pytest
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, valid_keys, write_dataset
 
 from bigclip.data import build_train_loader, validate_data
+from bigclip.data.resume.assignment import draw_shard
+from bigclip.data.resume.position import decode_bitmap
 from bigclip.distributed import spawn
-from bigclip.errors import DataError
+from bigclip.errors import ConfigError, DataError
 
 SIZES = [13, 7, 22, 9, 16, 11, 5, 18, 10]  # unequal shards; one compressed, every 6th sample corrupt
 BAD_EVERY = 6
@@ -116,12 +119,41 @@ def test_resume_in_one_process_with_other_workers(dataset):
 def test_resampled_resume_continues_the_step_budget(dataset):
     first = run_phase(0, 1, dataset, workers=1, batch_size=BATCH, steps=4, position=None, resampled=True)
     assert first["state"]["mode"] == "resampled" and first["state"]["samples"] == 4 * BATCH
-    assert first["state"]["cursors"] == {}  # no per-shard position: exactness is impossible here
     rest = run_phase(
         0, 1, dataset, workers=0, batch_size=BATCH, steps=0, position=first["state"], resampled=True
     )
     assert 4 + rest["steps"] == sum(SIZES) // BATCH  # the epoch's planned steps, resume included
     assert rest["keys"] and set(rest["keys"]) <= valid_keys(SIZES, bad_every=BAD_EVERY)
+
+
+def keys_of_position(position: dict, pattern: str) -> Counter:
+    """What a resampled position says was consumed: done draws whole, partial draws up to their cursor."""
+    shard_of = draw_shard(validate_data(data_config(pattern), world_size=1), seed=5, epoch=0)
+    consumed = Counter()  # shard i of the pattern has SIZES[i] samples
+    prefixes = {int(d): c[0] for d, c in position["cursors"].items()}
+    prefixes |= {d: max(SIZES) for d in decode_bitmap(position["done"], position["draws"])}
+    for draw, end in prefixes.items():
+        shard = shard_of(draw)
+        consumed.update(
+            f"s{shard:04d}i{i:04d}" for i in range(min(end, SIZES[shard])) if i % BAD_EVERY != BAD_EVERY - 1
+        )
+    return consumed
+
+
+@pytest.mark.dist
+def test_resampled_resume_at_another_world_size_continues_the_draws(dataset):
+    """2 -> 3 ranks: the keys consumed are exactly those the positions define, no draw read twice."""
+    options = {"workers": 1, "batch_size": BATCH, "resampled": True}
+    first, state, _ = run_ranks(2, dataset, steps=3, position=None, **options)
+    assert Counter(first) == keys_of_position(state, dataset) and state["draws"] > 0
+    second, after, _ = run_ranks(3, dataset, steps=4, position=state, **options)
+    assert Counter(first) + Counter(second) == keys_of_position(after, dataset)
+    assert after["draws"] > state["draws"] and after["samples"] == state["samples"] + 4 * 3 * BATCH
+    done = decode_bitmap(after["done"], after["draws"])
+    for draw, (index, _) in state["cursors"].items():  # every partial draw went on from its cursor
+        assert int(draw) in done or after["cursors"][draw][0] >= index
+    again, _, _ = run_ranks(3, dataset, steps=4, position=state, **options)
+    assert again == second  # the stream after the resume is a function of the position
 
 
 def test_position_from_other_data_or_epoch_is_refused(dataset, tmp_path):
@@ -164,3 +196,30 @@ def test_a_moved_dataset_keeps_its_position(dataset, tmp_path):
     pattern = "::".join(str(moved / os.path.basename(p)) for p in dataset.split("::"))
     rest = run_phase(0, 1, pattern, workers=0, batch_size=BATCH, steps=0, position=state)
     assert rest["state"]["samples"] > state["samples"]
+
+
+def test_upsampling_factors_weight_each_source_as_openclip(tmp_path):
+    a = write_dataset(str(tmp_path / "a"), [6, 6])
+    b = write_dataset(str(tmp_path / "b"), [6, 6], bad_every=1)  # unreadable: a draw from b shows as skips
+    sources = "{" + a.replace("::", ",") + "}::{" + b.replace("::", ",") + "}"  # two sources, two shards each
+    shards = validate_data(
+        data_config(sources, dataset_resampled=True, train_data_upsampling_factors="1::3"), world_size=1
+    )
+    assert shards.weights == (1.0, 1.0, 3.0, 3.0)  # every shard carries its source's factor
+    shard_of = draw_shard(shards, seed=0, epoch=0)
+    counts = Counter(shard_of(d) for d in range(8000))
+    assert abs(counts[2] + counts[3] - 6000) < 250  # 3/4 of the draws from the second source
+    only_a = data_config(
+        sources, dataset_resampled=True, train_data_upsampling_factors="1::0", train_num_samples=16
+    )
+    loader = build_train_loader(
+        only_a, rank=0, world_size=1, seed=0, epoch=0, image_size=IMAGE_SIZE, tokenizer=TOKENIZER
+    )
+    assert sum(len(batch.keys) for batch in loader) == 16 and loader.stats.skipped_total == 0
+    with pytest.raises(DataError, match="one non-negative number per '::' source"):
+        validate_data(
+            data_config(sources, dataset_resampled=True, train_data_upsampling_factors="1::2::3"),
+            world_size=1,
+        )
+    with pytest.raises(ConfigError, match="needs --dataset-resampled"):
+        data_config(sources, train_data_upsampling_factors="1::2").validate()

@@ -18,7 +18,7 @@ from support.train_harness import demo_argv
 pytestmark = pytest.mark.dist
 
 OPTIONAL = ("boto3", "botocore", "s3transfer", "s3torchconnector", "s3torchconnectorclient", "webdataset",
-            "deepspeed", "bitsandbytes", "triton")  # fmt: skip
+            "deepspeed", "bitsandbytes", "triton", "wandb")  # fmt: skip
 
 # Loaded by torch and TensorBoard themselves whenever they are installed, not by bigclip:
 # torch._dynamo (imported by FSDP2) probes for triton, and TensorBoard's file layer probes for
@@ -83,6 +83,7 @@ def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
     [
         ("--checkpoint-dir", "s3://some-bucket/ckpt", "s3torchconnector"),
         ("--train-data", "s3://some-bucket/shards/{00000..00003}.tar", "boto3"),
+        ("--report-to", "wandb", "wandb"),
     ],
 )
 def test_an_option_that_needs_a_missing_package_fails_fast_naming_it(

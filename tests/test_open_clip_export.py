@@ -21,7 +21,9 @@ from test_engine_deepspeed import config, make_engine, run_steps
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.config import TrainConfig
-from bigclip.data.transforms import eval_transform
+from bigclip.data import ImageNormalizer
+from bigclip.data.bpe_tokenizer import ClipBpeTokenizer
+from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, eval_transform
 from bigclip.demo.data import Attributes, draw
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError
@@ -47,6 +49,7 @@ special = {"<|startoftext|>": "<start_of_text>", "<|endoftext|>": "<end_of_text>
 torch.save({
     "image": image, "text": text, "tokenizer": type(tokenizer).__name__,
     "context_length": tokenizer.context_length, "pixels": preprocess(Image.open(data["picture"])),
+    "tokens": tokenizer(data["strings"]),
     "vocab_equal": {special.get(k, k): v for k, v in vocab.items()} == tokenizer.encoder,
     "merges_equal": {tuple(m.split()): i for i, m in enumerate(merges)} == tokenizer.bpe_ranks,
 }, out)
@@ -86,7 +89,9 @@ def test_exported_folder_loads_in_open_clip_with_the_same_features(tmp_path):
     draw(Attributes("large", "red", "circle", "center", "black"), image_size=90, rng=random.Random(0)).save(
         picture
     )
-    torch.save({"images": images, "texts": texts, "picture": str(picture)}, tmp_path / "inputs.pt")
+    strings = ["a large red circle at the center", "Ünïcode ☃ &amp; <b>html</b>  spaces", ""]
+    inputs = {"images": images, "texts": texts, "picture": str(picture), "strings": strings}
+    torch.save(inputs, tmp_path / "inputs.pt")
     run_reference(REFERENCE, str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "reference.pt"))
     reference = torch.load(tmp_path / "reference.pt")
     with torch.no_grad():
@@ -98,10 +103,11 @@ def test_exported_folder_loads_in_open_clip_with_the_same_features(tmp_path):
         )
     assert reference["tokenizer"] == "SimpleTokenizer" and reference["context_length"] == 32
     assert reference["vocab_equal"] and reference["merges_equal"]
-    torch.testing.assert_close(
-        reference["pixels"], eval_transform(64)(Image.open(picture)), rtol=0, atol=1e-5
-    )
+    assert torch.equal(reference["tokens"], ClipBpeTokenizer(context_length=32)(strings))
+    ours = torch.from_numpy(eval_transform(64)(Image.open(picture)))[None]  # uint8, normalised on the device
+    normalize = ImageNormalizer(mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
+    torch.testing.assert_close(reference["pixels"], normalize(ours)[0], rtol=0, atol=1e-5)
 
-    with pytest.raises(ConfigError, match="'hashing' \\(hashing\\) tokenizer"):
+    with pytest.raises(ConfigError, match="trained with --tokenizer hashing"):
         consolidate_main([hashing_run, "--open-clip-dir", str(tmp_path / "refused"), "--no-progress"])
     assert not (tmp_path / "refused").exists()

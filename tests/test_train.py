@@ -23,11 +23,12 @@ def test_two_ranks_learn_and_log(demo_data, tmp_path):
     run_dir = Path(summary["run_dir"])
     log = (run_dir / "out.log").read_text()
     assert "Train Epoch: 0 [" in log and "/s/gpu LR:" in log and "Contrastive_loss:" in log
+    assert "Data (t): " in log and "Loader capacity: " in log
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/logit_scale", "train/samples_per_second", "train/data_time",
-            "train/peak_memory_gb", "val/image_to_text_R@1"} <= tags  # fmt: skip
+            "train/peak_memory_gb", "train/data_capacity_per_gpu", "val/image_to_text_R@1"} <= tags  # fmt: skip
     losses = [e.value for e in events.Scalars("train/loss")]
     assert losses[-1] < losses[0]
     assert (run_dir / "config.yaml").exists() and (run_dir / "results.jsonl").exists()

@@ -20,9 +20,9 @@ from support.train_harness import train_worker
 from test_engine_deepspeed import config, make_engine
 
 from bigclip.config import TrainConfig
-from bigclip.data import HashingTokenizer
+from bigclip.data import HashingTokenizer, ImageNormalizer
 from bigclip.data.classification import open_classification_set
-from bigclip.data.transforms import eval_transform
+from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, eval_transform
 from bigclip.demo.data import SHAPES, Attributes, draw, encode, write_demo_data
 from bigclip.demo.runner import recipe_argv
 from bigclip.distributed import spawn
@@ -45,6 +45,10 @@ def write_folder_set(root: Path, *, per_class: tuple[int, ...] = (3, 2, 2, 0)) -
     (root / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")
 
 
+def normalizer() -> ImageNormalizer:
+    return ImageNormalizer(mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)  # the default --image-mean/std
+
+
 def tokenizer() -> HashingTokenizer:
     return HashingTokenizer(context_length=32, vocab_size=49408)  # any tokenizer serves here
 
@@ -58,7 +62,7 @@ def zeroshot_worker(rank: int, world: int, cfg_dicts: list[dict], root: str) -> 
         data = open_classification_set(root, what="--imagenet-val")
         classifier = build_classifier(engine, tokenizer(), data, engine.runtime)
         loader = data.loader(rank=rank, world_size=world, image_size=64, batch_size=2, workers=1)
-        top1, top5, skipped = classify(engine, classifier, loader, engine.runtime)
+        top1, top5, skipped = classify(engine, classifier, loader, engine.runtime, normalize=normalizer())
         out.append({"classifier": classifier, "top1": top1, "top5": top5, "skipped": skipped})
     return out
 
@@ -79,7 +83,9 @@ def test_sharded_zero_shot_equals_open_clips_on_one_process(tmp_path):
         expected = build_zero_shot_classifier(
             model, tokenizer(), data.classnames, templates, num_classes_per_batch=3
         )
-        images = torch.stack([eval_transform(64)(Image.open(p)) for p, _ in good])
+        images = normalizer()(
+            torch.stack([torch.from_numpy(eval_transform(64)(Image.open(p))) for p, _ in good])
+        )
         logits = 100.0 * model.encode_image(images, normalize=True) @ expected
     labels = torch.tensor([label for _, label in good])
     top = logits.topk(4, dim=1).indices  # OpenCLIP's accuracy(): top-k hits averaged over images

@@ -4,13 +4,15 @@ One folder per save, `step_00001200/`; committed when it holds `manifest.json`. 
 costs one LIST (or readdir) plus one HEAD (or stat) per folder examined, newest first.
 Retention keeps the newest K committed checkpoints (never fewer than one) and deletes
 older committed ones and interrupted saves older than the newest commit; folders newer
-than the newest commit may be saves in flight and are left alone.
+than the newest commit may be saves in flight and are left alone, and so are committed
+ones a `keep` predicate still needs (the remote mirror's backlog: `mirror.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
@@ -55,29 +57,44 @@ def read_manifest(location: Location, folder: str) -> Manifest:
     )
 
 
-def folders_to_delete(all_entries: list[Entry], *, keep_last: int) -> list[Entry]:
+def folders_to_delete(
+    all_entries: list[Entry], *, keep_last: int, keep: Callable[[Entry], bool] | None = None
+) -> list[Entry]:
     committed = [e for e in all_entries if e.committed]
     if not committed:
         return []
-    keep = {e.folder for e in committed[: max(1, keep_last)]}
+    kept = {e.folder for e in committed[: max(1, keep_last)]}
     newest = committed[0].step
-    return [e for e in all_entries if e.folder not in keep and (e.committed or e.step < newest)]
+    return [
+        e
+        for e in all_entries
+        if e.folder not in kept
+        and (e.committed or e.step < newest)
+        and not (keep and e.committed and keep(e))
+    ]
 
 
-def apply_retention(location: Location, *, keep_last: int) -> list[str]:
+def apply_retention(
+    location: Location, *, keep_last: int, keep: Callable[[Entry], bool] | None = None
+) -> list[str]:
     """Delete what retention allows (see module docstring); returns the deleted folders' URIs."""
     if keep_last <= 0:
         return []
-    deleted = []
-    for entry in folders_to_delete(entries(location), keep_last=keep_last):
-        uri = location.child_uri(entry.folder)
-        if entry.committed:
-            # Uncommit first, so a deletion cut short never leaves a committed, partial folder.
-            location.delete(f"{entry.folder}/{MANIFEST_NAME}")
-        location.delete_folder(entry.folder)
-        log.info("retention: deleted %s checkpoint %s", "committed" if entry.committed else "partial", uri)
-        deleted.append(uri)
-    return deleted
+    return [
+        delete_checkpoint(location, e)
+        for e in folders_to_delete(entries(location), keep_last=keep_last, keep=keep)
+    ]
+
+
+def delete_checkpoint(location: Location, entry: Entry) -> str:
+    """Delete one checkpoint folder; returns its URI."""
+    if entry.committed:
+        # Uncommit first, so a deletion cut short never leaves a committed, partial folder.
+        location.delete(f"{entry.folder}/{MANIFEST_NAME}")
+    location.delete_folder(entry.folder)
+    uri = location.child_uri(entry.folder)
+    log.info("deleted %s checkpoint %s", "committed" if entry.committed else "partial", uri)
+    return uri
 
 
 def clear_folder(location: Location, folder: str) -> None:

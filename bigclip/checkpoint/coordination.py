@@ -17,7 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bigclip.errors import StorageError
+from bigclip import errors
+from bigclip.errors import BigclipError, StorageError
 
 
 class CheckpointGroup:
@@ -60,9 +61,11 @@ class CheckpointGroup:
         if self.rank == 0:
             try:
                 result = ("ok", fn())
+            except BigclipError as e:  # the user's error, raised as itself on every rank
+                result = (type(e).__name__, str(e))
             except Exception as e:
-                result = ("error", str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}")
+                result = ("StorageError", f"{type(e).__name__}: {e}")
         kind, value = self.broadcast(result)
-        if kind == "error":
-            raise StorageError(value)
+        if kind != "ok":
+            raise getattr(errors, kind, StorageError)(value)
         return value

@@ -21,21 +21,20 @@ import logging
 import socket
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from bigclip.checkpoint import catalog
 from bigclip.checkpoint.async_save import AsyncSave
 from bigclip.checkpoint.coordination import CheckpointGroup
+from bigclip.checkpoint.dcp_errors import dcp_errors, summarize_failures
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
-from bigclip.checkpoint.safe_load import SafeLoadPlanner, unwrap_checkpoint_exception
+from bigclip.checkpoint.safe_load import SafeLoadPlanner
 from bigclip.config import CheckpointConfig
 from bigclip.distributed import launch_env
 from bigclip.errors import StorageError
@@ -77,6 +76,10 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.io_threads = io_threads
         self.group = CheckpointGroup(timeout_s=timeout_s)
+        # Rank 0 only, set by the caller: told of each commit (the remote mirror wakes on it), and
+        # asked before retention deletes a committed checkpoint (the mirror may still need it).
+        self.on_commit: Callable[[str, Manifest], None] | None = None
+        self.keep: Callable[[catalog.Entry], bool] | None = None
         self._pending: AsyncSave | None = None
         self._stager: DefaultStager | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigclip-checkpoint")
@@ -109,7 +112,7 @@ class CheckpointStore:
         """Write `state` as checkpoint `step` and commit it; every rank returns its URI."""
         self.wait()
         folder, hashing, writer = self._begin(step)
-        with _dcp_errors(f"saving {self.location.child_uri(folder)}"):
+        with dcp_errors(f"saving {self.location.child_uri(folder)}"):
             dcp.save(
                 state, storage_writer=writer, process_group=self.group.group, no_dist=self.group.group is None
             )
@@ -123,7 +126,7 @@ class CheckpointStore:
         self.wait()
         waited = time.perf_counter() - started
         folder, hashing, writer = self._begin(step)
-        with _dcp_errors(f"staging {self.location.child_uri(folder)}"):
+        with dcp_errors(f"staging {self.location.child_uri(folder)}"):
             upload = dcp.async_save(
                 state,
                 storage_writer=writer,
@@ -154,7 +157,7 @@ class CheckpointStore:
     def _finish_async(
         self, upload: Future, folder: str, step: int, hashing: HashingFileSystem, meta: dict
     ) -> str:
-        with _dcp_errors(f"saving {self.location.child_uri(folder)}"):
+        with dcp_errors(f"saving {self.location.child_uri(folder)}"):
             upload.result()
         return self._commit(folder, step, hashing, meta)
 
@@ -170,15 +173,24 @@ class CheckpointStore:
             ]
             objects = {name: rec for records, _ in per_rank for name, rec in records.items()}
             manifest = Manifest.build(step=step, world_size=self.group.world_size, objects=objects, meta=meta)
-            error = _summarize_failures(failed) if failed else self._write_manifest(folder, manifest)
+            error = summarize_failures(failed) if failed else self._write_manifest(folder, manifest)
         error = self.group.broadcast(error)
         uri = self.location.child_uri(folder)
         if error:
             raise StorageError(f"checkpoint {uri} was not committed: {error}")
         log.info("checkpoint step %d committed: %s", step, uri)
-        if self.group.rank == 0 and self.keep_last > 0:
-            self._retain()
+        if self.group.rank == 0:
+            self._after_commit(folder, manifest)
         return uri
+
+    def _after_commit(self, folder: str, manifest: Manifest) -> None:
+        if self.on_commit is not None:
+            try:
+                self.on_commit(folder, manifest)
+            except Exception as e:  # a listener must never fail the save that committed
+                log.warning("after committing %s: %s", folder, e)
+        if self.keep_last > 0:
+            self._retain()
 
     def _write_manifest(self, folder: str, manifest: Manifest) -> str | None:
         try:
@@ -189,7 +201,7 @@ class CheckpointStore:
 
     def _retain(self) -> None:
         try:
-            catalog.apply_retention(self.location, keep_last=self.keep_last)
+            catalog.apply_retention(self.location, keep_last=self.keep_last, keep=self.keep)
         except Exception as e:  # a failed deletion must not fail the save that triggered it
             log.warning("checkpoint retention failed (will retry after the next save): %s", e)
 
@@ -214,8 +226,8 @@ class CheckpointStore:
         """
         self.wait()
         root_uri, folder, manifest = self.group.on_rank0(lambda: self._find_for_load(which))
-        reader = open_location(root_uri, s3=self.s3).dcp_reader(folder)
-        with _dcp_errors(f"loading {manifest.uri}", saving=False):
+        reader = open_location(root_uri, s3=self.s3, any_scheme=True).dcp_reader(folder)
+        with dcp_errors(f"loading {manifest.uri}", saving=False):
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group.group)
         log.info(
             "loaded checkpoint step %d (saved at world size %d) from %s",
@@ -243,10 +255,10 @@ class CheckpointStore:
         if "/" not in which and self.location.exists(f"{which}/{MANIFEST_NAME}"):
             return self.location, which  # a folder name under this store's root, e.g. step_00001200
         parent_uri, _, name = which.rstrip("/").rpartition("/")
-        parent = open_location(parent_uri or ".", s3=self.s3)
+        parent = open_location(parent_uri or ".", s3=self.s3, any_scheme=True)
         if parent.exists(f"{name}/{MANIFEST_NAME}"):
             return parent, name
-        as_root = open_location(which, s3=self.s3)
+        as_root = open_location(which, s3=self.s3, any_scheme=True)
         if catalog.entries(as_root):  # a run's checkpoint root: take its newest commit
             return as_root, self._latest_folder(as_root)
         raise StorageError(
@@ -277,7 +289,7 @@ class CheckpointStore:
         """Keep the newest `keep_last` committed checkpoints (0: all); rank 0 deletes, others no-op."""
         if self.group.rank != 0:
             return []
-        return catalog.apply_retention(self.location, keep_last=keep_last)
+        return catalog.apply_retention(self.location, keep_last=keep_last, keep=self.keep)
 
     def close(self) -> None:
         """Wait for the save in flight and release the staging buffers and the worker thread."""
@@ -310,36 +322,3 @@ def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
     if is_s3(root):
         return cfg.remote_keep_last
     return 1 if cfg.delete_previous_checkpoint else cfg.keep_last
-
-
-@contextmanager
-def _dcp_errors(action: str, *, saving: bool = True) -> Iterator[None]:
-    """Turn DCP's CheckpointException (a BaseException) and I/O errors into a StorageError."""
-    try:
-        yield
-    except StorageError:
-        raise
-    except (Exception, CheckpointException) as e:
-        inner = unwrap_checkpoint_exception(e)
-        if isinstance(inner, StorageError):
-            raise inner from e
-        consequence = (
-            "; the checkpoint was not committed (the previous commit, if any, is still the latest)"
-            if saving
-            else ""
-        )
-        raise StorageError(f"{action} failed: {_first_line(inner)}{consequence}") from e
-
-
-def _summarize_failures(failed: list[str]) -> str:
-    first = failed[0].split(": ", 2)
-    return f"{len(failed)} object(s) failed to write, e.g. {first[0]} {first[1]}: {explain_error(first[2])}"
-
-
-def _first_line(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None)
-    if failures:
-        rank = min(failures)
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"rank {rank}: {explain_error(inner)}"
-    return explain_error(exc)

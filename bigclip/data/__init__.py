@@ -8,16 +8,20 @@ May import storage, config, distributed and errors.
                                 tokenizer=tokenizer, position=saved, shards=shards)
     for batch in loader: ...            # TrainBatch(images, texts, keys)
     saved = loader.state_dict()          # collective; JSON-able; resumes at any world size
-    held_out = load_eval_set(cfg.data.val_data, image_size=S, tokenizer=tokenizer)
+    held_out = load_eval_set(cfg.data.val_data, image_size=S, tokenizer=tokenizer)  # uint8 images
+    normalize = image_normalizer(cfg.data, device=d, dtype=engine.image_dtype)  # uint8 -> model input
 
-Module map: shards (patterns, existence, sizes) -> streams (local / S3 bytes) ->
-tar_samples (samples + cursors) -> decode -> worker (read, transform, batch) -> batching +
-loader (consumer side: worker order, re-batching, epoch end); validation checks all of it
-before a model is built. resume/ holds who reads what (assignment), what has been consumed
-(position) and how to continue the same stream (reader_state, stream_state, randomness).
-eval, transforms and tokenizer stand alone.
+Module map: shards (patterns, existence, sizes, upsampling weights) -> streams (local / S3
+bytes) -> tar_samples (samples + cursors) -> decode -> worker (read, transform to uint8, batch)
+-> batching + loader (consumer side: worker order, re-batching, epoch end) -> device
+(normalisation on the GPU); validation checks all of it before a model is built. resume/ holds
+who reads what (assignment), what has been consumed (position) and how to continue the same
+stream (reader_state, stream_state, randomness). transforms (+ augment: --aug-cfg), eval,
+tokenizer and index (`bigclip index-shards`) stand alone.
 """
 
+from bigclip.data.augment import Augmentation
+from bigclip.data.device import ImageNormalizer, image_normalizer
 from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set
 from bigclip.data.loader import DataStats, TrainBatch, TrainLoader, build_train_loader
 from bigclip.data.shards import ShardList, expand_pattern, validate_shards
@@ -26,10 +30,12 @@ from bigclip.data.transforms import eval_transform, train_transform
 from bigclip.data.validation import validate_data
 
 __all__ = [
+    "Augmentation",
     "DataStats",
     "EvalSample",
     "EvalSet",
     "HashingTokenizer",
+    "ImageNormalizer",
     "ShardList",
     "Tokenizer",
     "TrainBatch",
@@ -38,6 +44,7 @@ __all__ = [
     "build_train_loader",
     "eval_transform",
     "expand_pattern",
+    "image_normalizer",
     "iter_eval_samples",
     "load_eval_set",
     "train_transform",

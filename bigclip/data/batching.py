@@ -31,7 +31,8 @@ from bigclip.errors import DataError
 class Chunk:
     """Consecutive samples of one or more worker batches, with each sample's bookkeeping."""
 
-    images: torch.Tensor
+    images: torch.Tensor  # uint8 [n, H, W, 3]
+    erase: torch.Tensor  # long [n, K, 5]: --aug-cfg re_prob boxes (device.py)
     texts: torch.Tensor
     keys: list[str]
     shards: torch.Tensor  # long [n]
@@ -43,13 +44,31 @@ class Chunk:
     def of(cls, worker_batch: dict[str, Any]) -> Chunk:
         b = worker_batch
         workers = torch.full((len(b["keys"]),), b["worker"], dtype=torch.long)
-        return cls(b["images"], b["texts"], list(b["keys"]), b["shards"], b["after"], workers, b["states"])
+        return cls(
+            b["images"],
+            b["erase"],
+            b["texts"],
+            list(b["keys"]),
+            b["shards"],
+            b["after"],
+            workers,
+            b["states"],
+        )
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def split(self, n: int) -> tuple[Chunk, Chunk]:
-        parts = (self.images, self.texts, self.keys, self.shards, self.after, self.workers, self.states)
+        parts = (
+            self.images,
+            self.erase,
+            self.texts,
+            self.keys,
+            self.shards,
+            self.after,
+            self.workers,
+            self.states,
+        )
         return Chunk(*(p[:n] for p in parts)), Chunk(*(p[n:] for p in parts))
 
     @classmethod
@@ -58,6 +77,7 @@ class Chunk:
             return chunks[0]
         return cls(
             torch.cat([c.images for c in chunks]),
+            torch.cat([c.erase for c in chunks]),
             torch.cat([c.texts for c in chunks]),
             [k for c in chunks for k in c.keys],
             torch.cat([c.shards for c in chunks]),

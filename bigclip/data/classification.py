@@ -64,11 +64,13 @@ class ClassificationSet:
         return [t.replace("{c}", classname) for t in self.templates]
 
     def loader(
-        self, *, rank: int, world_size: int, image_size: int, batch_size: int, workers: int
-    ) -> DataLoader:
-        """Batches (images [B, 3, S, S], labels [B]) of this rank's share; label SKIPPED marks
-        an image that could not be decoded."""
-        transform = eval_transform(image_size)
+        self, *, rank: int, world_size: int, image_size: int, batch_size: int, workers: int,
+        resize_mode: str = "shortest", interpolation: str = "bicubic",
+    ) -> DataLoader:  # fmt: skip
+        """Batches (uint8 images [B, S, S, 3], labels [B]) of this rank's share, resized and
+        cropped as --val-data is (normalised on the device); label SKIPPED marks an image that
+        could not be decoded."""
+        transform = eval_transform(image_size, resize_mode=resize_mode, interpolation=interpolation)
         if self.items:
             data: Dataset = _Files(self.items[rank::world_size], transform)
         else:
@@ -115,8 +117,8 @@ class _Shards(IterableDataset):
 def _transformed(data: bytes, label: int, transform) -> tuple[torch.Tensor, int]:  # noqa: ANN001
     image = decode_image(data)
     if image is None:
-        return torch.zeros(3, transform.image_size, transform.image_size), SKIPPED
-    return transform(image), label
+        return torch.zeros(transform.image_size, transform.image_size, 3, dtype=torch.uint8), SKIPPED
+    return torch.from_numpy(transform(image)), label
 
 
 def open_classification_set(uri: str, *, what: str, s3: S3Settings | None = None) -> ClassificationSet:

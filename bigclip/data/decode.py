@@ -3,6 +3,10 @@
 Samples come from the open internet and are untrusted: any failure to decode is a skip
 with a reason, counted by the caller, never an exception. Images: jpg/jpeg/png/webp (the
 first present, in that order); caption: txt, UTF-8.
+
+Training opens images lazily (`load=False`: the header only), so that the transform can
+decode a JPEG at reduced size (transforms.py); damage found then is a BAD_IMAGE skip too
+(the worker catches it). Evaluation loads at once, so that every rank agrees on what is corrupt.
 """
 
 from __future__ import annotations
@@ -40,19 +44,20 @@ def _first(files: dict[str, bytes], extensions: tuple[str, ...]) -> bytes | None
     return None
 
 
-def decode_image(data: bytes) -> Image.Image | None:
+def decode_image(data: bytes, *, load: bool = True) -> Image.Image | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # EXIF / decompression-bomb warnings: we decide below
             image = Image.open(io.BytesIO(data))
-            image.load()  # decoding is lazy; force it so damage is found here
+            if load:
+                image.load()  # decoding is lazy; force it so damage is found here
         return image
     except Exception:  # PIL raises many types (OSError, ValueError, SyntaxError, DecompressionBombError...)
         return None
 
 
-def decode_sample(raw: RawSample) -> Decoded | str:
-    """A `Decoded` sample, or one of SKIP_REASONS."""
+def decode_sample(raw: RawSample, *, load: bool = True) -> Decoded | str:
+    """A `Decoded` sample (its image only opened unless `load`), or one of SKIP_REASONS."""
     image_bytes = _first(raw.files, IMAGE_EXTENSIONS)
     if image_bytes is None:
         return NO_IMAGE
@@ -63,7 +68,7 @@ def decode_sample(raw: RawSample) -> Decoded | str:
         caption = text_bytes.decode("utf-8").strip()
     except UnicodeDecodeError:
         return BAD_TEXT
-    image = decode_image(image_bytes)
+    image = decode_image(image_bytes, load=load)
     if image is None:
         return BAD_IMAGE
     return Decoded(key=raw.key, image=image, caption=caption)

@@ -4,6 +4,8 @@ Shards in pattern order, samples in tar order, corrupt ones skipped (the same on
 rank, so every rank agrees on the numbering). Each sample has an `index` in that order; with
 `rank` / `world_size` only the samples with `index % world_size == rank` are transformed,
 tokenized and yielded (every rank still decodes all images, to agree on which are corrupt).
+Images are OpenCLIP's exact evaluation transform as uint8 [H, W, 3]; the caller normalises
+them on its device (device.ImageNormalizer), as the training loader does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class EvalSample:
     index: int  # position in the held-out order (0, 1, ...), the same on every rank
     key: str
     caption: str
-    image: torch.Tensor  # float [3, H, W], eval transform
+    image: torch.Tensor  # uint8 [H, W, 3], eval transform (normalise with device.ImageNormalizer)
     tokens: torch.Tensor  # long [context_length]
 
 
@@ -38,7 +40,7 @@ class EvalSet:
     indices: list[int]
     keys: list[str]
     captions: list[str]
-    images: torch.Tensor  # [N, 3, H, W]
+    images: torch.Tensor  # uint8 [N, H, W, 3]
     texts: torch.Tensor  # [N, context_length]
 
 
@@ -46,7 +48,7 @@ def _decoded_samples(pattern: str, *, s3: S3Settings | None, skipped: Counter) -
     shards = validate_shards(pattern, s3=s3, what="--val-data")
     for url in shards.urls:
         for raw in ShardSamples(url, s3=s3):
-            decoded = decode_sample(raw)
+            decoded = decode_sample(raw, load=True)
             if isinstance(decoded, str):
                 skipped[decoded] += 1
                 continue
@@ -63,9 +65,11 @@ def iter_eval_samples(
     world_size: int = 1,
     s3: S3Settings | None = None,
     skipped: Counter | None = None,
+    resize_mode: str = "shortest",
+    interpolation: str = "bicubic",
 ) -> Iterator[EvalSample]:
     """Samples `index % world_size == rank` among the first `limit` (0: all); skips counted in `skipped`."""
-    transform = eval_transform(image_size)
+    transform = eval_transform(image_size, resize_mode=resize_mode, interpolation=interpolation)
     counts = skipped if skipped is not None else Counter()
     for index, decoded in enumerate(_decoded_samples(pattern, s3=s3, skipped=counts)):
         if limit and index >= limit:
@@ -76,7 +80,7 @@ def iter_eval_samples(
             index=index,
             key=decoded.key,
             caption=decoded.caption,
-            image=transform(decoded.image),
+            image=torch.from_numpy(transform(decoded.image).copy()),  # PIL's pixels are read-only
             tokens=tokenizer([decoded.caption])[0],
         )
 
@@ -102,7 +106,7 @@ def load_eval_set(
             s3=s3,
         )
     )
-    empty_images = torch.empty(0, 3, image_size, image_size)
+    empty_images = torch.empty(0, image_size, image_size, 3, dtype=torch.uint8)
     return EvalSet(
         indices=[s.index for s in samples],
         keys=[s.key for s in samples],

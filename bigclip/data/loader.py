@@ -1,10 +1,15 @@
 """The per-rank training loader: batches for the training loop, and an exact, resumable position.
 
     loader = build_train_loader(cfg.data, rank=r, world_size=n, seed=s, epoch=e,
-                                image_size=224, tokenizer=tok, position=saved_or_None)
-    for batch in loader:            # TrainBatch: images [B,3,H,W], texts [B,L], keys
+                                image_size=224, tokenizer=tok, position=saved_or_None,
+                                device=d, image_dtype=torch.bfloat16)
+    for batch in loader:            # TrainBatch: images [B,3,H,W] normalised on d, texts [B,L], keys
         ...
         state = loader.state_dict()  # collective: every rank calls it; JSON-able, world-size free
+
+Images arrive from the workers as uint8 and are normalised on `device` in `image_dtype`
+(device.py); `loader.stats.take_capacity()` says how many samples/s the workers could have
+delivered (their busy time, not counting waits for the training loop).
 
 Where consumption is tracked: here, in the main process, when a batch is handed to the
 training loop. Workers prefetch, so what they have read says nothing about what was used.
@@ -23,10 +28,9 @@ settings (world size, --workers, --batch-size, --shard-interleave, --seed, shard
 continues exactly: every rank gets the batches, samples and crops an uninterrupted run would
 have had (stream_state.py). Otherwise the unfinished shards are re-planned over this run's
 readers and continue at their cursors, so no sample of the epoch is seen twice or skipped,
-and a log line says why the order changed. With --dataset-resampled, shards are drawn with
-replacement: at the same settings the stream continues exactly as well; at others there is
-no exactly-once to keep, and resume starts a fresh stream keyed by (seed, epoch, samples
-consumed), with the same remaining step budget.
+and a log line says why the order changed. With --dataset-resampled the same holds for the
+epoch's global sequence of shard draws (position.py): N -> M ranks, no draw is read twice or
+skipped, and crops stay keyed by (draw, sample).
 """
 
 from __future__ import annotations
@@ -43,10 +47,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from bigclip.config import DataConfig
+from bigclip.data.augment import Augmentation
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
+from bigclip.data.device import image_normalizer
 from bigclip.data.resume.assignment import ReaderAssignment, assign_readers
 from bigclip.data.resume.position import DataPosition, RankProgress
-from bigclip.data.resume.randomness import stream_key
+from bigclip.data.resume.randomness import draws_key, stream_key
 from bigclip.data.resume.reader_state import ReaderState
 from bigclip.data.resume.stream_state import RankStream, StreamSettings, StreamState
 from bigclip.data.shards import ShardList
@@ -64,7 +70,7 @@ FORK_SETTLE_S = 0.05  # see _settle_before_fork
 
 @dataclass
 class TrainBatch:
-    images: torch.Tensor  # float [B, 3, H, W], CLIP-normalised
+    images: torch.Tensor  # [B, 3, H, W] normalised, in image_dtype on the device (uint8 [B, H, W, 3] if not)
     texts: torch.Tensor  # long [B, context_length]
     keys: list[str]  # the samples' webdataset keys
 
@@ -76,10 +82,19 @@ class DataStats:
     samples: int = 0  # handed to the training loop
     skipped: Counter = field(default_factory=Counter)  # corrupt samples by reason (see decode.py)
     broken_shards: list[str] = field(default_factory=list)  # truncated / unreadable shards
+    readers: int = 1  # workers producing in parallel (1 with --workers 0)
+    produced: int = 0  # samples in worker batches received since the last take_capacity()
+    busy_s: float = 0.0  # the workers' summed busy time for them
 
     @property
     def skipped_total(self) -> int:
         return sum(self.skipped.values())
+
+    def take_capacity(self) -> float:
+        """Samples/s the workers could deliver since the last call (0.0 if nothing was received)."""
+        capacity = self.produced * self.readers / self.busy_s if self.busy_s > 0 else 0.0
+        self.produced, self.busy_s = 0, 0.0
+        return capacity
 
 
 class TrainLoader:
@@ -97,6 +112,8 @@ class TrainLoader:
         tokenizer: Tokenizer,
         position: dict[str, Any] | None = None,
         device: torch.device | str | None = None,
+        image_dtype: torch.dtype = torch.float32,
+        normalize: bool = True,
         s3: S3Settings | None = None,
         shards: ShardList | None = None,
     ) -> None:
@@ -107,6 +124,9 @@ class TrainLoader:
         self.steps_per_epoch = self.num_samples // self.global_batch
         self.start = self._start_position(position, epoch)
         self.device = torch.device(device) if device is not None else None
+        self.normalizer = (
+            image_normalizer(cfg, device=self.device or "cpu", dtype=image_dtype) if normalize else None
+        )
         self.group = cpu_group()
         if world_size > 1 and self.group is None:
             raise RuntimeError(
@@ -117,7 +137,7 @@ class TrainLoader:
                 f"world_size={world_size} but the default process group has {dist.get_world_size()}"
             )
         self.progress = RankProgress()
-        self.stats = DataStats()
+        self.stats = DataStats(readers=max(1, cfg.workers))
         self.steps = 0  # steps taken by this loader (the same on every rank)
         self._dataset = self._reader_stream(seed=seed, image_size=image_size, tokenizer=tokenizer, s3=s3)
         self._iterated = False
@@ -152,10 +172,14 @@ class TrainLoader:
             resampled=self.start.resampled,
             batch_size=cfg.batch_size,
             interleave=cfg.shard_interleave,
-            transform=train_transform(image_size),
+            transform=train_transform(
+                image_size, aug=Augmentation.from_cfg(cfg.aug_cfg), fast=cfg.train_transform == "fast"
+            ),
             tokenizer=tokenizer,
             crop_key=f"bigclip-crop/{seed}/{epoch}",
             s3=s3,
+            draws_key=draws_key(seed=seed, epoch=epoch),
+            cumulative=self.shards.cumulative_weights(),
         )
 
     def _reader_specs(self, assignment: ReaderAssignment, *, seed: int) -> list[ReaderSpec]:
@@ -168,6 +192,7 @@ class TrainLoader:
                 key=stream_key(seed=seed, epoch=epoch, origin=origin, rank=self.rank, worker=w),
                 plan=assignment.tasks[w],
                 state=assignment.stream.readers[w],
+                tail=assignment.tails[w],
             )
             for w in assignment.stream.carry + assignment.stream.active
         ]
@@ -266,6 +291,8 @@ class TrainLoader:
             self.progress.ends[int(shard)] = Cursor.from_json(end)
         self.stats.skipped.update(worker_batch["skipped"])
         self.stats.broken_shards.extend(worker_batch["broken"])
+        self.stats.produced += len(worker_batch["keys"])
+        self.stats.busy_s += worker_batch["busy_s"]
 
     def _consume(self, chunk: Chunk) -> TrainBatch:
         for shard, after in zip(chunk.shards.tolist(), chunk.after.tolist()):
@@ -275,8 +302,11 @@ class TrainLoader:
         self.steps += 1
         self.stats.samples += len(chunk.keys)
         images, texts = chunk.images, chunk.texts
+        if self.device is not None and self.device.type == "cuda" and not images.is_pinned():
+            images, texts = images.pin_memory(), texts.pin_memory()  # joined from short batches
+        if self.normalizer is not None:
+            images = self.normalizer(images, chunk.erase)
         if self.device is not None:
-            images = images.to(self.device, non_blocking=True)
             texts = texts.to(self.device, non_blocking=True)
         return TrainBatch(images=images, texts=texts, keys=chunk.keys)
 

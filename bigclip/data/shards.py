@@ -8,12 +8,18 @@ one `scandir` per local directory; on S3 the common key prefix of each directory
 `DataError`; a pattern matching only some is logged and the missing ones are left out (as
 OpenCLIP's trainer does with img2dataset output, where failed shards leave gaps).
 
+`--train-data-upsampling-factors 1::2::0.5` gives each `::` source a weight; with
+--dataset-resampled a shard is drawn with probability proportional to its source's weight
+(OpenCLIP's `ResampledShards2`: every shard of a source carries the source's factor, so a
+source's share also grows with its shard count). `with_weights` attaches them.
+
 Sample counts come from `sizes.json` beside the shards (`{"00000.tar": 10000, ...}`, the
 webdataset / img2dataset convention that OpenCLIP reads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -40,6 +46,7 @@ class ShardList:
     urls: tuple[str, ...]
     sizes: tuple[int | None, ...]
     missing: tuple[str, ...] = ()
+    weights: tuple[float, ...] | None = None  # per shard, from --train-data-upsampling-factors
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -60,7 +67,42 @@ class ShardList:
         """
         root = os.path.commonprefix(list(self.urls)).rpartition("/")[0]
         relative = [u[len(root) :] for u in self.urls]
+        if self.weights is not None:  # resampled draws depend on them
+            relative += [repr(w) for w in self.weights]
         return hashlib.sha256("\n".join(relative).encode()).hexdigest()[:16]
+
+    def cumulative_weights(self) -> list[float]:
+        """Running sums of the draw weights (1 per shard without upsampling factors)."""
+        total, out = 0.0, []
+        for w in self.weights or (1.0,) * len(self.urls):
+            total += w
+            out.append(total)
+        return out
+
+    def with_weights(self, factors: str) -> ShardList:
+        """Per-shard weights from '1::2::0.5' (one factor per '::' source of the pattern)."""
+        if not factors:
+            return self
+        sources = self.pattern.split("::")
+        try:
+            values = [float(f) for f in factors.split("::")]
+        except ValueError:
+            values = []
+        if len(values) != len(sources) or min(values, default=-1) < 0 or not any(values):
+            raise DataError(
+                f"--train-data-upsampling-factors {factors!r} needs one non-negative number per '::' source of "
+                f"--train-data ({len(sources)} source(s)), not all zero, e.g. {'::'.join(['1'] * len(sources))}"
+            )
+        weight: dict[str, float] = {}
+        for source, value in zip(sources, values):
+            for url in expand_pattern(source):  # a shard listed in two sources carries both weights
+                weight[url] = weight.get(url, 0.0) + value
+        weights = tuple(weight[u] for u in self.urls)
+        if not any(weights):
+            raise DataError(
+                f"--train-data-upsampling-factors {factors!r} gives every existing shard weight 0"
+            )
+        return dataclasses.replace(self, weights=weights)
 
 
 def expand_pattern(pattern: str) -> list[str]:
@@ -161,13 +203,13 @@ def _sizes(urls: list[str], settings: S3Settings | None) -> list[int | None]:
     for url in urls:
         directory, name = url.rsplit("/", 1) if "/" in url else (".", url)
         if directory not in tables:
-            tables[directory] = _read_sizes_json(directory, settings)
+            tables[directory] = read_sizes_json(directory, settings)
         size = tables[directory].get(name)
         sizes.append(int(size) if size is not None else None)
     return sizes
 
 
-def _read_sizes_json(directory: str, settings: S3Settings | None) -> dict[str, int]:
+def read_sizes_json(directory: str, settings: S3Settings | None) -> dict[str, int]:
     path = f"{directory}/{SIZES_FILE}"
     try:
         text = _read_small_s3_object(path, settings) if is_s3(path) else _read_local_text(path)

@@ -76,7 +76,7 @@ def is_compressed(url: str) -> bool:
     return url.endswith(COMPRESSED_SUFFIXES)
 
 
-def _recording_tarinfo() -> type[tarfile.TarInfo]:
+def recording_tarinfo() -> type[tarfile.TarInfo]:
     """A TarInfo class that remembers why header parsing stopped.
 
     tarfile ends iteration *silently* on a truncated or garbled header anywhere but at the
@@ -98,7 +98,7 @@ def _recording_tarinfo() -> type[tarfile.TarInfo]:
     return RecordingTarInfo
 
 
-def _check_clean_end(tar: tarfile.TarFile) -> None:
+def check_clean_end(tar: tarfile.TarFile) -> None:
     stopped_by = tar.tarinfo.stopped_by
     if stopped_by is not None and not isinstance(
         stopped_by, (tarfile.EOFHeaderError, tarfile.EmptyHeaderError)
@@ -108,14 +108,14 @@ def _check_clean_end(tar: tarfile.TarFile) -> None:
 
 def _open_tar(stream, *, mode: str, resumed: bool) -> tarfile.TarFile | None:
     try:
-        return tarfile.open(fileobj=stream, mode=mode, tarinfo=_recording_tarinfo())
+        return tarfile.open(fileobj=stream, mode=mode, tarinfo=recording_tarinfo())
     except tarfile.ReadError as e:
         if resumed and str(e) == "empty file":  # resumed exactly at the end of a tar without end blocks
             return None
         raise
 
 
-def _is_metadata(name: str) -> bool:
+def is_metadata(name: str) -> bool:
     base = name.rsplit("/", 1)[-1]
     return base.startswith(("__", "."))
 
@@ -150,7 +150,7 @@ class ShardSamples:
         try:
             tar = _open_tar(stream, mode=mode, resumed=base > 0)
             for info in tar or ():
-                if not info.isreg() or _is_metadata(info.name):
+                if not info.isreg() or is_metadata(info.name):
                     continue
                 key, ext = key_and_ext(info.name)
                 if key is None:
@@ -165,7 +165,7 @@ class ShardSamples:
                 current.files[ext.lower()] = tar.extractfile(info).read()
                 tar.members = []  # stream mode keeps every TarInfo otherwise
             if tar is not None:
-                _check_clean_end(tar)
+                check_clean_end(tar)
             end = base + (tar.offset if tar else 0)
         except read_errors(self.url) as e:
             self.error = f"{type(e).__name__}: {e}"

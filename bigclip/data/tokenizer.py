@@ -1,32 +1,36 @@
-"""Text tokenizers: a built-in one that needs no download, or OpenCLIP's.
+"""Text tokenizers, chosen by `--tokenizer`; the name is recorded with every checkpoint.
+
+  open_clip  OpenCLIP's BPE tokenizer (OpenAI CLIP's vocabulary), the default: the ids every
+             OpenCLIP model was trained with, so weights move both ways (`bpe_tokenizer.py`).
+  hashing    opt-in: words mapped to ids by a stable hash, with no vocabulary. Only for models
+             trained from scratch on small, known vocabularies (tests, toy data); its ids mean
+             nothing to OpenCLIP weights.
 
 Both return OpenCLIP's layout: `LongTensor[N, context_length]`, each row
-`[start, tok, ..., end, 0, 0, ...]`, truncated to the context length with the end
-token kept last. The model pools at `text.argmax(-1)`, so the end-of-text id must be the
-highest id in every row: as in OpenCLIP (49406 / 49407 for a 49408 vocabulary), the start
-and end ids are `vocab_size - 2` and `vocab_size - 1`, and every other id is below them.
+`[start, tok, ..., end, 0, 0, ...]`, truncated to the context length with the end token kept
+last. The model pools at `text.argmax(-1)`, so the end-of-text id is the highest id in every
+row: 49406 / 49407 for OpenCLIP's 49408 ids, `vocab_size - 2` / `vocab_size - 1` for hashing.
 
-The built-in `HashingTokenizer` splits lower-cased text into words, numbers and
-punctuation (CLIP's pre-tokenisation, without BPE) and maps each piece to an id with a
-stable hash (blake2b, not Python's salted `hash`), so it needs no vocabulary file and gives
-the same ids in every process and on every machine. Distinct words may share an id
-(probability ~ words / vocab_size per pair); for captions built from a small vocabulary,
-such as the demo's, `collisions()` checks there are none.
+`HashingTokenizer` splits lower-cased text into words, numbers and punctuation (CLIP's
+pre-tokenisation, without BPE) and maps each piece to an id with blake2b (not Python's salted
+`hash`), so it gives the same ids in every process and on every machine. Distinct words may
+share an id (probability ~ words / vocab_size per pair); `collisions()` checks a vocabulary.
 """
 
 from __future__ import annotations
 
 import hashlib
 import html
+import logging
 import re
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from bigclip.config import TOKENIZERS
+from bigclip.data.bpe_tokenizer import VOCAB_SIZE, ClipBpeTokenizer, pad_rows
 from bigclip.errors import ConfigError
-
-TOKENIZERS = ("simple", "open_clip")
 
 # CLIP's pre-tokenisation: contractions, runs of letters, single digits, runs of other symbols.
 _PIECES = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d|[^\W\d_]+|\d|[^\s\w]+|_", re.IGNORECASE)
@@ -46,7 +50,9 @@ def clean_text(text: str) -> str:
 
 
 class HashingTokenizer:
-    """Word-level tokenizer with hashed ids; picklable, so data workers can use it."""
+    """Word-level tokenizer with hashed ids (opt-in: `--tokenizer hashing`); picklable."""
+
+    name = "hashing"
 
     def __init__(self, *, context_length: int, vocab_size: int) -> None:
         if context_length < 2:
@@ -72,15 +78,8 @@ class HashingTokenizer:
     def __call__(self, texts: str | list[str]) -> torch.Tensor:
         if isinstance(texts, str):
             texts = [texts]
-        out = torch.zeros(len(texts), self.context_length, dtype=torch.long)
-        for row, text in enumerate(texts):
-            ids = [self.sot_token_id, *self.encode(text), self.eot_token_id]
-            if len(ids) > self.context_length:
-                # OpenCLIP's truncation: keep the first tokens, end token in the last slot.
-                ids = ids[: self.context_length]
-                ids[-1] = self.eot_token_id
-            out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return out
+        rows = [[self.sot_token_id, *self.encode(text), self.eot_token_id] for text in texts]
+        return pad_rows(rows, context_length=self.context_length, eot_token_id=self.eot_token_id)
 
     def collisions(self, texts: Iterable[str]) -> dict[int, set[str]]:
         """Ids shared by more than one distinct word of `texts` (empty when there are none)."""
@@ -91,33 +90,44 @@ class HashingTokenizer:
         return {i: ws for i, ws in by_id.items() if len(ws) > 1}
 
 
-def _open_clip_tokenizer(*, context_length: int, vocab_size: int, model_name: str) -> Tokenizer:
-    try:
-        import open_clip
-
-        get_tokenizer = open_clip.get_tokenizer
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(
-            "--tokenizer open_clip needs OpenCLIP with its dependencies importable "
-            f"(pip install open_clip_torch ftfy regex); importing it failed: {e}. "
-            "Use --tokenizer simple for the built-in tokenizer."
-        ) from e
-    tokenizer = get_tokenizer(model_name, context_length=context_length)
-    tok_vocab = getattr(tokenizer, "vocab_size", vocab_size)
-    if tok_vocab > vocab_size:
-        raise ConfigError(
-            f"OpenCLIP's tokenizer for {model_name or 'the default model'} has {tok_vocab} ids but the "
-            f"model's vocab_size is {vocab_size}; pick a model whose text_cfg.vocab_size matches"
-        )
-    return tokenizer
-
-
-def build_tokenizer(name: str, *, context_length: int, vocab_size: int, model_name: str = "") -> Tokenizer:
-    """`name` is `--tokenizer`: 'simple' (built-in) or 'open_clip' (`open_clip.get_tokenizer(model_name)`)."""
-    if name == "simple":
-        return HashingTokenizer(context_length=context_length, vocab_size=vocab_size)
+def build_tokenizer(name: str, *, context_length: int, vocab_size: int) -> Tokenizer:
+    """`name` is `--tokenizer`: 'open_clip' (OpenCLIP's BPE, the default) or 'hashing' (opt-in)."""
     if name == "open_clip":
-        return _open_clip_tokenizer(
-            context_length=context_length, vocab_size=vocab_size, model_name=model_name
-        )
+        if vocab_size < VOCAB_SIZE:
+            raise ConfigError(
+                f"--tokenizer open_clip has {VOCAB_SIZE} ids but the model's text_cfg.vocab_size is "
+                f"{vocab_size}; use a model with vocab_size {VOCAB_SIZE} (every OpenCLIP ViT config has it)"
+            )
+        return ClipBpeTokenizer(context_length=context_length)
+    if name == "hashing":
+        return HashingTokenizer(context_length=context_length, vocab_size=vocab_size)
     raise ConfigError(f"unknown tokenizer {name!r}; use one of {', '.join(TOKENIZERS)}")
+
+
+# Checkpoints from before the tokenizer was recorded name it only in their saved config, where
+# bigclip's former default 'simple' was the word-hashing tokenizer.
+_FORMER_NAMES = {"simple": "hashing"}
+
+
+def saved_tokenizer(meta: dict[str, Any], saved_config: dict[str, Any] | None = None) -> str:
+    """The tokenizer weights were trained with, from a manifest's (or safetensors file's) metadata,
+    else from the run's saved config; '' when neither says."""
+    name = meta.get("tokenizer") or ((saved_config or {}).get("data") or {}).get("tokenizer", "")
+    return _FORMER_NAMES.get(name, name)
+
+
+def check_tokenizer(saved: str, tokenizer: str, *, allow: bool, what: str) -> None:
+    """Refuse weights trained with another tokenizer (unless `allow`, --allow-tokenizer-change):
+    their text tower would read ids it never learned."""
+    if not saved or saved == tokenizer:
+        return
+    message = (
+        f"{what}: the weights were trained with --tokenizer {saved}, this run has --tokenizer {tokenizer}"
+    )
+    if allow:
+        logging.getLogger("bigclip").warning(f"{message}; continuing (--allow-tokenizer-change)")
+        return
+    raise ConfigError(
+        f"{message}; their text tower would read ids it never learned. Pass --tokenizer {saved}, or "
+        "--allow-tokenizer-change to train on with the new ids"
+    )

@@ -7,6 +7,8 @@ from typing import Any
 import torch.distributed as dist
 
 from bigclip.config import DataConfig
+from bigclip.data.augment import Augmentation
+from bigclip.data.device import image_normalizer
 from bigclip.data.shards import ShardList, validate_shards
 from bigclip.distributed import cpu_group
 from bigclip.errors import DataError
@@ -49,7 +51,9 @@ def validate_data(cfg: DataConfig, *, world_size: int, s3: S3Settings | None = N
 
 
 def _validate_data_here(cfg: DataConfig, *, world_size: int, s3: S3Settings | None) -> ShardList:
-    shards = validate_shards(cfg.train_data, s3=s3)
+    Augmentation.from_cfg(cfg.aug_cfg)  # ConfigErrors for --aug-cfg, --image-mean/std in seconds
+    image_normalizer(cfg)
+    shards = validate_shards(cfg.train_data, s3=s3).with_weights(cfg.train_data_upsampling_factors)
     if cfg.val_data:
         validate_shards(cfg.val_data, s3=s3, what="--val-data")
     samples = epoch_samples(cfg, shards)

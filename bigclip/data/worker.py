@@ -9,6 +9,11 @@ Every random choice is keyed by position (randomness.py): the n-th interleave ch
 reader's key and n, a sample's crop by (seed, epoch, shard, sample index). A reader started
 from a `ReaderState` (reader_state.py) therefore continues the very stream it was on.
 
+Images leave the worker as uint8 [B, H, W, 3], written straight into a batch buffer that
+is already in shared memory (so sending it to the training process copies nothing); the
+device normalises them (device.py). Each batch also says how long the worker was busy making
+it (`busy_s`, excluding time spent waiting for the consumer): the loader's capacity.
+
 Each batch carries, besides images / token ids / keys, the bookkeeping the consumer needs:
 the worker it comes from and whether it is that worker's last; every sample's shard, the
 cursor just after it and the reader's state just after it; the shards found to have no valid
@@ -21,20 +26,24 @@ from __future__ import annotations
 
 import logging
 import random
+import time
+import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from bigclip.data.decode import decode_sample
-from bigclip.data.resume.assignment import ShardTask
-from bigclip.data.resume.randomness import choose, keyed_rng
+from bigclip.data.augment import erase_boxes
+from bigclip.data.decode import BAD_IMAGE, decode_sample
+from bigclip.data.resume.assignment import ShardTask, Tail
+from bigclip.data.resume.randomness import choose, choose_weighted, keyed_rng
 from bigclip.data.resume.reader_state import OpenShardState, ReaderState, encode_row
 from bigclip.data.tar_samples import START, Cursor, RawSample, ShardSamples
 from bigclip.data.tokenizer import Tokenizer
+from bigclip.data.transforms import TrainTransform
 from bigclip.storage.s3 import S3Settings
 
 log = logging.getLogger("bigclip.data")
@@ -49,8 +58,9 @@ class ReaderSpec:
 
     worker: int
     key: str  # randomness.stream_key(...)
-    plan: list[ShardTask]  # shards to read in order (unused with --dataset-resampled: drawn instead)
+    plan: list[ShardTask]  # shards (draws, with --dataset-resampled) to read in order
     state: ReaderState = field(default_factory=ReaderState)
+    tail: Tail | None = None  # --dataset-resampled: the draws to read after the plan, endlessly
 
 
 @dataclass
@@ -63,19 +73,23 @@ class _OpenShard:
     fruitful: bool = False  # a valid sample came from it since it was opened
 
 
-@dataclass
 class _Pending:
     """A batch being filled, plus bookkeeping to send with it."""
 
-    images: list[torch.Tensor] = field(default_factory=list)
-    captions: list[str] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)
-    shards: list[int] = field(default_factory=list)
-    after: list[list[int]] = field(default_factory=list)
-    states: list[list[int]] = field(default_factory=list)
-    ends: dict[int, list[int]] = field(default_factory=dict)
-    skipped: Counter = field(default_factory=Counter)
-    broken: list[str] = field(default_factory=list)
+    def __init__(self, batch_size: int, image_size: int, *, erase: int) -> None:
+        self.images = torch.empty((batch_size, image_size, image_size, 3), dtype=torch.uint8)
+        if get_worker_info() is not None:
+            self.images.share_memory_()  # pickled to the training process by handle, not copied
+        self.erase = torch.zeros((batch_size, erase, 5), dtype=torch.long)  # (top, left, h, w, seed)
+        self.captions: list[str] = []
+        self.keys: list[str] = []
+        self.shards: list[int] = []
+        self.after: list[list[int]] = []
+        self.states: list[list[int]] = []
+        self.ends: dict[int, list[int]] = {}
+        self.skipped: Counter = Counter()
+        self.broken: list[str] = []
+        self.started = time.perf_counter()
 
 
 class ReaderStream(IterableDataset):
@@ -89,20 +103,29 @@ class ReaderStream(IterableDataset):
         resampled: bool,
         batch_size: int,
         interleave: int,
-        transform: Callable[..., torch.Tensor],
+        transform: TrainTransform,
         tokenizer: Tokenizer,
         crop_key: str,
         s3: S3Settings | None,
+        draws_key: str = "",
+        cumulative: list[float] | None = None,
     ) -> None:
         self.readers = readers
         self.urls = urls
-        self.resampled = resampled  # shards drawn with replacement, forever, instead of a plan
+        self.resampled = resampled  # tasks are draws of shards with replacement, endlessly
+        self.draws_key, self.cumulative = draws_key, cumulative  # which shard each draw is
         self.batch_size = batch_size
         self.interleave = interleave
         self.transform = transform
         self.tokenizer = tokenizer
         self.crop_key = crop_key  # (seed, epoch): with (shard, sample index), keys a sample's crop
         self.s3 = s3
+
+    def url(self, task: int) -> str:
+        """The shard a task id names: the shard itself, or the shard drawn at that draw."""
+        if not self.resampled:
+            return self.urls[task]
+        return self.urls[choose_weighted(self.draws_key, task, self.cumulative)]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -122,10 +145,14 @@ class Reader:
         self.open = [self._reopen(s) for s in start.open]
         self.width = ReaderState.width(stream.interleave)
         self.logged_skips = 0
+        self.erase = stream.transform.aug.re_count if stream.transform.aug.re_prob else 0
+
+    def _pending(self) -> _Pending:
+        return _Pending(self.stream.batch_size, self.stream.transform.image_size, erase=self.erase)
 
     def batches(self) -> Iterator[dict[str, Any]]:
         """Batches ending at multiples of batch_size emitted samples, then the last (short or empty) one."""
-        pending = _Pending()
+        pending = self._pending()
         while self._fill():
             which = choose(self.spec.key, self.draws, len(self.open))
             self.draws += 1
@@ -138,7 +165,7 @@ class Reader:
             current.read = raw.after
             if self._add(raw, current, pending) and self.emitted % self.stream.batch_size == 0:
                 yield self._emit(pending, last=False)
-                pending = _Pending()
+                pending = self._pending()
         if self.stream.resampled and self.fruitless >= MAX_FRUITLESS_DRAWS:
             # An endless stream of unreadable shards would hang the run; ending it lets the loader
             # stop every rank and report the skip counts instead.
@@ -155,40 +182,44 @@ class Reader:
         return bool(self.open)
 
     def _next_task(self) -> ShardTask | None:
-        if not self.stream.resampled:
-            if self.tasks >= len(self.spec.plan):
-                return None
-            task = self.spec.plan[self.tasks]
-        elif self.fruitless >= MAX_FRUITLESS_DRAWS:
+        plan, tail = self.spec.plan, self.spec.tail
+        if self.tasks < len(plan):
+            task = plan[self.tasks]
+        elif tail is None or self.fruitless >= MAX_FRUITLESS_DRAWS:
             return None
         else:
-            shard = choose(f"{self.spec.key}/shard", self.tasks, len(self.stream.urls))
-            task = ShardTask(shard, self.stream.urls[shard], START)
+            draw = tail.draw(self.tasks - len(plan))
+            task = ShardTask(draw, self.stream.url(draw), START)
         self.tasks += 1
         return task
 
     def _reopen(self, state: OpenShardState) -> _OpenShard:
-        reader = ShardSamples(self.stream.urls[state.shard], start=state.read, s3=self.stream.s3)
+        reader = ShardSamples(self.stream.url(state.shard), start=state.read, s3=self.stream.s3)
         return _OpenShard(state.shard, reader, iter(reader), state.read, state.valid, state.fruitful)
 
     def _close(self, shard: _OpenShard, pending: _Pending) -> None:
         pending.ends[shard.shard] = shard.valid.to_json()
         self.fruitless = 0 if shard.fruitful else self.fruitless + 1
         if shard.reader.error:
-            url = self.stream.urls[shard.shard]
+            url = self.stream.url(shard.shard)
             pending.broken.append(url)
             log.warning("shard %s ends early, keeping what was read: %s", url, shard.reader.error)
 
     def _add(self, raw: RawSample, shard: _OpenShard, pending: _Pending) -> bool:
         """Decode, transform and append one sample; False when it is skipped as corrupt."""
-        decoded = decode_sample(raw)
-        if isinstance(decoded, str):
-            pending.skipped[decoded] += 1
-            self._log_skip(decoded, raw, self.stream.urls[shard.shard])
+        decoded = decode_sample(raw, load=False)
+        pixels = None if isinstance(decoded, str) else self._pixels(decoded.image, shard.shard, raw.index)
+        if pixels is None:
+            reason = decoded if isinstance(decoded, str) else BAD_IMAGE
+            pending.skipped[reason] += 1
+            self._log_skip(reason, raw, self.stream.url(shard.shard))
             return False
         shard.valid, shard.fruitful = raw.after, True
+        slot = len(pending.keys)
+        pending.images.numpy()[slot] = pixels  # the one copy: PIL's pixels into the shared batch
+        if self.erase:
+            self._erase_boxes(pending.erase[slot], shard.shard, raw.index)
         self.emitted += 1
-        pending.images.append(self.stream.transform(decoded.image, self._crop_rng(shard.shard, raw.index)))
         pending.captions.append(decoded.caption)
         pending.keys.append(raw.key)
         pending.shards.append(shard.shard)
@@ -198,10 +229,27 @@ class Reader:
         )
         return True
 
-    def _crop_rng(self, shard: int, index: int) -> random.Random:
-        if self.stream.resampled:  # a shard may be drawn twice in an epoch: key by this reader's draw instead
-            return keyed_rng(self.spec.key, "crop", self.draws)
-        return keyed_rng(self.stream.crop_key, shard, index)
+    def _pixels(self, image: Any, shard: int, index: int) -> Any:
+        """The transformed uint8 pixels, or None when the image turns out damaged while decoding."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return self.stream.transform(image, self._crop_rng(shard, index))
+        except Exception:  # PIL raises many types on damaged data (OSError, ValueError, SyntaxError...)
+            return None
+
+    def _erase_boxes(self, row: torch.Tensor, shard: int, index: int) -> None:
+        rng = self._crop_rng(shard, index, purpose="erase")
+        boxes = erase_boxes(self.stream.transform.image_size, self.stream.transform.aug, rng)
+        seed = rng.getrandbits(62)
+        for k, box in enumerate(boxes):
+            row[k] = torch.tensor([*box, seed])
+        row[:, 4] = seed
+
+    def _crop_rng(self, task: int, index: int, *, purpose: str = "") -> random.Random:
+        """Keyed by (seed, epoch, shard or draw, sample index): the same at every world size."""
+        extra = (purpose,) if purpose else ()  # the crop's key is unchanged from earlier versions
+        return keyed_rng(self.stream.crop_key, task, index, *extra)
 
     def _log_skip(self, reason: str, raw: RawSample, url: str) -> None:
         self.logged_skips += 1
@@ -209,14 +257,13 @@ class Reader:
             log.warning("skipping sample %r of %s: %s", raw.key, url, reason)
 
     def _emit(self, pending: _Pending, *, last: bool) -> dict[str, Any]:
-        empty = not pending.keys
+        n = len(pending.keys)
         return {
             "worker": self.spec.worker,
             "last": last,
-            "images": torch.stack(pending.images) if not empty else torch.empty(0),
-            "texts": self.stream.tokenizer(pending.captions)
-            if not empty
-            else torch.empty(0, dtype=torch.long),
+            "images": pending.images[:n],
+            "erase": pending.erase[:n],
+            "texts": self.stream.tokenizer(pending.captions) if n else torch.empty(0, dtype=torch.long),
             "keys": pending.keys,
             "shards": torch.tensor(pending.shards, dtype=torch.long),
             "after": torch.tensor(pending.after, dtype=torch.long).reshape(-1, 2),
@@ -224,4 +271,5 @@ class Reader:
             "ends": pending.ends,
             "skipped": dict(pending.skipped),
             "broken": pending.broken,
+            "busy_s": time.perf_counter() - pending.started,
         }

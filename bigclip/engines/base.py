@@ -173,3 +173,10 @@ class Engine(ABC):
     def unwrapped(self) -> CLIP:
         """The CLIP module itself (parameters may be sharded)."""
         return self.module
+
+    @property
+    def image_dtype(self) -> torch.dtype:
+        """The dtype images enter the model in (its patch embedding's weights'), which the data
+        loader normalises into on the device: fp32 under FSDP2's amp (the root stays fp32), bf16
+        with pure_bf16 or DeepSpeed's bf16."""
+        return self.unwrapped().visual.conv1.weight.dtype

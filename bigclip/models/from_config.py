@@ -12,11 +12,27 @@ import math
 import torch
 
 from bigclip.config import TrainConfig
-from bigclip.models.clip import CLIP
+from bigclip.models.clip import CLIP, CLIPConfig
 from bigclip.models.lock import apply_locks
 from bigclip.models.registry import create_model, get_model_config
 
 SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}  # OpenCLIP's SigLIP init
+
+
+def forced(cfg: TrainConfig) -> dict[str, int | bool]:
+    """OpenCLIP's --force-quick-gelu/--force-image-size/--force-context-length as config overrides."""
+    m = cfg.model
+    size = m.force_image_size[0] if m.force_image_size else 0
+    return {
+        "force_quick_gelu": m.force_quick_gelu,
+        "force_image_size": size,
+        "force_context_length": m.force_context_length,
+    }
+
+
+def model_config(cfg: TrainConfig) -> CLIPConfig:
+    """The config of the model this run builds (its --model with the --force-* options applied)."""
+    return get_model_config(cfg.model.model, **forced(cfg))
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLIP:
@@ -31,6 +47,7 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLI
         patch_dropout=cfg.model.force_patch_dropout,
         seed=cfg.optim.seed,
         **extra,
+        **forced(cfg),
     )
     model.set_grad_checkpointing(cfg.model.grad_checkpointing)
     if cfg.model.int8 != "none":
@@ -47,7 +64,7 @@ def synthetic_batch(
     """Random images and token ids shaped as the run's model takes them (benchmarks, dry runs).
 
     Each text ends with the highest id, OpenCLIP's end-of-text token, where the text tower pools."""
-    model_cfg = get_model_config(cfg.model.model)
+    model_cfg = model_config(cfg)
     b = batch_size or cfg.data.batch_size
     size, context = model_cfg.vision_cfg.image_size, model_cfg.text_cfg.context_length
     vocab = model_cfg.text_cfg.vocab_size

@@ -85,11 +85,6 @@ def apply_locks(model: CLIP, cfg: ModelConfig) -> None:
 
 def check_lock_options(cfg: ModelConfig) -> None:
     """Refuse what cannot apply, saying what to do instead."""
-    if cfg.lock_image_freeze_bn_stats:
-        raise ConfigError(
-            "--lock-image-freeze-bn-stats freezes BatchNorm statistics, and bigclip's image towers are "
-            "ViTs, which have no BatchNorm (their LayerNorms freeze with --lock-image); drop the flag"
-        )
     for flag, count, lock, needed in (
         ("--lock-image-unlocked-groups", cfg.lock_image_unlocked_groups, cfg.lock_image, "--lock-image"),
         ("--lock-text-unlocked-layers", cfg.lock_text_unlocked_layers, cfg.lock_text, "--lock-text"),

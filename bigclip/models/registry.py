@@ -33,7 +33,13 @@ def _known(cls: type, values: dict, where: str) -> dict:
     return values
 
 
-def get_model_config(name: str) -> CLIPConfig:
+def get_model_config(
+    name: str, *, force_quick_gelu: bool = False, force_image_size: int = 0, force_context_length: int = 0
+) -> CLIPConfig:
+    """A named config, with OpenCLIP's `force_*` overrides (0: keep the config's value).
+
+    A changed image size or context length changes the positional embeddings' shapes, as in
+    OpenCLIP; weights of the original size then no longer fit (`--pretrained` says which)."""
     files = _config_files()
     base = name.removesuffix("-quickgelu")
     if base not in files:
@@ -42,6 +48,9 @@ def get_model_config(name: str) -> CLIPConfig:
     vision = VisionConfig(**_known(VisionConfig, raw.pop("vision_cfg", {}), "vision_cfg"))
     text = TextConfig(**_known(TextConfig, raw.pop("text_cfg", {}), "text_cfg"))
     raw.setdefault("quick_gelu", name.endswith("-quickgelu"))
+    raw["quick_gelu"] = raw["quick_gelu"] or force_quick_gelu  # OpenAI's weights were trained with it
+    vision.image_size = force_image_size or vision.image_size
+    text.context_length = force_context_length or text.context_length
     return CLIPConfig(vision_cfg=vision, text_cfg=text, **_known(CLIPConfig, raw, "top level"))
 
 
@@ -54,14 +63,16 @@ def create_model(
     init_logit_bias: float | None = None,
     init_logit_scale: float | None = None,
     seed: int = 0,
+    **forced: int | bool,
 ) -> CLIP:
     """Build a CLIP by config name.
 
     On the meta device nothing is allocated (ViT-bigG-14 builds in well under a second) and
     weights are left for the engine to initialise after sharding. On a real device the
-    weights are initialised here with `init_weights(seed=seed)`.
+    weights are initialised here with `init_weights(seed=seed)`. `forced`: `get_model_config`'s
+    force_* overrides.
     """
-    cfg = get_model_config(name)
+    cfg = get_model_config(name, **forced)  # force_quick_gelu, force_image_size, force_context_length
     if init_logit_bias is not None:
         cfg.init_logit_bias = init_logit_bias
     if init_logit_scale is not None:

@@ -2,10 +2,11 @@
 
 bigclip publish SRC NAME                      copy SRC into the registry under an immutable NAME
 
-bigclip checkpoints list                      names, model, step, storage used, leases
+bigclip checkpoints list                      names, model, step, logical and unique bytes, leases
 bigclip checkpoints show NAME                 the manifest: source, files, sizes, leases
 bigclip checkpoints verify NAME               re-hash every object (or PATH: a checkpoint folder)
 bigclip checkpoints rm NAME [--break-stale-leases]
+bigclip checkpoints gc                        delete blobs no published NAME holds (rm does this too)
 """
 
 from __future__ import annotations
@@ -33,23 +34,31 @@ def open_registry(args: argparse.Namespace) -> Registry:
 
 
 def list_command(registry: Registry) -> None:
-    rows = [("NAME", "KIND", "MODEL", "STEP", "STORED", "LEASES", "CREATED")]
+    """LOGICAL: the files' total size; UNIQUE: bytes no other NAME shares (what `rm` frees)."""
+    unique, stored = registry.usage()
+    rows = [("NAME", "KIND", "MODEL", "STEP", "LOGICAL", "UNIQUE", "LEASES", "CREATED")]
+    logical = 0
     for name in registry.names():
         leases = len(list_leases(registry.location, name))
         if not registry.is_published(name):
             rows.append(
-                (name, "(incomplete: no manifest; rerun publish or rm it)", "", "", "", str(leases), "")
+                (name, "(incomplete: no manifest; rerun publish or rm it)", "", "", "", "", str(leases), "")
             )
             continue
         p = registry.get(name)
+        logical += p.total_bytes
         step = "" if p.step is None else str(p.step)
-        rows.append((name, p.kind, p.model, step, human_bytes(p.stored_bytes), str(leases), p.created))
+        rows.append((name, p.kind, p.model, step, human_bytes(p.total_bytes), human_bytes(unique.get(name, 0)),
+                     str(leases), p.created))  # fmt: skip
     if len(rows) == 1:
         print(f"no checkpoints in {registry.uri}")
         return
     widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print(
+        f"total: {human_bytes(logical)} logical, {human_bytes(stored)} stored (each distinct file once, by SHA-256)"
+    )
 
 
 def show_command(registry: Registry, name: str) -> None:
@@ -57,7 +66,7 @@ def show_command(registry: Registry, name: str) -> None:
     print(f"name      {p.name}\nuri       {p.uri}\nkind      {p.kind} (entry: {p.entry or '-'})")
     print(f"model     {p.model or '-'}\nstep      {'-' if p.step is None else p.step}\nsource    {p.source}")
     print(f"created   {p.created}\nfiles     {len(p.objects)}, {human_bytes(p.total_bytes)}")
-    print(f"stored    {human_bytes(p.stored_bytes)}")
+    print(f"distinct  {human_bytes(p.stored_bytes)} (identical files stored once, shared with other names)")
     for path, record in sorted(p.objects.items()):
         print(f"  {path:<48} {human_bytes(record.size):>12}  sha256:{record.sha256[:16]}")
     leases = list_leases(registry.location, name)
@@ -94,9 +103,10 @@ def main(argv: list[str]) -> int:
         ("show", "Show one checkpoint's manifest and leases."),
         ("verify", "Re-hash every object of NAME (or of a checkpoint PATH)."),
         ("rm", "Remove NAME unless a run holds a lease on it."),
+        ("gc", "Delete blobs no published NAME refers to."),
     ):
         sub = commands.add_parser(command, help=text)
-        if command != "list":
+        if command not in ("list", "gc"):
             sub.add_argument("name")
         if command == "rm":
             sub.add_argument("--break-stale-leases", action="store_true",
@@ -113,7 +123,9 @@ def main(argv: list[str]) -> int:
         show_command(registry, args.name)
     elif args.command == "rm":
         freed = registry.remove(args.name, break_stale_leases=args.break_stale_leases)
-        print(f"removed {args.name} ({human_bytes(freed)} freed)")
+        print(f"removed {args.name} ({human_bytes(freed)} freed; blobs other names hold are kept)")
+    elif args.command == "gc":
+        print(f"{human_bytes(registry.collect_garbage())} freed")
     else:  # argparse restricts the choices
         raise ConfigError(f"unknown command {args.command}")
     return 0
@@ -131,9 +143,9 @@ def publish_main(argv: list[str]) -> int:
     parser.add_argument("--model", default="", help="Model config name to record when SRC does not say.")
     add_registry_args(parser)
     args = parser.parse_args(argv)
-    published = open_registry(args).publish(
-        args.src, args.name, model=args.model, progress=not args.no_progress
-    )
+    registry = open_registry(args)
+    published = registry.publish(args.src, args.name, model=args.model, progress=not args.no_progress)
     print(f"published {published.name} ({published.kind}, {len(published.objects)} files, "
-          f"{human_bytes(published.stored_bytes)}) -> {published.uri}")  # fmt: skip
+          f"{human_bytes(published.total_bytes)}, {human_bytes(registry.blobs.uploaded_bytes)} sent) "
+          f"-> {published.uri}")  # fmt: skip
     return 0

@@ -47,7 +47,7 @@ class Lease:
         now = time.time() if now is None else now
         if self.expires < now:
             return True
-        return self.host == socket.gethostname() and not _pid_alive(self.pid)
+        return self.host == socket.gethostname() and not pid_alive(self.pid)
 
     def describe(self) -> str:
         state = "stale" if self.stale() else "live"
@@ -58,7 +58,7 @@ class Lease:
         )
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

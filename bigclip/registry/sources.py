@@ -8,6 +8,10 @@ SRC may be
     manifest lists, plus the manifest;
   - any other local file or folder (walked recursively), an `s3://` object, an `s3://` prefix
     written with a trailing `/` (copied whole), or an `http(s)://` URL;
+  - the same from any fsspec filesystem (`gs://`, `az://`, `hf://`, `memory://`, `file://`...)
+    whose package is installed (a missing one is named);
+  - a git repository at a ref, `git+https://host/repo.git@v1.0` or `git+file:///srv/repo@main`,
+    optionally `#sub/folder` (cloned through the git CLI: git_source.py);
   - an archive (`.tar`, `.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`, `.zip`) from any of those,
     extracted on the fly (tar streams; zip needs random access, so a remote zip is spooled to
     a temporary file first).
@@ -16,6 +20,7 @@ Paths inside archives are checked: absolute paths and `..` are refused.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import posixpath
@@ -34,10 +39,11 @@ from typing import BinaryIO
 from bigclip.checkpoint import catalog
 from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.errors import StorageError
+from bigclip.registry.git_source import GIT_PREFIX, git_source
 from bigclip.storage.hashing import ObjectRecord
-from bigclip.storage.locations import Location, open_location
+from bigclip.storage.locations import LocalLocation, Location, open_location
 from bigclip.storage.redact import redact_text
-from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.storage.s3 import S3Settings
 from bigclip.weights.safetensors_format import INDEX_SUFFIX
 from bigclip.weights.safetensors_writer import FORMAT as CONSOLIDATED_FORMAT
 from bigclip.weights.safetensors_writer import MANIFEST_SUFFIX
@@ -52,6 +58,7 @@ class SourceFile:
     stream: BinaryIO  # consume before asking for the next file
     size: int | None = None
     expected: ObjectRecord | None = None  # from the source's own manifest
+    local: Path | None = None  # a local file: hashed before anything is sent (registry/blobs.py)
 
 
 @dataclass
@@ -68,14 +75,20 @@ def is_http(uri: str) -> bool:
 def expand_source(src: str, *, s3: S3Settings | None = None) -> tuple[SourceInfo, Iterator[SourceFile]]:
     if is_http(src):
         return SourceInfo(redact_text(src)), _http_files(src)
-    if is_s3(src):
-        return _s3_source(src, s3=s3)
+    if src.startswith(GIT_PREFIX):
+        return git_source(src, expand=_local_source)
+    if src.startswith("file://"):
+        src = src[len("file://") :]
+    elif "://" in src:  # s3:// through s3torchconnector; gs://, az://, memory://... through fsspec
+        return _remote_source(src, s3=s3)
     path = Path(src).expanduser()
     if not path.exists():
         raise StorageError(f"{src}: no such file or folder")
-    if path.is_dir():
-        return _folder_source(path)
-    return _file_source(path)
+    return _local_source(path)
+
+
+def _local_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
+    return _folder_source(path) if path.is_dir() else _file_source(path)
 
 
 # -- bigclip checkpoints and consolidated files ----------------------------------------------
@@ -85,7 +98,7 @@ def _checkpoint_folder(location: Location) -> tuple[Location, str] | None:
     """(parent, folder) of a committed checkpoint at `location`, or of a run root's newest one."""
     if location.exists(MANIFEST_NAME):
         parent_uri, _, name = location.uri.rstrip("/").rpartition("/")
-        return open_location(parent_uri or "/", s3=getattr(location, "settings", None)), name
+        return open_location(parent_uri or "/", s3=getattr(location, "settings", None), any_scheme=True), name
     entry = catalog.latest_committed(location)
     return (location, entry.folder) if entry else None
 
@@ -97,7 +110,7 @@ def _checkpoint_files(parent: Location, folder: str) -> tuple[SourceInfo, Iterat
     def files() -> Iterator[SourceFile]:
         for name, record in manifest.objects.items():
             with parent.open_read(f"{folder}/{name}") as stream:
-                yield SourceFile(name, stream, record.size, record)
+                yield SourceFile(name, stream, record.size, record, local=_local(parent, f"{folder}/{name}"))
         yield _bytes_file(MANIFEST_NAME, parent.read_bytes(f"{folder}/{MANIFEST_NAME}"))
 
     return info, files()
@@ -111,7 +124,9 @@ def _consolidated_files(location: Location, manifest_name: str) -> tuple[SourceI
     def files() -> Iterator[SourceFile]:
         for name, record in body["files"].items():
             with location.open_read(name) as stream:
-                yield SourceFile(name, stream, record["size"], ObjectRecord(**record))
+                yield SourceFile(
+                    name, stream, record["size"], ObjectRecord(**record), local=_local(location, name)
+                )
         yield _bytes_file(manifest_name, raw)
 
     return info, files()
@@ -135,7 +150,14 @@ def _consolidated_manifest(location: Location, file_name: str) -> str | None:
 
 
 def _bytes_file(path: str, data: bytes) -> SourceFile:
-    return SourceFile(path, io.BytesIO(data), len(data))
+    """A small file already in memory: its hash is known before anything is sent."""
+    return SourceFile(
+        path, io.BytesIO(data), len(data), ObjectRecord(len(data), hashlib.sha256(data).hexdigest())
+    )
+
+
+def _local(location: Location, relative: str) -> Path | None:
+    return Path(location.root) / relative if isinstance(location, LocalLocation) else None
 
 
 # -- local -------------------------------------------------------------------------------
@@ -151,7 +173,7 @@ def _folder_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
 def _walk(root: Path) -> Iterator[SourceFile]:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         with open(path, "rb") as stream:
-            yield SourceFile(path.relative_to(root).as_posix(), stream, path.stat().st_size)
+            yield SourceFile(path.relative_to(root).as_posix(), stream, path.stat().st_size, local=path)
 
 
 def _file_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
@@ -162,26 +184,26 @@ def _file_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
     info = SourceInfo(str(path.absolute()))
     if path.name.endswith(ARCHIVE_SUFFIXES):
         return info, _archive_files(path.name, open(path, "rb"), local_path=path)
-    return info, _single(path.name, lambda: open(path, "rb"), path.stat().st_size)
+    return info, _single(path.name, lambda: open(path, "rb"), path.stat().st_size, local=path)
 
 
-def _single(name: str, opener, size: int | None) -> Iterator[SourceFile]:  # noqa: ANN001
+def _single(name: str, opener, size: int | None, *, local: Path | None = None) -> Iterator[SourceFile]:  # noqa: ANN001
     with opener() as stream:
-        yield SourceFile(name, stream, size)
+        yield SourceFile(name, stream, size, local=local)
 
 
-# -- S3 and HTTP ---------------------------------------------------------------------------
+# -- S3, fsspec filesystems and HTTP ------------------------------------------------------------
 
 
-def _s3_source(src: str, *, s3: S3Settings | None) -> tuple[SourceInfo, Iterator[SourceFile]]:
-    location = open_location(src.rstrip("/"), s3=s3)
+def _remote_source(src: str, *, s3: S3Settings | None) -> tuple[SourceInfo, Iterator[SourceFile]]:
+    location = open_location(src.rstrip("/"), s3=s3, any_scheme=True)
     if src.endswith("/"):
         found = _checkpoint_folder(location)
         if found:
             return _checkpoint_files(*found)
-        return SourceInfo(src), _s3_prefix_files(location)
+        return SourceInfo(src), _prefix_files(location)
     parent_uri, _, name = src.rpartition("/")
-    parent = open_location(parent_uri, s3=s3)
+    parent = open_location(parent_uri, s3=s3, any_scheme=True)
     if parent.exists(name):
         manifest = _consolidated_manifest(parent, name)
         if manifest:
@@ -195,7 +217,7 @@ def _s3_source(src: str, *, s3: S3Settings | None) -> tuple[SourceInfo, Iterator
     raise StorageError(f"{src}: no such object (to copy a whole prefix, end the URI with '/')")
 
 
-def _s3_prefix_files(location: Location) -> Iterator[SourceFile]:
+def _prefix_files(location: Location) -> Iterator[SourceFile]:
     files = location.list_files("")
     if not files:
         raise StorageError(f"{location.uri}/ holds no objects")

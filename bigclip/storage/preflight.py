@@ -93,19 +93,35 @@ def explain_error(error: BaseException | str) -> str:
 
 def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
     """(name, check) pairs in the order they are run; each check returns a detail line."""
-    if is_s3(location.uri):
-        return _s3_checks(location)
     if isinstance(location, LocalLocation):
-        return _local_checks(location)
-    raise StorageError(f"no access checks for {type(location).__name__}")
+        return [("folder", lambda: _make_folder(location)), *_object_checks(location)]
+    if not is_s3(location.uri):  # an fsspec filesystem (gs://, az://, memory://...)
+        return [("list", lambda: _list(location)), *_object_checks(location)]
+    from bigclip.storage.s3_boto import BotoS3Location  # no S3 library imported by this
+
+    if isinstance(location, BotoS3Location):  # the remote sync's client
+        return [("credentials", _credentials), ("list", lambda: _list(location)), *_object_checks(location)]
+    return _s3_checks(location)
 
 
-def check_access(location: Location, *, timeout_s: float = 20.0) -> None:
+def check_access(location: Location, *, timeout_s: float = 20.0, what: str = "checkpoint location") -> None:
     """Raise StorageError at the first failing check, naming what to fix."""
     for name, fn in access_checks(location):
         result = run_check(name, fn, timeout_s=timeout_s)
         if not result.ok:
-            raise StorageError(f"checkpoint location {location.uri} is not usable: {name}: {result.detail}")
+            raise StorageError(f"{what} {location.uri} is not usable: {name}: {result.detail}")
+
+
+def _credentials() -> str:
+    import botocore.session
+
+    creds = botocore.session.get_session().get_credentials()
+    if creds is None:
+        raise StorageError(
+            "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+            "or run where an instance/IRSA role provides them"
+        )
+    return f"found (source: {creds.method})"  # never the key itself
 
 
 def _s3_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
@@ -114,17 +130,6 @@ def _s3_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
     probe = open_location(location.uri, s3=settings, max_attempts=2)
     key = probe_name()
     payload = uuid.uuid4().bytes * 64
-
-    def credentials() -> str:
-        import botocore.session
-
-        creds = botocore.session.get_session().get_credentials()
-        if creds is None:
-            raise StorageError(
-                "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
-                "or run where an instance/IRSA role provides them"
-            )
-        return f"found (source: {creds.method})"  # never the key itself
 
     def listing() -> str:
         next(iter(probe.client.list_objects(probe.bucket, probe._key(""), "/", 1)), None)
@@ -145,20 +150,27 @@ def _s3_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
             raise StorageError("the probe object is still there after DELETE")
         return "deleted"
 
-    return [("credentials", credentials), ("list", listing), ("put", put), ("get", get), ("delete", delete)]
+    return [("credentials", _credentials), ("list", listing), ("put", put), ("get", get), ("delete", delete)]
 
 
-def _local_checks(location: LocalLocation) -> list[tuple[str, Callable[[], str]]]:
+def _make_folder(location: LocalLocation) -> str:
+    location.root.mkdir(parents=True, exist_ok=True)
+    return f"{location.root} exists"
+
+
+def _list(location: Location) -> str:
+    location.list_folders()
+    return f"{location.uri} answers a listing"
+
+
+def _object_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
+    """Put, read back and delete a probe object through the Location interface itself."""
     key = probe_name()
     payload = uuid.uuid4().bytes * 64
 
-    def folder() -> str:
-        location.root.mkdir(parents=True, exist_ok=True)
-        return f"{location.root} exists"
-
     def put() -> str:
         location.write_bytes(key, payload)
-        return "wrote a probe file"
+        return f"wrote {location.child_uri(key)}"
 
     def get() -> str:
         if location.read_bytes(key) != payload:
@@ -168,7 +180,7 @@ def _local_checks(location: LocalLocation) -> list[tuple[str, Callable[[], str]]
     def delete() -> str:
         location.delete(key)
         if location.exists(key):
-            raise StorageError("the probe file is still there after deleting it")
+            raise StorageError("the probe object is still there after deleting it")
         return "deleted"
 
-    return [("folder", folder), ("put", put), ("get", get), ("delete", delete)]
+    return [("put", put), ("get", get), ("delete", delete)]

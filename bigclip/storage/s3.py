@@ -81,16 +81,17 @@ def require_s3_package(module: str, *, uri: str = "") -> None:
                            f"install it with: pip install {S3_PACKAGES[module]}") from e  # fmt: skip
 
 
-_boto3_clients: dict[tuple[int, S3Settings, bool], Any] = {}
+_boto3_clients: dict[tuple[int, S3Settings, bool, int | None], Any] = {}
 
 
-def boto3_client(settings: S3Settings, *, fast_fail: bool = False) -> Any:
+def boto3_client(settings: S3Settings, *, fast_fail: bool = False, max_attempts: int | None = None) -> Any:
     """This process's boto3 S3 client for `settings` (clients are thread-safe but not fork-safe,
     so the cache is keyed by pid: data workers make their own).
 
     `fast_fail`: two attempts and short timeouts, for validation, where a wrong endpoint should
-    fail in seconds rather than after ten adaptive retries."""
-    key = (os.getpid(), settings, fast_fail)
+    fail in seconds rather than after ten adaptive retries. `max_attempts`: another retry
+    budget (background copies that retry on their own schedule want few)."""
+    key = (os.getpid(), settings, fast_fail, max_attempts)
     if key not in _boto3_clients:
         require_s3_package("boto3")
         import boto3
@@ -99,6 +100,8 @@ def boto3_client(settings: S3Settings, *, fast_fail: bool = False) -> Any:
         retries = (
             {"max_attempts": 2, "mode": "standard"} if fast_fail else {"max_attempts": 10, "mode": "adaptive"}
         )
+        if max_attempts is not None:
+            retries = {"max_attempts": max_attempts, "mode": "standard"}
         timeouts = {"connect_timeout": 5, "read_timeout": 30} if fast_fail else {}
         config = Config(
             s3={"addressing_style": "path" if settings.path_style else "auto"}, retries=retries, **timeouts

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from s3torchconnector import S3Exception, S3ReaderConstructor, S3Writer
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from bigclip.errors import StorageError
 from bigclip.storage.hashing import HashingFileSystem
 from bigclip.storage.s3 import S3Settings, join_s3_uri, s3torch_client, split_s3_uri
+from bigclip.storage.s3_boto import BotoS3Location
 from bigclip.storage.safe_metadata import SafeMetadataMixin
 
 
@@ -58,7 +60,9 @@ class S3Location:
         return sorted(names)
 
     def list_files(self, folder: str) -> dict[str, int]:
-        base = self._key(folder) + "/"
+        """Every object under `folder`, recursively ("" lists the whole prefix)."""
+        base = self._key(folder.strip("/")).rstrip("/")
+        base = f"{base}/" if base else ""
         files = {}
         for page in self._list(base, ""):
             files.update({o.key[len(base) :]: o.size for o in page.object_info})
@@ -89,6 +93,16 @@ class S3Location:
         # A PUT is atomic on S3: readers see the old object, no object, or all of the new one.
         with self.client.put_object(self.bucket, self._key(relative)) as stream:
             stream.write(data)
+
+    def put_file(self, relative: str, path: Path) -> None:
+        self._boto().put_file(relative, path)
+
+    def copy(self, source: str, relative: str) -> None:
+        self._boto().copy(source, relative)
+
+    def _boto(self) -> BotoS3Location:
+        # Multipart uploads with abort-on-failure and server-side copies: boto3's managed transfers.
+        return BotoS3Location(self.uri, settings=self.settings, max_attempts=None)
 
     def delete(self, relative: str) -> None:
         self.client.delete_object(self.bucket, self._key(relative))

@@ -8,6 +8,12 @@ decides the contents:
 Per-rank values are gathered into one replicated list, since DCP keeps one copy of a key that
 several ranks hold. A run resumed at M ranks gives rank r the RNG of saved rank r when it
 existed, else a fresh stream seeded from (seed, rank, step).
+
+--save-most-recent is OpenCLIP's epoch_latest.pt on bigclip's checkpoints: a checkpoint at every
+epoch end whatever --save-frequency says; one saved only for that reason is marked in its
+manifest and deleted once a newer checkpoint commits (locally; the remote copy follows), so
+besides the --save-frequency ones only the most recent survives. Unlike OpenCLIP's, it works
+with --remote-sync and --resume latest: commits are atomic, so nothing half-written is copied.
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bigclip.checkpoint import LATEST, CheckpointStore, keep_last_for
+from bigclip.checkpoint import CheckpointStore, Manifest, catalog, keep_last_for
+from bigclip.checkpoint.mirror import MOST_RECENT_ONLY
 from bigclip.config import TrainConfig
+from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import ConfigError
 from bigclip.storage.redact import redact
-from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.storage.s3 import S3Settings
 from bigclip.train.metrics import get_logger
+from bigclip.train.remote_sync import RemoteSync
 from bigclip.weights.openclip_resume import is_openclip_checkpoint, load_openclip_checkpoint
 
 
@@ -48,14 +57,61 @@ def checkpoint_root(cfg: TrainConfig, run_dir: Path) -> str:
 def open_store(cfg: TrainConfig, run_dir: Path, s3: S3Settings) -> CheckpointStore:
     """Collective; the access check fails in seconds (wrong bucket, no credentials) before any model."""
     root = checkpoint_root(cfg, run_dir)
-    store = CheckpointStore(
-        root, s3=s3 if is_s3(root) else None, keep_last=keep_last_for(cfg.checkpoint, root)
-    )
+    store = CheckpointStore(root, s3=s3, keep_last=keep_last_for(cfg.checkpoint, root))
     store.check_access()
     return store
 
 
+def attach(store: CheckpointStore, cfg: TrainConfig, sync: RemoteSync | None) -> None:
+    """Rank 0: what happens after each commit (--save-most-recent pruning, waking the remote
+    sync) and which checkpoints local retention must keep (those not yet backed up); then
+    starts the sync."""
+    if store.group.rank != 0:
+        return
+    pruner = MostRecentPruner(store) if cfg.checkpoint.save_most_recent else None
+    if sync is not None and sync.mirror is not None:
+        store.keep = sync.mirror.needed  # pruned once backed up: the sync prunes after each copy
+        if store.keep_last > 0:
+            sync.on_backed_up = lambda: store.apply_retention(keep_last=store.keep_last)
+
+    def on_commit(folder: str, manifest: Manifest) -> None:
+        if pruner is not None:
+            pruner.committed(folder, manifest)
+        if sync is not None:
+            sync.notify()
+
+    store.on_commit = on_commit
+    if sync is not None:
+        sync.start()
+
+
+class MostRecentPruner:
+    """Deletes a --save-most-recent-only checkpoint once a newer one is committed (rank 0)."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.location = store.location
+        flagged = [e for e in catalog.entries(self.location) if e.committed and self._flagged(e.folder)]
+        self.flagged = [e.folder for e in flagged]  # left by an earlier attempt: pruned on the next commit
+
+    def _flagged(self, folder: str) -> bool:
+        return bool(catalog.read_manifest(self.location, folder).meta.get(MOST_RECENT_ONLY))
+
+    def committed(self, folder: str, manifest: Manifest) -> None:
+        for old in self.flagged:
+            if old != folder:
+                catalog.delete_checkpoint(self.location, catalog.Entry(int(old.split("_")[1]), old, True))
+        self.flagged = [folder] if manifest.meta.get(MOST_RECENT_ONLY) else []
+
+
 def save_due(cfg: TrainConfig, state: TrainState, *, epoch_end: bool, final: bool) -> bool:
+    """Whether to checkpoint now, for any reason (`regular_save_due`: whether it is kept)."""
+    return regular_save_due(cfg, state, epoch_end=epoch_end, final=final) or (
+        cfg.checkpoint.save_most_recent and (epoch_end or final)
+    )
+
+
+def regular_save_due(cfg: TrainConfig, state: TrainState, *, epoch_end: bool, final: bool) -> bool:
+    """The saves that are kept: --save-frequency epochs, --save-every-n-steps, the final one."""
     c = cfg.checkpoint
     if final:
         return c.save_frequency > 0 or c.save_every_n_steps > 0
@@ -114,24 +170,39 @@ def checkpoint_contents(
     return {**engine.checkpoint_state(), "train": train}
 
 
-def manifest_meta(cfg: TrainConfig, runtime: Runtime, global_batch: int) -> dict[str, Any]:
-    return {"engine": cfg.engine.engine, "model": cfg.model.model, "global_batch": global_batch}
+def manifest_meta(
+    cfg: TrainConfig, runtime: Runtime, global_batch: int, *, most_recent_only: bool = False
+) -> dict[str, Any]:
+    meta = {
+        "engine": cfg.engine.engine,
+        "model": cfg.model.model,
+        "global_batch": global_batch,
+        "tokenizer": cfg.data.tokenizer,  # the ids the weights learned (checked on --resume/--pretrained)
+    }
+    return {**meta, MOST_RECENT_ONLY: True} if most_recent_only else meta
 
 
 def resume(
-    store: CheckpointStore, engine: Engine, cfg: TrainConfig, runtime: Runtime, global_batch: int
+    store: CheckpointStore,
+    engine: Engine,
+    cfg: TrainConfig,
+    runtime: Runtime,
+    global_batch: int,
+    *,
+    which: str,
 ) -> tuple[TrainState, dict | None]:
-    """Load `--resume` in place; returns the train state and the data position (None: epoch start)."""
-    which = cfg.checkpoint.resume
+    """Load `which` (from `backup.resume_target`) in place; returns the train state and the data
+    position (None: epoch start)."""
     if is_openclip_checkpoint(which):
         return _resume_openclip(store, engine, cfg, runtime, global_batch), None
-    if which == LATEST and store.latest() is None:
-        get_logger().info("--resume latest: no committed checkpoint yet, starting from step 0")
-        return TrainState(), None
     contents = checkpoint_contents(engine, cfg, TrainState(), runtime, None)
     manifest = store.load(contents, which)
-    _check_compatible(manifest.meta, cfg, global_batch)
     train = contents["train"]
+    _check_compatible(manifest.meta, cfg, global_batch)
+    check_tokenizer(
+        saved_tokenizer(manifest.meta, json.loads(train["config"])), cfg.data.tokenizer,
+        allow=cfg.checkpoint.allow_tokenizer_change, what=f"--resume {manifest.uri}",
+    )  # fmt: skip
     state = TrainState(**{k: int(train[k]) for k in asdict(TrainState())})
     _restore_rng(json.loads(train["rng"]), runtime, seed=cfg.optim.seed, step=state.step)
     get_logger().info(

@@ -1,4 +1,5 @@
-"""Zero-shot retrieval on held-out image-caption pairs: top-1 image->text and text->image.
+"""Zero-shot retrieval on held-out image-caption pairs: top-1 image->text and text->image, and
+when to run it (`val_due`, OpenCLIP's --val-frequency).
 
 Sample i's image matches caption i. Every rank embeds the samples with index = rank (mod world
 size); ranks pad to the same number of samples because a sharded model needs every rank in
@@ -12,10 +13,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from bigclip.data import EvalSample
+from bigclip.config import TrainConfig
+from bigclip.data import EvalSample, ImageNormalizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
+
+
+def val_due(cfg: TrainConfig, epoch: int) -> bool:
+    """OpenCLIP's --val-frequency: after every Nth completed epoch and after the last one."""
+    every = cfg.data.val_frequency
+    return bool(every) and (epoch % every == 0 or epoch == cfg.optim.epochs)
 
 
 def retrieval_top1(image_features: torch.Tensor, text_features: torch.Tensor) -> dict[str, float]:
@@ -32,13 +40,13 @@ def retrieval_top1(image_features: torch.Tensor, text_features: torch.Tensor) ->
 
 @torch.no_grad()
 def _embed(
-    engine: Engine, share: list, *, batch_size: int, device: torch.device
+    engine: Engine, share: list, *, batch_size: int, device: torch.device, normalize: ImageNormalizer
 ) -> tuple[torch.Tensor, torch.Tensor]:
     images, texts = [], []
     for start in range(0, len(share), batch_size):
         chunk = share[start : start + batch_size]
         out = engine.forward(
-            torch.stack([s.image for s in chunk]).to(device),
+            normalize(torch.stack([s.image for s in chunk])),  # uint8 -> normalised on the device
             torch.stack([s.tokens for s in chunk]).to(device),
         )
         images.append(out["image_features"].float())
@@ -57,14 +65,22 @@ def _gather_in_order(local: torch.Tensor, *, world: int, total: int) -> torch.Te
 
 
 def evaluate_retrieval(
-    engine: Engine, my_samples: Sequence[EvalSample], runtime: Runtime, *, batch_size: int = 64
+    engine: Engine,
+    my_samples: Sequence[EvalSample],
+    runtime: Runtime,
+    *,
+    normalize: ImageNormalizer,
+    batch_size: int = 64,
 ) -> dict[str, float]:
     """`my_samples`: this rank's share of the held-out set, indices rank, rank + world, ... in order
-    (as `bigclip.data.iter_eval_samples(..., rank=, world_size=)` yields them)."""
+    (as `bigclip.data.iter_eval_samples(..., rank=, world_size=)` yields them); `normalize` puts
+    their uint8 images on the device, as the training loader does (`data.image_normalizer`)."""
     share, total = _padded_share(list(my_samples), runtime)
     was_training = engine.module.training
     engine.eval()
-    image_local, text_local = _embed(engine, share, batch_size=batch_size, device=runtime.device)
+    image_local, text_local = _embed(
+        engine, share, batch_size=batch_size, device=runtime.device, normalize=normalize
+    )
     engine.train(was_training)
     image = _gather_in_order(image_local, world=runtime.world_size, total=total)
     text = _gather_in_order(text_local, world=runtime.world_size, total=total)

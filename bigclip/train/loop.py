@@ -22,36 +22,43 @@ import torch.distributed as dist
 from bigclip import data
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
-from bigclip.config import TrainConfig, lr_at
+from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, init_distributed
 from bigclip.engines import Engine, build_engine
 from bigclip.errors import NonFiniteLossError
-from bigclip.models import get_model_config
-from bigclip.models.from_config import build_model
+from bigclip.models.from_config import build_model, model_config
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
+from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import (
     TrainState,
+    attach,
     checkpoint_contents,
     manifest_meta,
     open_store,
+    regular_save_due,
     resume,
     save_due,
 )
-from bigclip.train.evaluate import evaluate_retrieval
+from bigclip.train.evaluate import evaluate_retrieval, val_due
 from bigclip.train.metrics import (
     Average,
+    Scalars,
     StepTimer,
-    TensorBoard,
     get_logger,
-    peak_memory_gb,
-    setup_logging,
-    train_log_line,
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
 from bigclip.train.remote_sync import RemoteSync
-from bigclip.train.setup import prepare_run_dir, seed_everything
-from bigclip.train.step import StepOutput, train_step
+from bigclip.train.schedule import lr_at
+from bigclip.train.setup import (
+    prepare_run_dir,
+    requested_device,
+    seed_everything,
+    start_logging,
+    write_config,
+)
+from bigclip.train.step import train_step
+from bigclip.train.step_log import log_step
 from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
 
@@ -69,13 +76,14 @@ class Run:
     engine: Engine
     loss_fn: torch.nn.Module
     tokenizer: Any
-    tensorboard: TensorBoard
+    scalars: Scalars  # --report-to: TensorBoard, wandb
     shards: data.ShardList
     s3: S3Settings
     store: CheckpointStore
     state: TrainState = field(default_factory=TrainState)
     data_position: dict | None = None  # where the data stream resumes in the current epoch
     total_steps: int = 0
+    steps_per_epoch: int = 0  # planned optimizer steps per epoch (the LR schedule's cooldown uses it)
     last_loss: float | None = None  # the global loss at the latest log step
     last_saved_step: int = -1
     preemption: PreemptionWatcher | None = None
@@ -91,11 +99,11 @@ class Run:
 def setup(cfg: TrainConfig) -> Run:
     """Check everything that can fail cheaply (data, storage) before building the model."""
     preemption = PreemptionWatcher()
-    runtime = init_distributed(backend=cfg.engine.dist_backend, device=cfg.engine.device)
+    runtime = init_distributed(backend=cfg.engine.dist_backend, device=requested_device(cfg.engine))
     run_dir = prepare_run_dir(cfg, runtime)
-    log = setup_logging(rank=runtime.rank, log_file=run_dir / "out.log")
+    log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
-    text_cfg = get_model_config(cfg.model.model).text_cfg
+    text_cfg = model_config(cfg).text_cfg
     tokenizer = data.build_tokenizer(
         cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
     )
@@ -103,27 +111,24 @@ def setup(cfg: TrainConfig) -> Run:
     shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
     zeroshot = ZeroShot.open(cfg, s3)
     store = open_store(cfg, run_dir, s3)
+    sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
+    write_config(cfg, run_dir, runtime)
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
     )
     engine = build_engine(cfg, runtime)
     engine.build(build_model(cfg))
     # Before --resume, which wins; a resumed run does not read the initial weights at all.
-    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if pretrained.applies(cfg, store) else None
-    tensorboard = TensorBoard(run_dir / "tensorboard" if runtime.is_main and cfg.log.report_to else None)
-    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, tensorboard, shards, s3, store)
-    run.preemption, run.pretrained_lease, run.zeroshot = preemption, lease, zeroshot
-    if cfg.log.remote_sync and runtime.is_main:
-        remote = f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
-        run.remote_sync = RemoteSync(
-            run_dir,
-            remote,
-            every_s=cfg.log.remote_sync_frequency,
-            protocol=cfg.log.remote_sync_protocol,
-            s3=s3,
-        ).start()
-    if cfg.checkpoint.resume:
-        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch)
+    applies = not which and pretrained.applies(cfg, store)
+    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
+    scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
+    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
+    run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
+    run.zeroshot = zeroshot
+    attach(store, cfg, sync)  # and starts the sync
+    if which:
+        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
+        run.last_saved_step = run.state.step  # never saved again over the checkpoint just loaded
     return run
 
 
@@ -134,7 +139,8 @@ def build_loader(run: Run) -> data.TrainLoader:
     return data.build_train_loader(
         run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
         epoch=run.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-        position=run.data_position, device=run.runtime.device, s3=run.s3, shards=run.shards,
+        position=run.data_position, device=run.runtime.device, image_dtype=run.engine.image_dtype,
+        s3=run.s3, shards=run.shards,
     )  # fmt: skip
 
 
@@ -156,14 +162,14 @@ def record_batch_keys(run: Run, keys: list[str]) -> None:
 
 
 def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
-    """Train until the epoch's data ends (True) or the step budget does (False)."""
+    """Train until the epoch's data ends (True) or the step budget does (False, unless at the epoch end)."""
     cfg, state = run.cfg, run.state
     timer, loss_avg = StepTimer(), Average()
     for group, keys in micro_batches(loader, k=cfg.optim.accum_freq):
         timer.data_ready()
         if cfg.log.batch_keys_file:
             record_batch_keys(run, keys)
-        lr = lr_at(state.step, cfg.optim, run.total_steps)
+        lr = lr_at(state.step, cfg.optim, run.total_steps, steps_per_epoch=run.steps_per_epoch)
         try:
             out = train_step(run.engine, run.loss_fn, group, lr=lr)
         except NonFiniteLossError as e:
@@ -172,11 +178,12 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
         state.samples_seen += run.global_batch
         timer.step_done()
         if state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps:
-            _log_step(
-                run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq
-            )
-        if state.step >= run.total_steps:
-            return False
+            log_step(
+                run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
+                capacity=loader.stats.take_capacity(),
+            )  # fmt: skip
+        if state.step >= run.total_steps:  # a budget that ends with the epoch completes it (evaluated, saved)
+            return state.epoch_step >= run.steps_per_epoch
         if save_due(cfg, state, epoch_end=False, final=False):
             save_checkpoint(run, data_position=loader.state_dict())
         check_preemption(run, loader)
@@ -193,56 +200,27 @@ def check_preemption(run: Run, loader: data.TrainLoader) -> None:
     run.store.wait()
     announce_requeue(run.run_dir, step=run.state.step, signum=signum, is_main=run.runtime.is_main)
     loader.close()
-    close_run(run)
+    close_run(run, strict=False)  # exit 85 regardless: the requeued job resumes from what is there
     raise Preempted(run.state.step, signum)
 
 
-def close_run(run: Run) -> None:
-    """Release what the run holds; the final remote sync is waited for (logs are complete remotely)."""
+def close_run(run: Run, *, strict: bool = True) -> None:
+    """Release what the run holds; the final backup is waited for (`strict`: raise if incomplete)."""
     run.store.close()
-    run.tensorboard.close()
+    run.scalars.close()
     run.preemption.close()
     if run.pretrained_lease is not None:
         run.pretrained_lease.release()
     if run.remote_sync is not None:
-        run.remote_sync.stop(final_sync=True)
+        run.remote_sync.finish(strict=strict)
 
 
-def _log_step(
-    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int
-) -> None:
-    loss = out.loss.clone()
-    if run.runtime.world_size > 1:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the global loss; every rank logs on the same steps
-    loss_value = run.last_loss = loss.item()
-    loss_avg.add(loss_value)
-    scale = out.logit_scale.item()
-    get_logger().info(
-        train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
-                       samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
-                       global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
-                       logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
-    )  # fmt: skip
-    run.tensorboard.scalars(
-        {
-            "train/loss": loss_value,
-            "train/lr": lr,
-            "train/logit_scale": scale,
-            "train/grad_norm": out.stats.grad_norm.item(),
-            "train/samples_per_second": run.global_batch / max(timer.batch.avg, 1e-9),
-            "train/data_time": timer.data.avg,
-            "train/batch_time": timer.batch.avg,
-            "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
-        },
-        step=run.state.step,
-    )
-    timer.reset()
-
-
-def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
+def save_checkpoint(run: Run, *, data_position: dict | None, most_recent_only: bool = False) -> None:
     """Collective. Logs (and sends to TensorBoard) how long training was blocked."""
+    if run.state.step == run.last_saved_step:
+        return  # this step is saved (or was just loaded): never replace a committed checkpoint
     contents = checkpoint_contents(run.engine, run.cfg, run.state, run.runtime, data_position)
-    meta = manifest_meta(run.cfg, run.runtime, run.global_batch)
+    meta = manifest_meta(run.cfg, run.runtime, run.global_batch, most_recent_only=most_recent_only)
     start = time.perf_counter()
     if run.cfg.checkpoint.async_save:
         pending = run.store.async_save(contents, step=run.state.step, meta=meta)
@@ -255,28 +233,33 @@ def save_checkpoint(run: Run, *, data_position: dict | None) -> None:
     get_logger().info(
         f"checkpoint step {run.state.step} -> {where} ({mode}); training blocked {blocked:.3f}s"
     )
-    run.tensorboard.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
+    run.scalars.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
 
 
-def evaluate(run: Run, *, final: bool = False) -> dict[str, float] | None:
-    metrics, batch_size = {}, run.cfg.data.batch_size
-    if run.cfg.data.val_data:
+def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[str, float] | None:
+    """Held-out retrieval (with `retrieval`, given --val-data) and zero-shot classification (when due)."""
+    cfg = run.cfg.data
+    normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
+    metrics: dict[str, float] = {}
+    if retrieval and cfg.val_data and cfg.val_frequency:
         mine = data.iter_eval_samples(
-            run.cfg.data.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-            limit=run.cfg.data.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
+            cfg.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
+            limit=cfg.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
+            resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
         )  # fmt: skip
-        metrics = evaluate_retrieval(run.engine, list(mine), run.runtime, batch_size=batch_size)
-    if run.zeroshot.due(run.state.epoch, final=final):
-        run.store.wait()  # the loader forks workers (see build_loader)
-        metrics |= run.zeroshot.evaluate(
-            run.engine, run.tokenizer, run.runtime, batch_size=batch_size, workers=run.cfg.data.workers
+        metrics = evaluate_retrieval(
+            run.engine, list(mine), run.runtime, normalize=normalize, batch_size=cfg.batch_size
         )
+    if run.zeroshot.due(run.state.epoch, final=final):
+        run.store.wait()  # its loader forks workers (see build_loader)
+        metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
+                                         batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
     if not metrics:
         return None
     metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
     if run.runtime.is_main:
         get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
-        run.tensorboard.scalars({f"val/{k}": v for k, v in metrics.items()}, step=run.state.step)
+        run.scalars.scalars({f"val/{k}": v for k, v in metrics.items()}, step=run.state.step)
         with open(run.run_dir / "results.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
     return metrics
@@ -287,6 +270,7 @@ def fit(run: Run) -> dict[str, Any]:
     loader = build_loader(run)
     steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
     run.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
+    run.steps_per_epoch = steps_per_epoch
     metrics = None
     while state.step < run.total_steps and state.epoch < cfg.optim.epochs:
         run.engine.train()
@@ -294,9 +278,11 @@ def fit(run: Run) -> dict[str, Any]:
             break  # step budget spent mid-epoch
         loader.close()
         state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
-        metrics = evaluate(run, final=state.step >= run.total_steps or state.epoch >= cfg.optim.epochs)
+        final = state.step >= run.total_steps or state.epoch >= cfg.optim.epochs
+        metrics = evaluate(run, retrieval=val_due(cfg, state.epoch), final=final) or metrics
         if save_due(cfg, state, epoch_end=True, final=False):
-            save_checkpoint(run, data_position=None)
+            kept = regular_save_due(cfg, state, epoch_end=True, final=False)
+            save_checkpoint(run, data_position=None, most_recent_only=not kept)
         if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
             loader = build_loader(run)
     return finish(run, loader, metrics)
@@ -304,7 +290,9 @@ def fit(run: Run) -> dict[str, Any]:
 
 def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str, Any]:
     if run.state.step != run.last_saved_step and save_due(run.cfg, run.state, epoch_end=False, final=True):
-        save_checkpoint(run, data_position=loader.state_dict() if run.state.epoch_step else None)
+        kept = regular_save_due(run.cfg, run.state, epoch_end=False, final=True)
+        position = loader.state_dict() if run.state.epoch_step else None
+        save_checkpoint(run, data_position=position, most_recent_only=not kept)
     loader.close()
     if metrics is None or metrics["step"] != run.state.step:
         metrics = evaluate(run, final=True) or metrics  # the final weights get evaluated too

@@ -1,5 +1,6 @@
-"""Logging for the training loop: one logger that prints on rank 0, OpenCLIP's log line,
-and TensorBoard scalars.
+"""Logging for the training loop: one logger that prints on rank 0 (and, with --log-local,
+on every node's local rank 0), OpenCLIP's log line, and scalars for TensorBoard and wandb
+(`--report-to tensorboard,wandb`, written by rank 0 only).
 
 Values are tensors until a log step: reading a device tensor (`.item()`) waits for the GPU,
 so the loop only does it every `--log-every-n-steps`.
@@ -13,21 +14,37 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+
+from bigclip.config import LogConfig, TrainConfig
+from bigclip.storage.redact import redact
 
 LOGGER_NAME = "bigclip"
 
 
-def setup_logging(*, rank: int, log_file: Path | None = None) -> logging.Logger:
-    """Rank 0 logs INFO to stdout (and the run's out.log); other ranks only warnings and errors."""
+def log_file_name(*, rank: int, local_rank: int, log_local: bool) -> str | None:
+    """OpenCLIP's choice: out.log on rank 0; with --log-local, out-RANK.log on each node's local rank 0."""
+    if log_local and local_rank == 0:
+        return f"out-{rank}.log"
+    return "out.log" if rank == 0 else None
+
+
+def setup_logging(
+    *, rank: int, log_file: Path | None = None, local_rank: int = -1, log_local: bool = False,
+    debug: bool = False,
+) -> logging.Logger:  # fmt: skip
+    """Rank 0 (with `log_local`, every node's local rank 0) logs INFO, or DEBUG with `debug`, to
+    stdout and `log_file`; other ranks only warnings and errors, to stdout."""
     logger = logging.getLogger(LOGGER_NAME)
     logger.handlers.clear()
     logger.propagate = False
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logs = rank == 0 or (log_local and local_rank == 0)
+    logger.setLevel((logging.DEBUG if debug else logging.INFO) if logs else logging.WARNING)
     fmt = logging.Formatter("%(asctime)s | %(levelname)s | %(message)s", datefmt="%Y-%m-%d,%H:%M:%S")
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-    if log_file is not None and rank == 0:
+    if log_file is not None and logs:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     for handler in handlers:
@@ -82,6 +99,12 @@ class StepTimer:
         self.data, self.batch = Average(), Average()
 
 
+class ScalarSink(Protocol):
+    def scalars(self, values: dict[str, float], *, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class TensorBoard:
     """Scalars for TensorBoard on rank 0; a no-op elsewhere or when disabled."""
 
@@ -102,6 +125,50 @@ class TensorBoard:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+
+
+class Wandb:
+    """Scalars for Weights & Biases, as OpenCLIP's trainer sends them: run name and id are the run's
+    --name (so a resumed run continues the same wandb run), the resolved config (credentials
+    redacted), files under the run folder. `WANDB_MODE=offline` writes it all locally."""
+
+    def __init__(self, log: LogConfig, *, config: dict[str, Any], run_dir: Path, resuming: bool) -> None:
+        import wandb  # optional: checked when --report-to is parsed
+
+        self.run = wandb.init(
+            project=log.wandb_project_name, name=log.name, id=log.name, notes=log.wandb_notes or None,
+            dir=str(run_dir), config=redact(config), resume="allow" if resuming else None,
+        )  # fmt: skip
+
+    def scalars(self, values: dict[str, float], *, step: int) -> None:
+        self.run.log({**values, "step": step}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Scalars:
+    """The run's metric sinks (`--report-to`), written together; none on ranks other than 0."""
+
+    def __init__(self, sinks: list[ScalarSink]) -> None:
+        self.sinks = sinks
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, *, run_dir: Path, is_main: bool) -> Scalars:
+        names = cfg.log.sinks() if is_main else []
+        sinks: list[ScalarSink] = [TensorBoard(run_dir / "tensorboard")] if "tensorboard" in names else []
+        if "wandb" in names:
+            resuming = bool(cfg.checkpoint.resume)
+            sinks.append(Wandb(cfg.log, config=cfg.to_dict(), run_dir=run_dir, resuming=resuming))
+        return cls(sinks)
+
+    def scalars(self, values: dict[str, float], *, step: int) -> None:
+        for sink in self.sinks:
+            sink.scalars(values, step=step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def train_log_line(

@@ -1,17 +1,23 @@
-"""Background copy of a run's log directory to S3, as OpenCLIP's `--remote-sync`.
+"""Background backup of a run, as OpenCLIP's `--remote-sync`: its log folder and its checkpoints.
 
-    sync = RemoteSync(run_dir, "s3://bucket/runs/NAME", every_s=300, protocol="s3").start()
-    ...                                   # training; TensorBoard events and logs appear remotely
-    sync.stop(final_sync=True)            # waits for a last, complete copy
+    sync = RemoteSync(run_dir, "s3://bucket/runs/NAME", every_s=300, checkpoints=LocalLocation(...))
+    sync.check()            # before the model is built: credentials, list, put, get, delete
+    sync.start()            # a daemon thread; notify() (called on each commit) wakes it at once
+    report = sync.stop()    # the final round, waited for; report.ok / report.summary()
 
-Every `every_s` seconds a daemon thread uploads the files whose size or modification time
-changed since their last successful upload. A failed upload is logged and simply stays
-"changed", so the next round retries it; nothing here raises into training. Protocols:
-"s3" goes through s3torchconnector (endpoint and path-style addressing from S3Settings);
-"fsspec" uses whatever fsspec backend the URI names (s3fs for s3://, not installed by
-default; file:// works everywhere). Checkpoints are excluded by default: they are written
-straight to their own location (--checkpoint-dir), and copying half-written shards would
-only waste bandwidth.
+Remote layout, OpenCLIP's: REMOTE/out.log, config.yaml, tensorboard/..., and
+REMOTE/checkpoints/step_N/ for every committed local checkpoint (`CheckpointMirror`: objects
+first, manifest last, so a reader's `latest` is always whole; unchanged objects not re-sent).
+
+Log files whose size or mtime changed are uploaded each round; a failure is logged and the
+file stays "changed", so the next round retries it. A remote file an earlier attempt of the
+run left (listed on the first round) is never overwritten by something else: the local file
+replaces it only if it extends it (a requeue on the same disk appends to out.log), otherwise
+it goes up as NAME.attempt-<UTC time>.EXT beside it (a new machine after a spot interruption).
+
+S3 goes through boto3, not s3torchconnector: CRT clients are torn down at every fork, and the
+training process forks data workers while this thread may be uploading (storage/s3_boto.py).
+"fsspec" reaches any fsspec scheme (gcsfs for gs://, s3fs for s3://, file:// everywhere).
 """
 
 from __future__ import annotations
@@ -20,81 +26,68 @@ import fnmatch
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
+from bigclip.checkpoint.mirror import CheckpointMirror, MirrorReport
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.locations import open_location
+from bigclip.storage.locations import LocalLocation, Location, open_location
+from bigclip.storage.preflight import check_access, explain_error
 from bigclip.storage.redact import redact_text
 from bigclip.storage.s3 import S3Settings, is_s3
 
 log = logging.getLogger("bigclip.train.remote_sync")
 
 PROTOCOLS = ("s3", "fsspec")
-_CHUNK = 8 << 20
+CHECKPOINTS = "checkpoints"
+_IN_MEMORY = 64 << 20  # smaller files are read whole first: a log appended mid-upload stays consistent
 
 
-class Target(Protocol):
-    uri: str
-
-    def upload(self, local: Path, relative: str) -> None: ...
-
-
-class S3Target:
-    # Few attempts per request: a failed file is retried next round anyway, and a long back-off
-    # here would only delay the rest of the round (and the final sync).
-    MAX_ATTEMPTS = 3
-
-    def __init__(self, uri: str, *, s3: S3Settings | None) -> None:
-        self._location = open_location(uri, s3=s3 or S3Settings.resolve(), max_attempts=self.MAX_ATTEMPTS)
-        self.uri = self._location.uri
-
-    def upload(self, local: Path, relative: str) -> None:
-        with open(local, "rb") as source, self._location.open_write(relative) as out:
-            while chunk := source.read(_CHUNK):
-                out.write(chunk)
-
-
-class FsspecTarget:
-    def __init__(self, uri: str) -> None:
-        import fsspec
-
-        try:
-            self._fs, self._root = fsspec.core.url_to_fs(uri)
-        except (ImportError, ValueError) as e:
-            raise StorageError(
-                f"--remote-sync-protocol fsspec cannot handle {uri!r}: {e}. Install the fsspec backend "
-                "for that scheme (s3fs for s3://), or use --remote-sync-protocol s3"
-            ) from e
-        self.uri = uri
-
-    def upload(self, local: Path, relative: str) -> None:
-        remote = f"{self._root.rstrip('/')}/{relative}"
-        self._fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-        self._fs.put_file(str(local), remote)
-
-
-def make_target(uri: str, *, protocol: str, s3: S3Settings | None = None) -> Target:
+def open_target(uri: str, *, protocol: str, s3: S3Settings | None = None) -> Location:
+    """Where --remote-sync writes, by protocol (validated before the model is built)."""
     if protocol not in PROTOCOLS:
         raise ConfigError(f"--remote-sync-protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if protocol == "s3":
         if not is_s3(uri):
             raise ConfigError(f"--remote-sync-protocol s3 needs an s3:// URI, got {uri!r} (or use fsspec)")
-        return S3Target(uri, s3=s3)
-    return FsspecTarget(uri)
+        from bigclip.storage.s3_boto import BotoS3Location
+
+        return BotoS3Location(uri, settings=s3 or S3Settings.resolve(), max_attempts=3)
+    if "://" not in uri or uri.startswith("file://"):
+        return open_location(uri)
+    from bigclip.storage.fsspec_location import FsspecLocation  # s3:// through s3fs, gs://, az://...
+
+    try:
+        return FsspecLocation(uri)
+    except StorageError as e:
+        raise StorageError(f"--remote-sync-protocol fsspec cannot handle {uri!r}: {e}") from e
 
 
 @dataclass
 class SyncReport:
     uploaded: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # what could not be copied -> why
+    checkpoints: list[MirrorReport] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    def summary(self) -> str:
+        """One line naming what is missing remotely and why (for the run's final error)."""
+        what, why = next(iter(self.failed.items()))
+        more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+        return f"{what} was not backed up: {why}{more}"
+
+
+def attempt_name(relative: str, attempt: str) -> str:
+    """'logs/out.log' -> 'logs/out.attempt-20250101T000000.log'."""
+    folder, _, name = relative.rpartition("/")
+    stem, dot, suffix = name.rpartition(".")
+    renamed = f"{stem}.attempt-{attempt}.{suffix}" if dot and stem else f"{name}.attempt-{attempt}"
+    return f"{folder}/{renamed}" if folder else renamed
 
 
 class RemoteSync:
@@ -106,73 +99,159 @@ class RemoteSync:
         every_s: float = 300.0,
         protocol: str = "s3",
         s3: S3Settings | None = None,
-        exclude: tuple[str, ...] = ("checkpoints",),
+        checkpoints: LocalLocation | None = None,
+        remote_keep_last: int = 0,
+        exclude: tuple[str, ...] = (),
+        on_backed_up: Callable[[], object] | None = None,
     ) -> None:
-        """Validates the protocol and target now, so a bad flag fails before training starts."""
-        self.local_dir = Path(local_dir)
-        self.target = make_target(remote_uri, protocol=protocol, s3=s3)
-        self.every_s = every_s
-        self.exclude = exclude
+        """Validates the protocol and target now, so a bad flag fails before training starts.
+        `checkpoints`: the local checkpoint root to mirror to REMOTE/checkpoints (None: logs only).
+        `on_backed_up`: called after a round that copied a checkpoint (local pruning waits for it)."""
+        if every_s <= 0:
+            raise ConfigError(f"--remote-sync-frequency must be a positive number of seconds, got {every_s}")
+        self.local_dir, self.every_s = Path(local_dir), every_s
+        self.target = open_target(remote_uri.rstrip("/"), protocol=protocol, s3=s3)
+        self.mirror = None
+        if checkpoints is not None:
+            remote = open_target(f"{remote_uri.rstrip('/')}/{CHECKPOINTS}", protocol=protocol, s3=s3)
+            self.mirror = CheckpointMirror(checkpoints, remote, keep_last=remote_keep_last)
+        self.exclude = (*exclude, CHECKPOINTS)  # checkpoints go through the mirror, whole ones only
+        self.on_backed_up = on_backed_up
+        self.attempt = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         self.upload_counts: dict[str, int] = {}
         self._synced: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) uploaded
+        self._names: dict[str, str] = {}  # relative path -> where it goes remotely
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def uri(self) -> str:
+        return redact_text(self.target.uri)
+
+    def check(self) -> None:
+        """Credentials, list, put, get and delete on the target, in seconds (StorageError)."""
+        check_access(self.target, what="--remote-sync target")
 
     def start(self) -> RemoteSync:
         self._thread = threading.Thread(target=self._loop, name="bigclip-remote-sync", daemon=True)
         self._thread.start()
         return self
 
-    def stop(self, *, final_sync: bool = True, attempts: int = 3, backoff_s: float = 2.0) -> bool:
-        """Stop the thread; then, if asked, sync until complete (up to `attempts` rounds).
-        Returns whether everything reached the remote."""
+    def notify(self) -> None:
+        """Sync now rather than at the next period (called when a checkpoint commits)."""
+        self._wake.set()
+
+    def stop(self, *, final_sync: bool = True, attempts: int = 3, backoff_s: float = 2.0) -> SyncReport:
+        """Stop the thread; then, if asked, sync until complete (up to `attempts` rounds)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if not final_sync:
-            return True
-        for attempt in range(attempts):
-            if self.sync_once().ok:
-                return True
+        report = SyncReport()
+        for attempt in range(attempts if final_sync else 0):
+            try:
+                report = self.sync_once()
+            except Exception as e:  # e.g. the run folder vanished: a failed round, not a crash
+                report = SyncReport(failed={"the run folder": redact_text(explain_error(e))})
+            if report.ok:
+                break
             if attempt + 1 < attempts:
                 time.sleep(backoff_s * (attempt + 1))
-        log.error("remote sync: final sync to %s incomplete after %d attempts", self._safe_uri, attempts)
-        return False
+        if not report.ok:
+            log.error(
+                "remote sync to %s incomplete after %d attempts: %s", self.uri, attempts, report.summary()
+            )
+        return report
+
+    def finish(self, *, strict: bool) -> None:
+        """The final round, waited for; if it stays incomplete, `strict` raises one line saying
+        what is not backed up and why (the run then exits non-zero)."""
+        report = self.stop(final_sync=True)
+        if not report.ok and strict:
+            raise StorageError(f"remote sync to {self.uri} incomplete: {report.summary()}")
 
     def sync_once(self) -> SyncReport:
-        """Upload every changed file once; failures are logged and left for the next round."""
+        """One round: changed log files, then committed checkpoints the remote lacks."""
         with self._lock:
             started = time.perf_counter()
             report = SyncReport()
-            for path, relative, stamp in self._changed_files():
-                try:
-                    self.target.upload(path, relative)
-                except Exception as e:  # never fatal: the file stays "changed" and is retried
-                    report.failed[relative] = redact_text(f"{type(e).__name__}: {e}")
-                    continue
-                self._synced[relative] = stamp
-                self.upload_counts[relative] = self.upload_counts.get(relative, 0) + 1
-                report.uploaded.append(relative)
+            self._sync_logs(report)
+            if self.mirror is not None:
+                report.checkpoints = self.mirror.sync()
+                report.failed.update({f"checkpoint {f}": why for f, why in self.mirror.failures.items()})
+                if report.checkpoints and self.on_backed_up is not None:
+                    self._backed_up()
             report.seconds = time.perf_counter() - started
         self._log(report)
         return report
 
+    def _backed_up(self) -> None:
+        try:
+            self.on_backed_up()
+        except Exception as e:  # local pruning is retried after the next copy
+            log.warning("after a backup: %s", redact_text(explain_error(e)))
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while not self._stop.is_set():
+            self._wake.wait(self.every_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return  # stop() runs the final round itself
             try:
                 self.sync_once()
             except Exception as e:  # e.g. the log directory vanished; keep the thread alive
-                log.error("remote sync: round failed, will retry: %s", redact_text(str(e)))
+                log.error("remote sync: round failed, will retry: %s", redact_text(explain_error(e)))
+
+    # -- log files --------------------------------------------------------------------------
+
+    def _sync_logs(self, report: SyncReport) -> None:
+        for path, relative, stamp in self._changed_files():
+            try:
+                self._upload(path, relative)
+            except FileNotFoundError:
+                continue  # a temporary file that is gone; nothing to keep
+            except Exception as e:  # never fatal: the file stays "changed" and is retried
+                report.failed[relative] = redact_text(explain_error(e))
+                continue
+            self._synced[relative] = stamp
+            self.upload_counts[relative] = self.upload_counts.get(relative, 0) + 1
+            report.uploaded.append(relative)
+
+    def _upload(self, path: Path, relative: str) -> None:
+        destination = self._destination(path, relative)
+        if path.stat().st_size <= _IN_MEMORY:
+            self.target.write_bytes(destination, path.read_bytes())
+        else:
+            self.target.put_file(destination, path)
+
+    def _destination(self, path: Path, relative: str) -> str:
+        """Where `relative` goes: its own name, unless that would overwrite an earlier attempt's file."""
+        if relative not in self._names:
+            name = relative
+            if self.target.exists(relative) and not self._extends(path, relative):
+                name = attempt_name(relative, self.attempt)
+                log.info("remote %s is from an earlier attempt and is kept; this attempt's copy is %s",
+                         relative, name)  # fmt: skip
+            self._names[relative] = name
+        return self._names[relative]
+
+    def _extends(self, path: Path, relative: str) -> bool:
+        """Whether the local file starts with the remote one's bytes (an append: nothing is lost)."""
+        if path.stat().st_size > _IN_MEMORY:
+            return False  # too big to compare cheaply: keep both
+        remote = self.target.read_bytes(relative)
+        with open(path, "rb") as f:
+            return f.read(len(remote)) == remote
 
     def _changed_files(self) -> Iterator[tuple[Path, str, tuple[int, int]]]:
         if not self.local_dir.is_dir():
             return
         for path in sorted(self.local_dir.rglob("*")):
             relative = path.relative_to(self.local_dir).as_posix()
-            if not path.is_file() or self._excluded(relative):
-                continue
+            if path.name.startswith(".") or not path.is_file() or self._excluded(relative):
+                continue  # hidden files are temporaries (atomic writes in progress)
             stat = path.stat()
             stamp = (stat.st_size, stat.st_mtime_ns)  # taken before the upload: a later write re-syncs
             if self._synced.get(relative) != stamp:
@@ -183,14 +262,8 @@ class RemoteSync:
         prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
         return any(fnmatch.fnmatch(p, pattern) for p in prefixes for pattern in self.exclude)
 
-    @property
-    def _safe_uri(self) -> str:
-        return redact_text(self.target.uri)
-
     def _log(self, report: SyncReport) -> None:
         if report.uploaded:
-            log.info(
-                "remote sync: %d file(s) to %s in %.1fs", len(report.uploaded), self._safe_uri, report.seconds
-            )
+            log.info("remote sync: %d file(s) to %s in %.1fs", len(report.uploaded), self.uri, report.seconds)
         for relative, error in report.failed.items():
             log.warning("remote sync: %s not copied (retried next round): %s", relative, error)

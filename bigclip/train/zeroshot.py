@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from bigclip.config import TrainConfig
+from bigclip.data import ImageNormalizer, Tokenizer
 from bigclip.data.classification import SKIPPED, ClassificationSet, open_classification_set
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
@@ -36,6 +37,7 @@ class ZeroShot:
     sets: dict[str, ClassificationSet] = field(default_factory=dict)  # metric name prefix -> set
     frequency: int = 0
     epochs: int = 0
+    resize: dict[str, str] = field(default_factory=dict)  # --image-resize-mode, --image-interpolation
 
     @classmethod
     def open(cls, cfg: TrainConfig, s3: S3Settings) -> ZeroShot:
@@ -47,7 +49,8 @@ class ZeroShot:
             for flag, prefix in METRIC_NAMES.items()
             if getattr(cfg.data, flag)
         }
-        return cls(sets, cfg.data.zeroshot_frequency, cfg.optim.epochs)
+        resize = {"resize_mode": cfg.data.image_resize_mode, "interpolation": cfg.data.image_interpolation}
+        return cls(sets, cfg.data.zeroshot_frequency, cfg.optim.epochs, resize)
 
     def due(self, epoch: int, *, final: bool) -> bool:
         """OpenCLIP's rule: every `frequency` epochs and at the last one (0: never)."""
@@ -55,7 +58,11 @@ class ZeroShot:
             return False
         return final or epoch % self.frequency == 0 or epoch == self.epochs
 
-    def evaluate(self, engine: Engine, tokenizer, runtime: Runtime, *, batch_size: int, workers: int) -> dict:  # noqa: ANN001
+    def evaluate(
+        self, engine: Engine, tokenizer: Tokenizer, runtime: Runtime, *, normalize: ImageNormalizer,
+        batch_size: int, workers: int,
+    ) -> dict[str, float]:  # fmt: skip
+        """Collective: top-1/top-5 on every set (the model in eval mode meanwhile)."""
         was_training = engine.module.training
         engine.eval()
         metrics = {}
@@ -64,9 +71,9 @@ class ZeroShot:
                 classifier = build_classifier(engine, tokenizer, data, runtime)
                 loader = data.loader(
                     rank=runtime.rank, world_size=runtime.world_size, image_size=engine.unwrapped().image_size,
-                    batch_size=batch_size, workers=workers,
+                    batch_size=batch_size, workers=workers, **self.resize,
                 )  # fmt: skip
-                top1, top5, skipped = classify(engine, classifier, loader, runtime)
+                top1, top5, skipped = classify(engine, classifier, loader, runtime, normalize=normalize)
                 metrics |= {f"{prefix}-top1": top1, f"{prefix}-top5": top5}
                 if skipped:
                     get_logger().warning(f"zero-shot {data.uri}: {skipped} unreadable images skipped")
@@ -81,7 +88,9 @@ def _my_slice(count: int, runtime: Runtime) -> range:
 
 
 @torch.no_grad()
-def build_classifier(engine: Engine, tokenizer, data: ClassificationSet, runtime: Runtime) -> torch.Tensor:  # noqa: ANN001
+def build_classifier(
+    engine: Engine, tokenizer: Tokenizer, data: ClassificationSet, runtime: Runtime
+) -> torch.Tensor:
     """[embed dim, classes]: each rank embeds ceil(C / world) classes, CLASSES_PER_BATCH at a time."""
     count, per = len(data.classnames), math.ceil(len(data.classnames) / runtime.world_size)
     mine = [data.classnames[i] for i in _my_slice(count, runtime)]
@@ -103,7 +112,12 @@ def build_classifier(engine: Engine, tokenizer, data: ClassificationSet, runtime
 
 @torch.no_grad()
 def classify(
-    engine: Engine, classifier: torch.Tensor, loader: DataLoader, runtime: Runtime
+    engine: Engine,
+    classifier: torch.Tensor,
+    loader: DataLoader,
+    runtime: Runtime,
+    *,
+    normalize: ImageNormalizer,
 ) -> tuple[float, float, int]:
     """(top-1, top-5, skipped images) over every rank's share."""
     device, k = runtime.device, min(5, classifier.shape[1])
@@ -114,7 +128,7 @@ def classify(
         if not _any_rank_has(batch is not None, runtime):
             break
         images = batch[0] if batch is not None else _dummy(engine.unwrapped().image_size)
-        features = engine.forward(images.to(device), None)["image_features"].float()
+        features = engine.forward(normalize(images), None)["image_features"].float()  # uint8 in
         if batch is None:
             continue
         labels = batch[1].to(device)
@@ -139,4 +153,4 @@ def _any_rank_has(mine: bool, runtime: Runtime) -> bool:
 
 
 def _dummy(image_size: int) -> torch.Tensor:
-    return torch.zeros(1, 3, image_size, image_size)
+    return torch.zeros(1, image_size, image_size, 3, dtype=torch.uint8)

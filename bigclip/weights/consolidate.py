@@ -9,7 +9,8 @@ SRC: a bigclip checkpoint written by either engine at any world size (local, `s3
 `registry:NAME`), or a `.safetensors`/`.pt`/`.bin` file to convert. OUT: a `.safetensors`
 file, or a folder (local or `s3://`) that receives `model.safetensors`; with `--max-shard-size`,
 shards and a Hugging Face index. Keys are OpenCLIP's (the checkpoint's `model.` prefix
-dropped), so the file loads into open_clip's CLIP with `strict=True`. `--with-optimizer` adds
+dropped), so the file loads into open_clip's CLIP with `strict=True`; the metadata names the
+model, step and tokenizer (`bigclip.tokenizer`, which `--pretrained` checks). `--with-optimizer` adds
 the Adam moments and steps (fp32, under their checkpoint keys `optim.optimizer.state.*`) and
 puts the non-tensor state (param groups, train position, config) as JSON in the metadata.
 
@@ -37,7 +38,7 @@ from bigclip.storage.progress import human_bytes, progress_bar
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import PIECE_BYTES, TensorInfo
 from bigclip.weights.safetensors_writer import WriteResult, parse_size, plan_output, write_safetensors
-from bigclip.weights.sources import WeightSource, open_weights
+from bigclip.weights.sources import WeightSource, open_weights, weights_tokenizer
 
 log = logging.getLogger("bigclip.consolidate")
 
@@ -110,13 +111,15 @@ def consolidate(
     metadata = {"format": "pt", "bigclip.source": source.uri, "bigclip.dtype": dtype}
     metadata |= {"bigclip.model": source.model} if source.model else {}
     metadata |= {"bigclip.step": str(source.step)} if source.step is not None else {}
+    tokenizer = weights_tokenizer(source)  # the ids the text tower learned: --pretrained checks it
+    metadata |= {"bigclip.tokenizer": tokenizer} if tokenizer else {}
     if with_optimizer:
         metadata["bigclip.state"] = json.dumps(non_tensor_state(source), default=str)
     total = sum(o.nbytes for _, o in pairs)
     bar = progress_bar(total, label="consolidate", enabled=progress)
     pieces = source.reader.stream([s for s, _ in pairs], piece_bytes=piece_bytes, window=read_ahead)
     manifest = {"source": source.uri, "model": source.model, "step": source.step, "dtype": dtype,
-                "with_optimizer": with_optimizer, "tensors": len(pairs)}  # fmt: skip
+                "tokenizer": tokenizer, "with_optimizer": with_optimizer, "tensors": len(pairs)}  # fmt: skip
     result = write_safetensors(
         plan, pieces, metadata=metadata, manifest=manifest, s3=s3, overwrite=overwrite, on_bytes=bar.update
     )

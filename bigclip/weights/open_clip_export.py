@@ -12,7 +12,7 @@ work with no network, and DIR can be uploaded to the Hugging Face Hub as it is. 
   vocab.json, merges.txt, ...   that tokenizer in Hugging Face's format, as push_to_hf_hub uploads it
 The model config is the run's (--model, and its --force-* overrides when the checkpoint saved
 its config), checked against every weight's shape before anything is written. Weights trained
-with bigclip's hashing tokenizer are refused: OpenCLIP tokenizes differently, so its ids would
+with another tokenizer (bigclip's opt-in hashing one) are refused: OpenCLIP tokenizes differently, so its ids would
 mean nothing to the text tower. The config file is written last: a folder without it is not
 an export (OpenCLIP's loader needs it).
 """
@@ -23,6 +23,7 @@ import dataclasses
 import json
 from typing import Any
 
+from bigclip.data.device import channel_values
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from bigclip.errors import ConfigError, StorageError
 from bigclip.models.clip import CLIP, CLIPConfig
@@ -32,7 +33,7 @@ from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import TensorInfo
 from bigclip.weights.hf_tokenizer_files import tokenizer_files
 from bigclip.weights.safetensors_writer import WriteResult, plan_output, write_safetensors
-from bigclip.weights.sources import WeightSource
+from bigclip.weights.sources import WeightSource, weights_tokenizer
 
 CONFIG_NAME, WEIGHTS_NAME = "open_clip_config.json", "open_clip_model.safetensors"
 OPENCLIP_TOKENIZER = "open_clip"
@@ -46,24 +47,15 @@ def saved_run_config(source: WeightSource) -> dict[str, Any]:
     return json.loads(reader.read_value("train.config"))
 
 
-def trained_tokenizer(source: WeightSource, run: dict[str, Any]) -> str:
-    """The tokenizer the weights learned: the saved config's or the consolidated file's record;
-    weights from elsewhere are OpenCLIP's (every OpenCLIP CLIP uses its BPE tokenizer)."""
-    metadata = source.reader.metadata if source.kind == "safetensors" else {}
-    return run.get("data", {}).get("tokenizer") or metadata.get("bigclip.tokenizer") or OPENCLIP_TOKENIZER
-
-
 def model_config(name: str, run: dict[str, Any], weights: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """OpenCLIP's `model_cfg` for the weights: the named config with the run's overrides."""
-    cfg = get_model_config(name)
+    """OpenCLIP's `model_cfg` for the weights: the named config with the run's --force-* options."""
     model = run.get("model", {})
-    if model.get("force_quick_gelu"):
-        cfg.quick_gelu = True
-    if model.get("force_image_size"):
-        size = model["force_image_size"]
-        cfg.vision_cfg.image_size = size[0] if isinstance(size, list) else int(size)
-    if model.get("force_context_length"):
-        cfg.text_cfg.context_length = int(model["force_context_length"])
+    size = model.get("force_image_size") or 0
+    cfg = get_model_config(
+        name, force_quick_gelu=bool(model.get("force_quick_gelu")),
+        force_image_size=size[0] if isinstance(size, list) else int(size),
+        force_context_length=int(model.get("force_context_length") or 0),
+    )  # fmt: skip
     cfg.init_logit_bias = -10.0 if "logit_bias" in weights else None  # OpenCLIP's SigLIP value
     check_shapes(cfg, weights, name=name)
     out = dataclasses.asdict(cfg)
@@ -87,8 +79,8 @@ def preprocess_config(run: dict[str, Any]) -> dict[str, Any]:
     (bicubic resize of the shortest side, centre crop) with the run's mean and std."""
     data = run.get("data", {})
     return {
-        "mean": list(data.get("image_mean") or OPENAI_CLIP_MEAN),
-        "std": list(data.get("image_std") or OPENAI_CLIP_STD),
+        "mean": list(channel_values(data.get("image_mean") or [], OPENAI_CLIP_MEAN, flag="--image-mean")),
+        "std": list(channel_values(data.get("image_std") or [], OPENAI_CLIP_STD, flag="--image-std")),
         "interpolation": data.get("image_interpolation") or "bicubic",
         "resize_mode": data.get("image_resize_mode") or "shortest",
     }
@@ -109,12 +101,13 @@ def export_open_clip(
     """Write DIR from the consolidation's (source tensor, output tensor) pairs; `pieces_of(pairs)`
     streams their bytes (see consolidate.py)."""
     run = saved_run_config(source)
-    tokenizer = trained_tokenizer(source, run)
+    tokenizer = (
+        weights_tokenizer(source) or OPENCLIP_TOKENIZER
+    )  # a bigclip file that does not say: the default
     if tokenizer != OPENCLIP_TOKENIZER:
         raise ConfigError(
-            f"{source.uri} was trained with bigclip's {tokenizer!r} (hashing) tokenizer; OpenCLIP would "
-            "tokenize with its BPE tokenizer, whose ids this text tower never learned. Export weights "
-            "trained with --tokenizer open_clip"
+            f"{source.uri} was trained with --tokenizer {tokenizer}; OpenCLIP tokenizes with its BPE "
+            "tokenizer, whose ids this text tower never learned. Export weights trained with --tokenizer open_clip"
         )
     name = model or source.model or run.get("model", {}).get("model", "")
     if not name:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from bigclip.config import TrainConfig
+from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.engines.optim import excluded_from_weight_decay
@@ -39,6 +40,7 @@ from bigclip.weights.sources import TORCH_SUFFIXES, WeightSource, open_weights
 
 log = logging.getLogger("bigclip.resume")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+OPENCLIP_TOKENIZER = "open_clip"
 
 
 def is_openclip_checkpoint(uri: str) -> bool:
@@ -59,6 +61,9 @@ def load_openclip_checkpoint(
     engine: Engine, cfg: TrainConfig, runtime: Runtime, uri: str, *, s3: S3Settings | None
 ) -> OpenClipPlan:
     """Collective: load weights and AdamW state into the engine; returns what was loaded."""
+    # OpenCLIP's CLIP models all use its BPE tokenizer: --tokenizer hashing would misread them.
+    allow, what = cfg.checkpoint.allow_tokenizer_change, f"--resume {uri}"
+    check_tokenizer(OPENCLIP_TOKENIZER, cfg.data.tokenizer, allow=allow, what=what)
     outcome: list[Any] = [None]
     if runtime.rank == 0:
         try:

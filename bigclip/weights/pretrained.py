@@ -26,12 +26,19 @@ import torch.distributed as dist
 
 from bigclip.checkpoint import LATEST, CheckpointStore
 from bigclip.config import TrainConfig
+from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import BigclipError, ConfigError, StorageError
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import prefetch
-from bigclip.weights.sources import REGISTRY_SCHEME, WeightSource, open_weights, registry_uri
+from bigclip.weights.sources import (
+    REGISTRY_SCHEME,
+    WeightSource,
+    open_weights,
+    registry_uri,
+    weights_tokenizer,
+)
 
 log = logging.getLogger("bigclip.pretrained")  # under the run's logger: printed on rank 0
 
@@ -103,11 +110,13 @@ def _open_on_rank0(
         lease = registry.acquire_lease(parse_registry_ref(uri), owner=owner)
         atexit.register(lease.release)  # also on an exception that ends the run; idempotent
     try:
-        source = open_weights(uri, s3=s3, registry=cfg.checkpoint.registry)
+        source = open_weights(uri, s3=s3, registry=cfg.checkpoint.registry, cache=cfg.model.cache_dir)
         if source.model and source.model != cfg.model.model:
             log.warning(
                 f"--pretrained {uri} was saved from model {source.model}; this run builds {cfg.model.model}"
             )
+        check_tokenizer(weights_tokenizer(source), cfg.data.tokenizer,
+                        allow=cfg.checkpoint.allow_tokenizer_change, what=f"--pretrained {uri}")  # fmt: skip
         return source, match_weights(source, shapes, model=cfg.model.model), lease
     except BaseException:
         if lease is not None:

@@ -17,6 +17,7 @@ against its manifest (names truncated objects) and `.metadata` against its SHA-2
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import urllib.error
@@ -30,6 +31,7 @@ import torch
 
 from bigclip.checkpoint import catalog
 from bigclip.checkpoint.manifest import MANIFEST_NAME, size_problems
+from bigclip.data.tokenizer import saved_tokenizer
 from bigclip.errors import StorageError
 from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.hashing import ObjectRecord
@@ -62,15 +64,18 @@ def registry_uri(explicit: str = "") -> str:
     return explicit or os.environ.get("BIGCLIP_REGISTRY", "")
 
 
-def open_weights(uri: str, *, s3: S3Settings | None = None, registry: str = "") -> WeightSource:
+def open_weights(
+    uri: str, *, s3: S3Settings | None = None, registry: str = "", cache: str = ""
+) -> WeightSource:
+    """`cache`: where remote .pt/.bin files are downloaded (--cache-dir; default `cache_dir()`)."""
     if uri.startswith(REGISTRY_SCHEME):
         from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
 
         return _from_registry(Registry(registry_uri(registry), s3=s3), parse_registry_ref(uri))
     if uri.startswith(("http://", "https://")):
-        return _from_file(download(uri), uri=redact_text(uri))
+        return _from_file(download(uri, cache=cache), uri=redact_text(uri))
     if is_s3(uri) and uri.endswith(TORCH_SUFFIXES):
-        return _from_file(download(uri, s3=s3), uri=uri)
+        return _from_file(download(uri, s3=s3, cache=cache), uri=uri)
     stripped = uri.rstrip("/")
     parent_uri, _, leaf = stripped.rpartition("/")
     if leaf.endswith((".safetensors", INDEX_SUFFIX)):
@@ -141,11 +146,23 @@ def _from_registry(registry: Registry, name: str) -> WeightSource:
 
 
 def _registry_file(registry: Registry, published: Published) -> Path:
-    sha = published.objects[published.entry].sha256
-    key = f"checkpoints/{published.name}/objects/{sha}"
+    key = registry.blob_key(published, published.objects[published.entry].sha256)
     if isinstance(registry.location, LocalLocation):
         return Path(registry.location.root) / key  # content-addressed: safe to map in place
     return download(registry.location.child_uri(key), s3=registry.s3, suffix=".pt")
+
+
+def weights_tokenizer(source: WeightSource) -> str:
+    """The tokenizer the weights were trained with: a bigclip checkpoint's saved config, a
+    consolidated file's `bigclip.tokenizer` metadata; files from elsewhere are OpenCLIP's, whose
+    CLIP models all use its BPE tokenizer ('' when a bigclip file does not say)."""
+    if source.kind == "dcp":
+        has_config = "train.config" in source.reader.value_keys("train.")
+        return saved_tokenizer({}, json.loads(source.reader.read_value("train.config"))) if has_config else ""
+    metadata = getattr(source.reader, "metadata", {}) if source.kind == "safetensors" else {}
+    if "bigclip.tokenizer" in metadata:
+        return saved_tokenizer({"tokenizer": metadata["bigclip.tokenizer"]})
+    return "" if "bigclip.source" in metadata else "open_clip"
 
 
 def _safetensors_source(reader: SafetensorsReader, uri: str) -> WeightSource:
@@ -217,14 +234,16 @@ def normalise_keys(loaded: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("BIGCLIP_CACHE") or Path.home() / ".cache" / "bigclip") / "downloads"
+def cache_dir(explicit: str = "") -> Path:
+    return (
+        Path(explicit or os.environ.get("BIGCLIP_CACHE") or Path.home() / ".cache" / "bigclip") / "downloads"
+    )
 
 
-def download(uri: str, *, s3: S3Settings | None = None, suffix: str = "") -> Path:
+def download(uri: str, *, s3: S3Settings | None = None, suffix: str = "", cache: str = "") -> Path:
     """A local copy of a remote file, downloaded once (streamed to a temporary name, then renamed)."""
     leaf = uri.rstrip("/").rpartition("/")[2].split("?")[0] or "download"
-    target = cache_dir() / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{leaf}{suffix}"
+    target = cache_dir(cache) / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{leaf}{suffix}"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -37,20 +38,65 @@ def _placeholder_torchvision() -> None:
     sys.modules["torchvision.ops.misc"].FrozenBatchNorm2d = FrozenBatchNorm2d
 
 
-def open_clip_model_module():
-    """OpenCLIP's `open_clip.model` module, or skip the test when open_clip is not installed."""
-    if "open_clip.model" in sys.modules:
-        return sys.modules["open_clip.model"]
+def missing_reference(what: str) -> None:
+    """Skip a reference test whose reference is not installed; under CI (`CI` set) fail instead,
+    so a reference test never passes by not running."""
+    message = f"{what} is not installed (make test installs it: pip install --no-deps open_clip_torch)"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI: {message}")
+    pytest.skip(message)
+
+
+def _register_open_clip_package() -> None:
+    """Register the package `open_clip` without running its __init__ (which imports torchvision)."""
+    if "open_clip" in sys.modules:
+        return
     spec = importlib.util.find_spec("open_clip")
     if spec is None:
-        pytest.skip("open_clip_torch is not installed (make test installs it)")
-    if not _torchvision_importable():
-        _placeholder_torchvision()
-    # Register the package without running its __init__ (which imports the torchvision transforms).
+        missing_reference("open_clip_torch (OpenCLIP's own code, the reference)")
     package = types.ModuleType("open_clip")
     package.__path__ = list(spec.submodule_search_locations)
     sys.modules["open_clip"] = package
+
+
+def open_clip_model_module():
+    """OpenCLIP's `open_clip.model` module (skipped when open_clip is not installed, failed on CI)."""
+    if "open_clip.model" in sys.modules:
+        return sys.modules["open_clip.model"]
+    if not _torchvision_importable():
+        _placeholder_torchvision()
+    _register_open_clip_package()
     return importlib.import_module("open_clip.model")
+
+
+def open_clip_tokenizer_module():
+    """OpenCLIP's own `open_clip.tokenizer` (needs ftfy, regex, numpy, torch; not torchvision)."""
+    _register_open_clip_package()
+    return importlib.import_module("open_clip.tokenizer")
+
+
+def open_clip_train_parser():
+    """The argparse parser of OpenCLIP's trainer (`open_clip_train.params.parse_args`), unparsed."""
+    if importlib.util.find_spec("open_clip_train") is None:
+        missing_reference("open_clip_train (installed with open_clip_torch)")
+    import argparse
+    from unittest import mock
+
+    from open_clip_train import params
+
+    captured = []
+
+    def capture(parser, args=None, namespace=None):
+        captured.append(parser)
+        raise _Captured
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), pytest.raises(_Captured):
+        params.parse_args([])
+    return captured[0]
+
+
+class _Captured(Exception):
+    pass
 
 
 def open_clip_config(name: str) -> dict:

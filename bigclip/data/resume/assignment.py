@@ -8,6 +8,11 @@ rank to its least-loaded worker. Load is the remaining sample count (sizes.json;
 size where unknown), so ranks end the epoch close together even after a resume has left
 partial shards of very different lengths. With equal shards this is round robin.
 
+With --dataset-resampled the tasks are draws (position.py): the unfinished draws below the
+frontier are dealt the same way, then reader g of R (g = rank x readers + worker) continues
+with draws frontier + g, frontier + g + R, ... (`Tail`): no draw is read twice, whatever the
+world size.
+
 An assignment is made once per stream, from its origin: the epoch's start, or the position a run
 resumed from at other settings. A resume at the same settings (stream_state.py) recomputes
 the assignment from the saved origin instead of re-dealing what is left, and restarts every reader
@@ -19,9 +24,11 @@ from __future__ import annotations
 import heapq
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bigclip.data.resume.position import DataPosition
+from bigclip.data.resume.randomness import choose_weighted, draws_key
 from bigclip.data.resume.stream_state import RankStream, StreamSettings
 from bigclip.data.shards import ShardList
 from bigclip.data.tar_samples import Cursor
@@ -31,9 +38,27 @@ log = logging.getLogger("bigclip.data")
 
 @dataclass(frozen=True)
 class ShardTask:
-    shard: int  # index into ShardList.urls
+    shard: int  # index into ShardList.urls; with --dataset-resampled, the draw index
     url: str
     start: Cursor
+    size: int | None = None  # samples in the shard (sizes.json), when known
+
+
+@dataclass(frozen=True)
+class Tail:
+    """--dataset-resampled: after its plan, a reader takes draws start, start + stride, ..."""
+
+    start: int
+    stride: int
+
+    def draw(self, k: int) -> int:
+        return self.start + k * self.stride
+
+
+def draw_shard(shards: ShardList, *, seed: int, epoch: int) -> Callable[[int], int]:
+    """The shard index of each draw of the epoch's global sequence."""
+    key, cumulative = draws_key(seed=seed, epoch=epoch), shards.cumulative_weights()
+    return lambda draw: choose_weighted(key, draw, cumulative)
 
 
 def epoch_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
@@ -44,15 +69,21 @@ def epoch_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
 
 
 def remaining_tasks(shards: ShardList, position: DataPosition, *, seed: int) -> list[ShardTask]:
-    order = epoch_order(len(shards), seed=seed, epoch=position.epoch)
+    """Unfinished shards (or draws below the frontier), partial ones first."""
+    if position.resampled:
+        order, shard_of = list(range(position.draws)), draw_shard(shards, seed=seed, epoch=position.epoch)
+    else:
+        order, shard_of = epoch_order(len(shards), seed=seed, epoch=position.epoch), lambda s: s
     partial = [s for s in order if s in position.cursors and s not in position.done]
     untouched = [s for s in order if s not in position.cursors and s not in position.done]
-    return [ShardTask(s, shards.urls[s], position.cursor(s)) for s in partial + untouched]
+    return [
+        ShardTask(s, shards.urls[shard_of(s)], position.cursor(s), shards.sizes[shard_of(s)])
+        for s in partial + untouched
+    ]
 
 
-def _remaining_samples(task: ShardTask, shards: ShardList, mean_size: float) -> float:
-    size = shards.sizes[task.shard]
-    total = float(size) if size is not None else mean_size
+def _remaining_samples(task: ShardTask, mean_size: float) -> float:
+    total = float(task.size) if task.size is not None else mean_size
     return max(total - task.start.index, 1.0)
 
 
@@ -74,7 +105,7 @@ def assign(
     """tasks -> plan[rank][worker] = shards that reader reads, in order."""
     known = [s for s in shards.sizes if s is not None]
     mean_size = sum(known) / len(known) if known else 1.0
-    weighted = [(_remaining_samples(t, shards, mean_size), t) for t in tasks]
+    weighted = [(_remaining_samples(t, mean_size), t) for t in tasks]
     weight_of = {t.shard: w for w, t in weighted}
     per_rank = _deal([0.0] * world_size, weighted)
     readers = max(1, workers)
@@ -86,9 +117,10 @@ class ReaderAssignment:
     """One rank's readers for a stream: the origin their plan comes from, their shards, where they start."""
 
     origin: DataPosition
-    tasks: list[list[ShardTask]]  # per worker, in reading order (empty with --dataset-resampled)
+    tasks: list[list[ShardTask]]  # per worker, in reading order
     stream: RankStream  # readers' states, the round robin's place, the re-batcher's carry
     exact: bool  # continues the saved stream exactly
+    tails: list[Tail | None]  # per worker: the draws after its plan (--dataset-resampled)
 
 
 def assign_readers(
@@ -98,11 +130,13 @@ def assign_readers(
     origin, stream, exact = _continuation(start, settings, rank=rank)
     if exact:
         origin.check_compatible(shards, epoch=start.epoch, resampled=start.resampled)
-    tasks: list[list[ShardTask]] = [[] for _ in range(settings.readers)]
-    if not start.resampled:
-        remaining = remaining_tasks(shards, origin, seed=settings.seed)
-        tasks = assign(remaining, shards, world_size=settings.world_size, workers=settings.workers)[rank]
-    return ReaderAssignment(origin, tasks, stream, exact)
+    remaining = remaining_tasks(shards, origin, seed=settings.seed)
+    tasks = assign(remaining, shards, world_size=settings.world_size, workers=settings.workers)[rank]
+    readers, tails = settings.readers, [None] * settings.readers
+    if start.resampled:
+        stride = settings.world_size * readers
+        tails = [Tail(origin.draws + rank * readers + w, stride) for w in range(readers)]
+    return ReaderAssignment(origin, tasks, stream, exact, tails)
 
 
 def _continuation(

@@ -15,6 +15,13 @@ are handed to the training loop, not as workers prefetch them); `merge` combines
 progress with the position the loader started from. `to_json` is small: a bitmap of done
 shards (5 KB for 41k shards) plus one cursor per shard being read.
 
+With --dataset-resampled, the epoch's shards are an endless global sequence of draws
+(randomness.draws_key), and the same description applies with draws in place of shards:
+`done` and `cursors` are keyed by draw index, and `draws` is the frontier, the first draw
+from which on nothing has been consumed. A resume at any world size deals the unfinished
+draws below the frontier (partial ones at their cursors) and then the draws from the
+frontier on, so no draw is read twice or skipped.
+
 `stream`, when present, is what it takes to continue the exact same stream at the same
 settings (stream_state.py); a resume at other settings ignores it.
 """
@@ -69,6 +76,12 @@ class DataPosition:
     done: set[int] = field(default_factory=set)
     cursors: dict[int, Cursor] = field(default_factory=dict)
     stream: StreamState | None = None
+    draws: int = 0  # --dataset-resampled: nothing consumed from draws >= this one
+
+    @property
+    def tasks(self) -> int:
+        """How many task ids (shards, or draws below the frontier) `done` and `cursors` range over."""
+        return self.draws if self.resampled else self.num_shards
 
     @classmethod
     def start_of(cls, epoch: int, shards: ShardList, *, resampled: bool) -> DataPosition:
@@ -93,9 +106,8 @@ class DataPosition:
             samples=self.samples + sum(p.samples for p in progress),
             done=set(self.done),
             cursors=dict(self.cursors),
+            draws=self.draws,
         )
-        if self.resampled:  # shards drawn with replacement: only the sample count means anything
-            return merged
         for p in progress:
             merged.cursors.update(p.cursors)
             for shard, end in p.ends.items():
@@ -103,35 +115,44 @@ class DataPosition:
                     merged.done.add(shard)
         for shard in merged.done:
             merged.cursors.pop(shard, None)
+        if self.resampled:
+            merged.draws = max([merged.draws, *(d + 1 for d in merged.done | set(merged.cursors))])
         return merged
 
     def to_json(self) -> dict[str, Any]:
         stream = {"stream": self.stream.to_json()} if self.stream is not None else {}
-        return {
-            "format": FORMAT,
-            "epoch": self.epoch,
-            "mode": "resampled" if self.resampled else "shards",
-            "samples": self.samples,
-            "shards": {"count": self.num_shards, "fingerprint": self.fingerprint},
-            "done": encode_bitmap(self.done, self.num_shards),
-            "cursors": {str(s): c.to_json() for s, c in sorted(self.cursors.items())},
-        } | stream
+        return (
+            {
+                "format": FORMAT,
+                "epoch": self.epoch,
+                "mode": "resampled" if self.resampled else "shards",
+                "samples": self.samples,
+                "shards": {"count": self.num_shards, "fingerprint": self.fingerprint},
+                "done": encode_bitmap(self.done, self.tasks),
+                "cursors": {str(s): c.to_json() for s, c in sorted(self.cursors.items())},
+            }
+            | ({"draws": self.draws} if self.resampled else {})
+            | stream
+        )
 
     @classmethod
     def from_json(cls, state: dict[str, Any]) -> DataPosition:
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise DataError(f"not a bigclip data position (expected format {FORMAT!r}): {str(state)[:200]}")
         try:
-            count = int(state["shards"]["count"])
+            count, resampled = int(state["shards"]["count"]), state["mode"] == "resampled"
+            # A resampled position from before draws were numbered has none: a fresh stream.
+            draws, legacy = int(state.get("draws", 0)), resampled and "draws" not in state
             return cls(
                 epoch=int(state["epoch"]),
                 num_shards=count,
                 fingerprint=str(state["shards"]["fingerprint"]),
-                resampled=state["mode"] == "resampled",
+                resampled=resampled,
                 samples=int(state["samples"]),
-                done=decode_bitmap(state["done"], count),
+                done=decode_bitmap(state["done"], draws if resampled else count),
                 cursors={int(s): Cursor.from_json(c) for s, c in state["cursors"].items()},
-                stream=StreamState.from_json(state["stream"]) if "stream" in state else None,
+                stream=StreamState.from_json(state["stream"]) if "stream" in state and not legacy else None,
+                draws=draws,
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise DataError(
@@ -147,9 +168,9 @@ class DataPosition:
             raise DataError(
                 f"the checkpoint was saved {mode} --dataset-resampled; resume with the same setting"
             )
-        if not self.resampled and (self.fingerprint, self.num_shards) != (shards.fingerprint, len(shards)):
+        if (self.fingerprint, self.num_shards) != (shards.fingerprint, len(shards)):
             raise DataError(
                 f"the training shards changed since the checkpoint was saved ({self.num_shards} shards then, "
-                f"{len(shards)} now, or a different list): resume with the same --train-data, or start a "
-                "new epoch without the saved data position"
+                f"{len(shards)} now, or a different list or --train-data-upsampling-factors): resume with the "
+                "same --train-data, or start a new epoch without the saved data position"
             )

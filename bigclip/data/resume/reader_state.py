@@ -2,7 +2,7 @@
 
 A reader (one data worker of one rank) is described, between two samples, by:
   draws      interleave choices made so far (the next one is keyed by this count)
-  tasks      shards taken from its plan (or drawn, with --dataset-resampled) so far
+  tasks      shards (draws, with --dataset-resampled) taken from its plan, then its tail, so far
   emitted    valid samples emitted so far (its batches end at multiples of batch_size)
   fruitless  shards closed in a row without a valid sample (--dataset-resampled gives up at 100)
   open       its open shards, in order: the shard, the read cursor (the next sample to read,

@@ -1,0 +1,59 @@
+"""The run's configuration: one dataclass per concern (a module each), composed into `TrainConfig`.
+
+Every command-line flag is derived from a dataclass field (`batch_size` -> `--batch-size`),
+so the dataclasses are the single source of truth for names, defaults, types and help.
+Field names are OpenCLIP's where the concept is the same, so `open_clip_train.main`
+command lines keep working. A YAML file (`--config run.yaml`) may set any field, flat
+(`batch_size: 256`) or by section (`data: {batch_size: 256}`); flags override the file.
+
+Field metadata understood by `bigclip.cli_args`:
+  help     the flag's help text
+  choices  allowed values
+  aliases  extra flag names (e.g. OpenCLIP's `--use-bnb-linear` for `--int8`)
+  convert  callable applied to a value given through an alias
+OpenCLIP options bigclip refuses, and OpenCLIP's other spellings of values, are in
+`bigclip.openclip_flags` (one table).
+
+May import errors and openclip_flags; models only lazily (ModelConfig checks --model).
+"""
+
+from bigclip.config.checkpoint import CheckpointConfig
+from bigclip.config.data import DataConfig
+from bigclip.config.engine import EngineConfig
+from bigclip.config.fields import (
+    ENGINES,
+    INT8_MODES,
+    LOSS_EXCHANGES,
+    LOSSES,
+    LR_SCHEDULERS,
+    METRIC_SINKS,
+    OPTIMIZERS,
+    PRECISIONS,
+    TOKENIZERS,
+)
+from bigclip.config.log import LogConfig
+from bigclip.config.loss import LossConfig
+from bigclip.config.model import ModelConfig
+from bigclip.config.optim import OptimConfig
+from bigclip.config.train import TrainConfig, section_of
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "ENGINES",
+    "EngineConfig",
+    "INT8_MODES",
+    "LOSSES",
+    "LOSS_EXCHANGES",
+    "LR_SCHEDULERS",
+    "LogConfig",
+    "LossConfig",
+    "METRIC_SINKS",
+    "ModelConfig",
+    "OPTIMIZERS",
+    "OptimConfig",
+    "PRECISIONS",
+    "TOKENIZERS",
+    "TrainConfig",
+    "section_of",
+]

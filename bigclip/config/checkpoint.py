@@ -1,0 +1,44 @@
+"""Where checkpoints go, when they are saved, what is kept and how runs resume."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigclip.config.fields import opt
+from bigclip.errors import ConfigError
+
+
+@dataclass
+class CheckpointConfig:
+    checkpoint_dir: str = opt(
+        "", "Where checkpoints go: a path or s3://bucket/prefix (default: LOGS/NAME/checkpoints)."
+    )
+    save_frequency: int = opt(1, "Save every N epochs (0: never at epoch ends).")
+    save_every_n_steps: int = opt(0, "Also save every N optimizer steps (0: off).")
+    resume: str = opt("", "Resume from 'latest', a checkpoint path, or an s3:// URI.")
+    async_save: bool = opt(False, "Stage state in CPU memory and upload in the background.")
+    save_most_recent: bool = opt(
+        False, "Also save at each epoch end; only the newest such checkpoint is kept."
+    )
+    delete_previous_checkpoint: bool = opt(False, "Keep only the newest local checkpoint.")
+    keep_last: int = opt(0, "Keep the newest K local checkpoints (0: all).")
+    remote_keep_last: int = opt(
+        0, "Keep the newest K checkpoints on S3 or in the --remote-sync copy (0: all)."
+    )
+    overwrite_run: bool = opt(
+        False, "Start over in a run folder that holds checkpoints, deleting them first."
+    )
+    allow_batch_size_change: bool = opt(False, "Allow resuming with a different global batch size.")
+    allow_tokenizer_change: bool = opt(
+        False, "Allow weights of another --tokenizer (--resume, --pretrained)."
+    )
+    s3_endpoint: str = opt("", "S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS).")
+    s3_region: str = opt("", "S3 region (default: AWS_REGION / AWS config, else us-east-1).")
+    registry: str = opt(
+        "",
+        "Checkpoint registry (a path or s3:// prefix) that registry:NAME refers to (default: $BIGCLIP_REGISTRY).",
+    )
+
+    def validate(self) -> None:
+        if min(self.save_frequency, self.save_every_n_steps, self.keep_last, self.remote_keep_last) < 0:
+            raise ConfigError("checkpoint frequencies and retention counts must not be negative")

@@ -1,0 +1,94 @@
+"""Where the training and held-out data come from and how samples become batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigclip.config.fields import TOKENIZERS, opt
+from bigclip.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    train_data: str = opt(
+        "", "Training shards: a brace pattern, local or s3://, e.g. /data/{00000..00099}.tar."
+    )
+    val_data: str = opt("", "Held-out shards for retrieval evaluation (same pattern syntax).")
+    train_num_samples: int = opt(0, "Samples per epoch (0: read sizes.json beside the shards).")
+    val_num_samples: int = opt(0, "Held-out samples to evaluate (0: all).")
+    val_frequency: int = opt(1, "Evaluate --val-data every N epochs and after the last (0: never).")
+    imagenet_val: str = opt(
+        "",
+        "Zero-shot classification set: an ImageNet-layout folder (one sub-folder per class) or "
+        "webdataset shards with .cls labels (classnames.txt beside them for non-ImageNet classes).",
+    )
+    imagenet_v2: str = opt(
+        "", "ImageNet-V2 for zero-shot classification: the folder holding ImageNetV2-matched-frequency/."
+    )
+    zeroshot_frequency: int = opt(
+        2, "Run zero-shot classification every N epochs and after the last one (0: never)."
+    )
+    dataset_type: str = opt(
+        "webdataset", "Data format (OpenCLIP's 'auto': webdataset).", choices=("webdataset",)
+    )
+    dataset_resampled: bool = opt(False, "Sample shards with replacement (an endless stream).")
+    workers: int = opt(4, "Data-loader worker processes per rank.")
+    batch_size: int = opt(64, "Batch size per GPU (per rank).")
+    tokenizer: str = opt(
+        "open_clip",
+        "Text tokenizer: OpenCLIP's BPE ('open_clip', the ids OpenCLIP weights know) or, opt-in, 'hashing' "
+        "(word ids by a stable hash, no vocabulary; for models trained from scratch only).",
+        choices=TOKENIZERS,
+    )
+    shard_interleave: int = opt(
+        4,
+        "Shards each data worker reads at once, taking samples from them in random order "
+        "(mixing without a shuffle buffer, which keeps resume exact).",
+    )
+    train_data_upsampling_factors: str = opt(
+        "",
+        "With --dataset-resampled and several '::'-separated --train-data sources: one weight per "
+        "source, e.g. 1::2::0.5 (a shard is drawn with its source's weight, OpenCLIP's semantics).",
+    )
+    image_mean: list[float] = opt([], "Normalisation mean, one value or R G B (default: OpenAI CLIP's).")
+    image_std: list[float] = opt([], "Normalisation std, one value or R G B (default: OpenAI CLIP's).")
+    image_interpolation: str = opt(
+        "bicubic",
+        "Evaluation resize filter ('random' is bicubic there, as in OpenCLIP); training uses --train-transform's.",
+        choices=("bicubic", "bilinear", "random"),
+    )
+    image_resize_mode: str = opt(
+        "shortest",
+        "Evaluation resize: shortest side + centre crop, longest side + pad, or squash.",
+        choices=("shortest", "longest", "squash"),
+    )
+    aug_cfg: dict = opt(
+        {},
+        "Training augmentation, OpenCLIP's KEY=VALUE pairs: scale ratio color_jitter color_jitter_prob "
+        "gray_scale_prob re_prob re_count use_timm, e.g. --aug-cfg scale='(0.4, 1.0)' gray_scale_prob=0.2.",
+    )
+    train_transform: str = opt(
+        "fast",
+        "Training crop: 'fast' (JPEG decoded at reduced size, bilinear) or 'exact' (OpenCLIP's full "
+        "decode + bicubic).",
+        choices=("fast", "exact"),
+    )
+
+    def validate(self) -> None:
+        if self.train_data_upsampling_factors and not self.dataset_resampled:
+            raise ConfigError(
+                "--train-data-upsampling-factors needs --dataset-resampled (shards drawn with replacement), "
+                "as in OpenCLIP"
+            )
+        if self.shard_interleave < 1:
+            raise ConfigError(f"--shard-interleave must be at least 1, got {self.shard_interleave}")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1 (samples per rank), got {self.batch_size}")
+        if self.workers < 0:
+            raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
+        if self.train_num_samples < 0 or self.val_num_samples < 0:
+            raise ConfigError("--train-num-samples and --val-num-samples must be 0 (auto) or positive")
+        if self.val_frequency < 0 or self.zeroshot_frequency < 0:
+            raise ConfigError("--val-frequency and --zeroshot-frequency must be 0 (never) or positive")
+        if self.tokenizer not in TOKENIZERS:  # e.g. from a YAML file or an old checkpoint's config
+            raise ConfigError(f"--tokenizer {self.tokenizer!r}: use one of {', '.join(TOKENIZERS)}")

@@ -1,0 +1,39 @@
+"""The sharding engine, numerics and process-group set-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigclip.config.fields import ENGINES, PRECISIONS, opt
+from bigclip.errors import ConfigError
+
+
+@dataclass
+class EngineConfig:
+    engine: str = opt("fsdp", "Sharding engine: torch FSDP2 or DeepSpeed ZeRO.", choices=ENGINES)
+    precision: str = opt(
+        "amp_bf16", "Numerics: bf16/fp16 mixed, fp32, or bf16 everywhere.", choices=PRECISIONS
+    )
+    deepspeed_config: str = opt(
+        "", "DeepSpeed JSON config (see ds_configs/); needed with --engine deepspeed."
+    )
+    reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (ZeRO-3-like).")
+    dist_backend: str = opt("", "torch.distributed backend (default: nccl on GPU, gloo on CPU).")
+    device: str = opt("", "Device (default: cuda:LOCAL_RANK when CUDA is present, else cpu).")
+    local_rank: int = opt(
+        -1,
+        "Set by the deepspeed launcher (as --local_rank=N); the environment's LOCAL_RANK wins.",
+        aliases=("--local_rank",),
+        convert=int,
+    )
+    dist_url: str = opt("env://", "Rendezvous: env:// only (MASTER_ADDR/PORT, set by torchrun and srun).")
+    set_device_rank: bool = opt(True, "cuda:LOCAL_RANK; --no-set-device-rank: cuda:0 (one GPU per process).")
+
+    def validate(self) -> None:
+        if self.engine == "deepspeed" and not self.deepspeed_config:
+            raise ConfigError("--engine deepspeed needs --deepspeed-config, e.g. ds_configs/zero3.json")
+        if self.dist_url not in ("", "env://"):
+            raise ConfigError(
+                f"--dist-url {self.dist_url}: bigclip rendezvouses through the environment (env://); set "
+                "MASTER_ADDR and MASTER_PORT (torchrun and srun with bigclip's sbatch scripts do)"
+            )

@@ -1,0 +1,50 @@
+"""Run folders, log lines, metric sinks and remote sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigclip.config.fields import METRIC_SINKS, installed, opt
+from bigclip.errors import ConfigError
+
+
+@dataclass
+class LogConfig:
+    logs: str = opt("./logs", "Root folder for run directories.")
+    name: str = opt("", "Run name (default: date-model-lr-batch-precision).")
+    log_every_n_steps: int = opt(100, "Print a log line and write scalars every N steps.")
+    report_to: str = opt(
+        "tensorboard",
+        "Metric sinks, comma-separated: tensorboard, wandb (pip install wandb), or '' for none.",
+    )
+    wandb_project_name: str = opt("open-clip", "wandb project (WANDB_MODE=offline: written locally).")
+    wandb_notes: str = opt("", "wandb run notes.")
+    log_local: bool = opt(False, "Every node's local rank 0 logs too, to out-RANK.log (else rank 0 only).")
+    debug: bool = opt(False, "Log at DEBUG level.")
+    remote_sync: str = opt("", "Back the run up to URI/NAME (logs, checkpoints), e.g. s3://b/runs.")
+    remote_sync_frequency: int = opt(300, "Seconds between remote syncs (a commit also starts one).")
+    remote_sync_protocol: str = opt("s3", "How to reach --remote-sync.", choices=("s3", "fsspec"))
+    batch_keys_file: str = opt("", "Append each step's sample keys to FILE.rankN.jsonl, to audit data order.")
+
+    def validate(self) -> None:
+        if self.log_every_n_steps < 1:
+            raise ConfigError(f"--log-every-n-steps must be at least 1, got {self.log_every_n_steps}")
+        if self.remote_sync_frequency < 1:
+            raise ConfigError(
+                f"--remote-sync-frequency must be at least 1 (seconds), got {self.remote_sync_frequency}"
+            )
+        if "://" in self.logs:  # else a folder literally named 's3:' would appear
+            raise ConfigError(f"--logs {self.logs}: --logs is a local folder; to keep the logs there too, pass "
+                              f"--logs ./logs --remote-sync {self.logs} (OpenCLIP's way)")  # fmt: skip
+        unknown = set(self.sinks()) - set(METRIC_SINKS)
+        if unknown:
+            raise ConfigError(
+                f"--report-to {self.report_to!r}: unknown {sorted(unknown)}; use {', '.join(METRIC_SINKS)}"
+            )
+        if "wandb" in self.sinks() and not installed("wandb"):
+            raise ConfigError("--report-to wandb needs wandb: pip install 'bigclip[wandb]'")
+
+    def sinks(self) -> list[str]:
+        """OpenCLIP's --report-to: 'all' or a comma list."""
+        names = [n.strip() for n in self.report_to.split(",") if n.strip()]
+        return list(METRIC_SINKS) if "all" in names else names

@@ -1,0 +1,67 @@
+"""Which model a run builds and the model-level options applied to it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigclip.config.fields import INT8_MODES, opt
+from bigclip.errors import ConfigError
+from bigclip.openclip_flags import bnb_linear_to_int8
+
+
+@dataclass
+class ModelConfig:
+    model: str = opt("tiny", "Model config name (see `bigclip models`), e.g. ViT-bigG-14.")
+    pretrained: str = opt("", "Initial weights: a path, s3:// or https:// URI, or registry:NAME.")
+    force_patch_dropout: float = opt(
+        0.0, "Fraction of image patches dropped during training (class token kept)."
+    )
+    grad_checkpointing: bool = opt(False, "Recompute each residual block's activations in backward.")
+    torchcompile: bool = opt(False, "torch.compile each residual block.")
+    int8: str = opt(
+        "none",
+        "Run MLP linears as int8 SwitchBack layers.",
+        choices=INT8_MODES,
+        aliases=("--use-bnb-linear",),
+        convert=bnb_linear_to_int8,
+    )
+    int8_attention: bool = opt(False, "With --int8, also swap the attention projections.")
+    force_quick_gelu: bool = opt(
+        False, "QuickGELU activations, as OpenAI's weights need (= a -quickgelu model)."
+    )
+    force_image_size: list[int] = opt([], "Override the model's image size: N or N N (square only).")
+    force_context_length: int = opt(0, "Override the text tower's context length (0: the model's).")
+    cache_dir: str = opt("", "Where downloaded --pretrained files are cached (default: $BIGCLIP_CACHE).")
+    lock_image: bool = opt(False, "Freeze the image tower (LiT); frozen weights get no optimizer state.")
+    lock_image_unlocked_groups: int = opt(
+        0, "With --lock-image, leave the last N layer groups of the image tower trainable."
+    )
+    lock_text: bool = opt(False, "Freeze the text tower; frozen weights get no optimizer state.")
+    lock_text_unlocked_layers: int = opt(
+        0, "With --lock-text, leave the last N layer groups of the text tower trainable."
+    )
+    lock_text_freeze_layer_norm: bool = opt(
+        False, "With --lock-text, freeze the LayerNorms of locked layers too (else they stay trainable)."
+    )
+
+    def validate(self) -> None:
+        if isinstance(self.force_image_size, int):  # from a YAML file: `force_image_size: 224`
+            self.force_image_size = [self.force_image_size]
+        size = self.force_image_size
+        if size and (len(size) > 2 or len(set(size)) != 1 or size[0] < 1):
+            raise ConfigError(f"--force-image-size takes N or N N (bigclip's ViTs are square), got {size}")
+        if self.force_context_length < 0:
+            raise ConfigError(f"--force-context-length must be positive, got {self.force_context_length}")
+        if not 0.0 <= self.force_patch_dropout < 1.0:
+            raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
+        if self.int8_attention and self.int8 == "none":
+            raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
+        from bigclip.models.lock import check_lock_options
+        from bigclip.models.registry import get_model_config  # raises, listing valid names
+
+        check_lock_options(self)
+        vision = get_model_config(self.model).vision_cfg
+        if size and size[0] < vision.patch_size:
+            raise ConfigError(
+                f"--force-image-size {size[0]} is below {self.model}'s patch size {vision.patch_size}"
+            )

@@ -1,0 +1,154 @@
+"""`bigclip index-shards PATTERN`: count the samples of existing shards into sizes.json.
+
+    bigclip index-shards '/data/laion/{00000..41455}.tar'
+    bigclip index-shards 's3://bucket/laion/{00000..41455}.tar' --threads 64
+
+Only tar headers are parsed: no member is decoded. Local shards are read by seeking from one
+header to the next (a few KB per sample); S3 objects are streamed once and their member data
+skipped as it arrives (one GET per shard, which beats a ranged GET per header by orders of
+magnitude). Shards are counted in parallel threads, with a progress bar.
+
+A sample is what bigclip's reader yields (tar_samples.py): consecutive members sharing a key,
+metadata members (`__*`, `.*`) left out. A corrupt member's *content* does not matter here
+(the loader skips undecodable images and counts them); a damaged tar header or a shard cut
+short ends the count at the last complete sample, as the reader would, and is reported.
+Each directory's sizes.json is written beside its shards (merged with entries already there,
+for shards of other patterns), so training finds it without --train-num-samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import posixpath
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from bigclip.cli_args import add_config_flags
+from bigclip.config import CheckpointConfig
+from bigclip.data.shards import SIZES_FILE, read_sizes_json, validate_shards
+from bigclip.data.streams import open_shard
+from bigclip.data.tar_samples import (
+    check_clean_end,
+    is_compressed,
+    is_metadata,
+    key_and_ext,
+    read_errors,
+    recording_tarinfo,
+)
+from bigclip.errors import DataError
+from bigclip.storage.progress import progress_bar
+from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
+
+log = logging.getLogger("bigclip.data")
+HEADER_READ_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ShardCount:
+    url: str
+    samples: int
+    error: str = ""  # why counting stopped early ('' when the shard is whole)
+
+
+def _object_size(url: str, s3: S3Settings | None) -> int | None:
+    if is_compressed(url):
+        return None  # offsets are into the uncompressed stream
+    if not is_s3(url):
+        return os.path.getsize(url)
+    bucket, key = split_s3_uri(url)
+    return int(boto3_client(s3 or S3Settings.resolve()).head_object(Bucket=bucket, Key=key)["ContentLength"])
+
+
+def _open(url: str, s3: S3Settings | None) -> BinaryIO:
+    if is_s3(url) or is_compressed(url):
+        return open_shard(url, s3=s3)
+    # Small buffer: tarfile seeks from header to header, and each seek refills the buffer.
+    return open(url, "rb", buffering=HEADER_READ_BYTES)  # noqa: SIM115 - the caller closes it
+
+
+def count_samples(url: str, *, s3: S3Settings | None = None) -> ShardCount:
+    """Samples in one shard from its headers; a damaged or truncated shard counts up to the damage."""
+    samples, key = 0, None
+    try:
+        size = _object_size(url, s3)
+        mode = "r|gz" if is_compressed(url) else ("r|" if is_s3(url) else "r:")
+        with _open(url, s3) as stream:
+            tar = tarfile.open(fileobj=stream, mode=mode, tarinfo=recording_tarinfo())  # noqa: SIM115
+            for info in tar:
+                name_key, _ = key_and_ext(info.name)
+                if info.isreg() and not is_metadata(info.name) and name_key is not None and name_key != key:
+                    samples, key = samples + 1, name_key  # counted on its first header, as the reader
+                if size is not None and info.offset_data + info.size > size:
+                    raise tarfile.ReadError(f"{info.name} is cut short at byte {size}")
+                tar.members = []  # iteration keeps every TarInfo otherwise
+            check_clean_end(tar)
+    except (*read_errors(url), ValueError) as e:
+        # The sample being read when the damage was found may be incomplete: the reader drops it too.
+        return ShardCount(url, max(0, samples - 1) if key is not None else 0, f"{type(e).__name__}: {e}")
+    return ShardCount(url, samples)
+
+
+def index_shards(
+    pattern: str, *, threads: int = 16, s3: S3Settings | None = None, progress: bool = True
+) -> list[ShardCount]:
+    """Count every existing shard of `pattern` (in pattern order)."""
+    shards = validate_shards(pattern, s3=s3, what="index-shards")
+    bar = progress_bar(len(shards), label="index-shards", unit="shard", enabled=progress)
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        counts = []
+        for count in pool.map(lambda url: count_samples(url, s3=s3), shards.urls):
+            counts.append(count)
+            bar.update(1)
+    bar.close()
+    return counts
+
+
+def write_sizes(counts: list[ShardCount], *, s3: S3Settings | None = None) -> list[str]:
+    """sizes.json in each shard directory, merged with what is there; returns the files written."""
+    by_dir: dict[str, dict[str, int]] = {}
+    for c in counts:
+        directory, name = posixpath.split(c.url) if "/" in c.url else (".", c.url)
+        by_dir.setdefault(directory, {})[name] = c.samples
+    written = []
+    for directory, sizes in by_dir.items():
+        merged = read_sizes_json(directory, s3) | sizes
+        path = f"{directory}/{SIZES_FILE}"
+        text = json.dumps(dict(sorted(merged.items())), indent=0)
+        if is_s3(path):
+            bucket, key = split_s3_uri(path)
+            boto3_client(s3 or S3Settings.resolve()).put_object(Bucket=bucket, Key=key, Body=text.encode())
+        else:
+            with open(path, "w") as f:
+                f.write(text)
+        written.append(path)
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bigclip index-shards", description=__doc__.split("\n")[0])
+    parser.add_argument("pattern", help="Shards: a brace pattern, local or s3://, '::' joins several.")
+    parser.add_argument("--threads", type=int, default=16, help="Shards counted at once.")
+    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    add_config_flags(parser.add_argument_group("S3"), CheckpointConfig, ("s3_endpoint", "s3_region"))
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
+    counts = index_shards(args.pattern, threads=args.threads, s3=s3, progress=not args.no_progress)
+    for c in counts:
+        if c.error:
+            print(f"warning: {c.url}: counted {c.samples} samples up to the damage ({c.error})")
+    for path in write_sizes(counts, s3=s3):
+        print(f"wrote {path}")
+    damaged = sum(1 for c in counts if c.error)
+    print(f"{sum(c.samples for c in counts)} samples in {len(counts)} shards ({damaged} damaged)")
+    if not counts:
+        raise DataError(f"no shard matches {args.pattern!r}")
+    return 0

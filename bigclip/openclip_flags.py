@@ -1,0 +1,167 @@
+"""OpenCLIP trainer options that bigclip refuses, and OpenCLIP spellings converted to bigclip's.
+
+Every option of `open_clip_train.params` is either a field of the config dataclasses
+(`bigclip/config/`, same name and meaning) or listed here with why bigclip refuses it and
+what to use instead; `tests/test_openclip_flags.py` walks OpenCLIP's parser to keep it so.
+A refused flag is declared in the parser like any other (so `--help` lists it with its reason),
+and giving it fails while the command line is parsed, before anything is built, exit code 2.
+
+Three kinds of entry:
+  REFUSED         flags with no bigclip meaning (DDP/Horovod, CSV data, CoCa, distillation...)
+  REFUSED_VALUES  values of accepted flags that bigclip does not implement (--precision bf16)
+  VALUE_ALIASES   OpenCLIP's other spelling of a bigclip value (--precision amp_bfloat16)
+plus converters for flags that are aliases of a bigclip field with their own values
+(`--use-bnb-linear`, `--opt`, `--loss-dist-impl`), named in the fields' metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bigclip.errors import ConfigError
+
+_DDP = "bigclip shards with FSDP2 or DeepSpeed ZeRO over torch.distributed; DDP options do not apply"
+_CSV = (
+    "bigclip reads webdataset shards only (local or s3://); convert a CSV dataset with img2dataset "
+    "(--output_format webdataset) and pass the shards as --train-data"
+)
+_COCA = "bigclip trains contrastive CLIP and SigLIP models; CoCa's captioning loss is not built"
+_DISTILL = "bigclip has no distillation; train with --pretrained to start from a teacher's weights instead"
+
+# flag -> why it is refused and what to use instead
+REFUSED: dict[str, str] = {
+    "--horovod": f"{_DDP}; launch with torchrun, srun or the deepspeed launcher",
+    "--ddp-static-graph": f"{_DDP} (FSDP2 per-block sharding needs no static-graph hint)",
+    "--use-bn-sync": "bigclip builds ViT towers, which have no BatchNorm to synchronise",
+    "--lock-image-freeze-bn-stats": (
+        "it freezes BatchNorm statistics, and bigclip's image towers are ViTs, which have none (their "
+        "LayerNorms freeze with --lock-image); drop the flag"
+    ),
+    "--csv-separator": _CSV,
+    "--csv-img-key": _CSV,
+    "--csv-caption-key": _CSV,
+    "--momentum": "it sets momentum for timm optimizers; bigclip uses AdamW (--optimizer adamw or adamw8bit)",
+    "--pretrained-image": (
+        "it loads timm ImageNet weights into timm image towers; bigclip builds OpenCLIP's ViT towers: "
+        "use --pretrained with CLIP weights"
+    ),
+    "--force-custom-text": (
+        "CustomTextCLIP (text tower under text.*) exists for Hugging Face text towers, which bigclip does "
+        "not build; bigclip's models use CLIP's layout, which OpenCLIP loads as it is"
+    ),
+    "--torchscript": "TorchScript is for inference export; for faster training use --torchcompile",
+    "--trace": (
+        "torch.jit.trace makes an inference-only model; bigclip trains: use --torchcompile for speed, and "
+        "`bigclip consolidate` for weights to trace elsewhere"
+    ),
+    "--copy-codebase": (
+        "bigclip runs as an installed package, not from a source tree; pin its version (pip install "
+        "bigclip==X); the run's resolved options are saved as config.yaml in the run folder"
+    ),
+    "--coca-caption-loss-weight": _COCA,
+    "--coca-contrastive-loss-weight": _COCA,
+    "--distill-model": _DISTILL,
+    "--distill-pretrained": _DISTILL,
+}
+
+_LOW_PRECISION_WEIGHTS = (
+    "OpenCLIP's --precision {value} keeps the matmul weights in {dtype} with no fp32 master copy, "
+    "which bigclip does not implement; use --precision {use} ({why})"
+)
+# field name -> {value: why refused and what to use instead}
+REFUSED_VALUES: dict[str, dict[str, str]] = {
+    "precision": {
+        "bf16": _LOW_PRECISION_WEIGHTS.format(
+            value="bf16",
+            dtype="bf16",
+            use="amp_bf16 or pure_bf16",
+            why="amp_bf16: bf16 compute with fp32 master weights; pure_bf16: every weight in bf16",
+        ),
+        "fp16": _LOW_PRECISION_WEIGHTS.format(
+            value="fp16", dtype="fp16", use="amp", why="fp16 compute, fp32 master weights, loss scaling"
+        ),
+        "pure_fp16": (
+            "fp16 weights without loss scaling or master weights underflow in training; use --precision "
+            "amp (fp16 compute with loss scaling) or pure_bf16 (every weight in bf16)"
+        ),
+    },
+    "dataset_type": {
+        "csv": _CSV,
+        "synthetic": (
+            "bigclip reads webdataset shards only; `bigclip make-demo-data DIR` writes synthetic "
+            "captioned-image shards to train on"
+        ),
+    },
+    # Not OpenCLIP's: bigclip's own former default, renamed when OpenCLIP's BPE became the default.
+    "tokenizer": {
+        "simple": (
+            "this was bigclip's word-hashing tokenizer, now named 'hashing' (opt-in: its ids mean nothing "
+            "to OpenCLIP weights); OpenCLIP's BPE tokenizer (its SimpleTokenizer) is 'open_clip', the default"
+        )
+    },
+}
+
+# field name -> {OpenCLIP value: bigclip value}
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "precision": {"amp_bfloat16": "amp_bf16"},
+    "dataset_type": {"auto": "webdataset"},  # OpenCLIP's 'auto' picks webdataset for .tar shards
+}
+
+
+def accepted_spellings(field_name: str) -> tuple[str, ...]:
+    """Values the parser lets through for a field besides its own choices (then resolved)."""
+    return (*VALUE_ALIASES.get(field_name, {}), *REFUSED_VALUES.get(field_name, {}))
+
+
+def resolve_value(field_name: str, value: Any) -> Any:
+    """A field's value with OpenCLIP's aliases converted; a refused value raises, saying why."""
+    if not isinstance(value, str):
+        return value
+    refused = REFUSED_VALUES.get(field_name, {})
+    if value in refused:
+        raise ConfigError(f"--{field_name.replace('_', '-')} {value}: {refused[value]}")
+    return VALUE_ALIASES.get(field_name, {}).get(value, value)
+
+
+def refusal(flag: str) -> str:
+    return f"{flag} is an OpenCLIP option bigclip does not take: {REFUSED[flag]}"
+
+
+# OpenCLIP's `--use-bnb-linear` class names, mapped onto `--int8` modes.
+_BNB_LINEAR_ALIASES = {
+    "SwitchBackLinearGlobal": "switchback-global",
+    "SwitchBackLinearGlobalMemEfficient": "switchback-memefficient",
+    "SwitchBackLinearVectorwise": "switchback-vectorwise",
+}
+
+
+def bnb_linear_to_int8(value: str) -> str:
+    if value not in _BNB_LINEAR_ALIASES:
+        raise ConfigError(
+            f"--use-bnb-linear {value!r} is not supported; use one of {sorted(_BNB_LINEAR_ALIASES)} "
+            "or --int8 {switchback-global,switchback-vectorwise,switchback-memefficient}"
+        )
+    return _BNB_LINEAR_ALIASES[value]
+
+
+def opt_to_optimizer(value: str) -> str:
+    """OpenCLIP's `--opt`: 'adamw' or 'timm/NAME'; bigclip has AdamW and 8-bit AdamW."""
+    if value in ("adamw", "adamw8bit"):
+        return value
+    raise ConfigError(
+        f"--opt {value}: bigclip's optimizers are torch AdamW (--opt adamw) and bitsandbytes' 8-bit AdamW "
+        "(--optimizer adamw8bit); timm optimizers are not supported"
+    )
+
+
+# OpenCLIP's SigLIP exchange implementations, all giving the same loss, by communication pattern.
+_LOSS_DIST_IMPL = {"bidir": "ring", "shift": "ring", "gather": "allgather", "reduce": "allgather"}
+
+
+def loss_dist_impl_to_exchange(value: str) -> str:
+    if value not in _LOSS_DIST_IMPL:
+        raise ConfigError(
+            f"--loss-dist-impl {value!r}: use one of {', '.join(_LOSS_DIST_IMPL)} (bidir/shift pass features "
+            "between neighbours: bigclip's --loss-exchange ring; gather/reduce: --loss-exchange allgather)"
+        )
+    return _LOSS_DIST_IMPL[value]

@@ -1,0 +1,58 @@
+"""What the loop reports every `--log-every-n-steps`: OpenCLIP's log line and the scalars.
+
+Values are tensors until a log step: reading a device tensor (`.item()`) waits for the GPU, so
+this runs only on log steps. The loss logged is the global one (averaged over ranks) and the
+loader capacity the slowest rank's, so every rank logs the same numbers on the same steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from bigclip.distributed import cpu_group
+from bigclip.train.metrics import Average, StepTimer, get_logger, peak_memory_gb, train_log_line
+from bigclip.train.step import StepOutput
+
+if TYPE_CHECKING:
+    from bigclip.train.loop import Run
+
+
+def log_step(
+    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int,
+    capacity: float,
+) -> None:  # fmt: skip
+    loss = out.loss.clone()
+    # The slowest rank's data-loader capacity (samples/s its workers could deliver) sets the pace.
+    capacity_t = torch.tensor([capacity], dtype=torch.float64)
+    if run.runtime.world_size > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the global loss; every rank logs on the same steps
+        dist.all_reduce(capacity_t, op=dist.ReduceOp.MIN, group=cpu_group())
+    capacity = float(capacity_t)
+    loss_value = run.last_loss = loss.item()
+    loss_avg.add(loss_value)
+    scale = out.logit_scale.item()
+    get_logger().info(
+        train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
+                       samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
+                       global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
+                       logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
+        + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
+    )  # fmt: skip
+    run.scalars.scalars(
+        {
+            "train/loss": loss_value,
+            "train/lr": lr,
+            "train/logit_scale": scale,
+            "train/grad_norm": out.stats.grad_norm.item(),
+            "train/samples_per_second": run.global_batch / max(timer.batch.avg, 1e-9),
+            "train/data_time": timer.data.avg,
+            "train/data_capacity_per_gpu": capacity,  # < samples_per_second / world size: data-bound
+            "train/batch_time": timer.batch.avg,
+            "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
+        },
+        step=run.state.step,
+    )
+    timer.reset()
