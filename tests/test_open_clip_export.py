@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -104,7 +105,9 @@ def test_exported_folder_loads_in_open_clip_with_the_same_features(tmp_path):
     assert reference["tokenizer"] == "SimpleTokenizer" and reference["context_length"] == 32
     assert reference["vocab_equal"] and reference["merges_equal"]
     assert torch.equal(reference["tokens"], ClipBpeTokenizer(context_length=32)(strings))
-    ours = torch.from_numpy(eval_transform(64)(Image.open(picture)))[None]  # uint8, normalised on the device
+    ours = torch.from_numpy(np.array(eval_transform(64)(Image.open(picture))))[
+        None
+    ]  # uint8, normalised on the device
     normalize = ImageNormalizer(mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
     torch.testing.assert_close(reference["pixels"], normalize(ours)[0], rtol=0, atol=1e-5)
 

@@ -12,6 +12,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -84,7 +85,7 @@ def test_sharded_zero_shot_equals_open_clips_on_one_process(tmp_path):
             model, tokenizer(), data.classnames, templates, num_classes_per_batch=3
         )
         images = normalizer()(
-            torch.stack([torch.from_numpy(eval_transform(64)(Image.open(p))) for p, _ in good])
+            torch.stack([torch.from_numpy(np.array(eval_transform(64)(Image.open(p)))) for p, _ in good])
         )
         logits = 100.0 * model.encode_image(images, normalize=True) @ expected
     labels = torch.tensor([label for _, label in good])

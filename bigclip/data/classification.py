@@ -27,6 +27,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
@@ -118,7 +119,7 @@ def _transformed(data: bytes, label: int, transform) -> tuple[torch.Tensor, int]
     image = decode_image(data)
     if image is None:
         return torch.zeros(transform.image_size, transform.image_size, 3, dtype=torch.uint8), SKIPPED
-    return torch.from_numpy(transform(image)), label
+    return torch.from_numpy(np.array(transform(image))), label  # a writable copy for the collate
 
 
 def open_classification_set(uri: str, *, what: str, s3: S3Settings | None = None) -> ClassificationSet:

@@ -61,6 +61,7 @@ from bigclip.train.step import train_step
 from bigclip.train.step_log import log_step
 from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
+from bigclip.weights.openclip_resume import is_openclip_checkpoint
 
 if TYPE_CHECKING:
     from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
@@ -128,7 +129,8 @@ def setup(cfg: TrainConfig) -> Run:
     attach(store, cfg, sync)  # and starts the sync
     if which:
         run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
-        run.last_saved_step = run.state.step  # never saved again over the checkpoint just loaded
+        # Never saved again over the checkpoint just loaded (an OpenCLIP .pt is not in the store).
+        run.last_saved_step = -1 if is_openclip_checkpoint(which) else run.state.step
     return run
 
 
