@@ -43,8 +43,18 @@ $(STAMP): $(VPY) pyproject.toml
 demo: install
 	$(VENV)/bin/bigclip demo
 
+# OpenCLIP's whole package (its factory imports torchvision) for the reference tests, in a venv
+# of its own: the torchvision wheel the registry serves is a CUDA build that cannot be imported
+# beside the CPU torch above. torch + torchvision + open_clip_torch: ~5.5 GB, 1-3 minutes from a
+# local index; created once, reused after (tests/support/reference_venv.py).
+REF_VENV ?= .venv-ref
+REF_TORCH ?= torch==2.14.1 torchvision==0.29.1
 test: install slurm-deps
-	$(VPY) -m pytest -q tests
+	@$(REF_VENV)/bin/python -c "import open_clip, torchvision" 2>/dev/null || ( \
+	    $(PYTHON) -m venv $(REF_VENV) && \
+	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir $(REF_TORCH) ftfy regex tqdm safetensors && \
+	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps "$(OPEN_CLIP)" )
+	BIGCLIP_REFERENCE_PYTHON=$(CURDIR)/$(REF_VENV)/bin/python $(VPY) -m pytest -q tests
 
 # A real one-node Slurm for tests/test_slurm_cluster.py: Debian's slurm-wlm and munge, installed with
 # apt when missing, as root (the tests start their own daemons in a temporary folder). Elsewhere it

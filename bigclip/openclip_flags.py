@@ -33,6 +33,10 @@ REFUSED: dict[str, str] = {
     "--horovod": f"{_DDP}; launch with torchrun, srun or the deepspeed launcher",
     "--ddp-static-graph": f"{_DDP} (FSDP2 per-block sharding needs no static-graph hint)",
     "--use-bn-sync": "bigclip builds ViT towers, which have no BatchNorm to synchronise",
+    "--lock-image-freeze-bn-stats": (
+        "it freezes BatchNorm statistics, and bigclip's image towers are ViTs, which have none (their "
+        "LayerNorms freeze with --lock-image); drop the flag"
+    ),
     "--csv-separator": _CSV,
     "--csv-img-key": _CSV,
     "--csv-caption-key": _CSV,

@@ -50,6 +50,8 @@ OFFLINE = (
     "bigclip.launch",
     "bigclip.demo",
     "bigclip.weights.consolidate",
+    "bigclip.weights.open_clip_export",
+    "bigclip.weights.hf_tokenizer_files",
 )
 
 

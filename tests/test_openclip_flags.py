@@ -21,9 +21,6 @@ from bigclip.openclip_flags import REFUSED, REFUSED_VALUES
 
 # Declared by work merged separately (issue 12 part B; the data-path and checkpoint branches).
 PENDING = {
-    "--zeroshot-frequency": "12B", "--imagenet-val": "12B", "--imagenet-v2": "12B", "--lock-image": "12B",
-    "--lock-image-unlocked-groups": "12B", "--lock-image-freeze-bn-stats": "12B", "--lock-text": "12B",
-    "--lock-text-unlocked-layers": "12B", "--lock-text-freeze-layer-norm": "12B",
     "--image-mean": "data", "--image-std": "data", "--image-interpolation": "data",
     "--image-resize-mode": "data", "--aug-cfg": "data", "--train-data-upsampling-factors": "data",
     "--save-most-recent": "checkpoint",
@@ -42,6 +39,7 @@ SAMPLES: dict[str, list[str]] = {
     "--imagenet-v2": ["/data/imagenetv2"], "--image-mean": ["0.5", "0.5", "0.5"],
     "--image-std": ["0.5", "0.5", "0.5"], "--aug-cfg": ["scale=(0.5, 1.0)"],
     "--train-data-upsampling-factors": ["1::2", "--dataset-resampled", "--train-data", "/a/{0..1}.tar::/b/0.tar"],
+    "--lock-image-unlocked-groups": ["3", "--lock-image"], "--lock-text-unlocked-layers": ["2", "--lock-text"],
 }  # fmt: skip
 
 # OpenCLIP options whose bigclip field has another name or value: flag -> (field, value meant).
@@ -56,7 +54,10 @@ MEANS: dict[str, tuple[str, Any]] = {
 }
 # Values bigclip spells differently: (flag, OpenCLIP value) -> bigclip value.
 VALUE_MEANS = {("--precision", "amp_bfloat16"): "amp_bf16", ("--dataset-type", "auto"): "webdataset"}
-NEEDS = {("--lr-scheduler", "const-cooldown"): ["--epochs-cooldown", "2"]}
+NEEDS = {
+    ("--lr-scheduler", "const-cooldown"): ["--epochs-cooldown", "2"],
+    ("--lock-text-freeze-layer-norm", None): ["--lock-text"],  # a modifier: alone it is refused
+}
 
 
 def openclip_options() -> list[argparse.Action]:
@@ -68,7 +69,7 @@ def command_lines(action: argparse.Action) -> list[tuple[list[str], str | None]]
     """(argv, the value given or None) for each way to use the option worth checking."""
     flag = action.option_strings[0]
     if action.nargs == 0:
-        return [([flag], None)]
+        return [([flag, *NEEDS.get((flag, None), [])], None)]
     if action.choices:
         return [([flag, v, *NEEDS.get((flag, v), [])], v) for v in action.choices]
     if flag == "--lr-scheduler":  # free text in OpenCLIP, documented values

@@ -66,6 +66,13 @@ def check_keys_match(flat_state: dict[str, Any], metadata: Metadata, *, max_list
         return
     extra = sorted(set(saved) - set(flat_state))
     lines = ["the checkpoint does not match the state being loaded (is it from another model?)"]
+    if missing and not mismatched and all(k.startswith("optim.optimizer.state.") for k in missing):
+        # Only Adam state is missing: those weights were frozen when it was saved.
+        lines = [
+            "the checkpoint holds no optimizer state for some trained parameters: they were frozen "
+            "(--lock-image/--lock-text) when it was saved; resume with the same --lock-* options "
+            "(or start from its weights with --pretrained)"
+        ]
     lines += _listing("missing from the checkpoint", missing, max_listed)
     lines += _listing("shape mismatches", mismatched, max_listed)
     lines += _listing("in the checkpoint but not requested", extra, max_listed)

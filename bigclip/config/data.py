@@ -17,6 +17,17 @@ class DataConfig:
     train_num_samples: int = opt(0, "Samples per epoch (0: read sizes.json beside the shards).")
     val_num_samples: int = opt(0, "Held-out samples to evaluate (0: all).")
     val_frequency: int = opt(1, "Evaluate --val-data every N epochs and after the last (0: never).")
+    imagenet_val: str = opt(
+        "",
+        "Zero-shot classification set: an ImageNet-layout folder (one sub-folder per class) or "
+        "webdataset shards with .cls labels (classnames.txt beside them for non-ImageNet classes).",
+    )
+    imagenet_v2: str = opt(
+        "", "ImageNet-V2 for zero-shot classification: the folder holding ImageNetV2-matched-frequency/."
+    )
+    zeroshot_frequency: int = opt(
+        2, "Run zero-shot classification every N epochs and after the last one (0: never)."
+    )
     dataset_type: str = opt(
         "webdataset", "Data format (OpenCLIP's 'auto': webdataset).", choices=("webdataset",)
     )
@@ -77,7 +88,7 @@ class DataConfig:
             raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
         if self.train_num_samples < 0 or self.val_num_samples < 0:
             raise ConfigError("--train-num-samples and --val-num-samples must be 0 (auto) or positive")
-        if self.val_frequency < 0:
-            raise ConfigError(f"--val-frequency must be 0 (never) or positive, got {self.val_frequency}")
+        if self.val_frequency < 0 or self.zeroshot_frequency < 0:
+            raise ConfigError("--val-frequency and --zeroshot-frequency must be 0 (never) or positive")
         if self.tokenizer not in TOKENIZERS:  # e.g. from a YAML file or an old checkpoint's config
             raise ConfigError(f"--tokenizer {self.tokenizer!r}: use one of {', '.join(TOKENIZERS)}")

@@ -32,6 +32,17 @@ class ModelConfig:
     force_image_size: list[int] = opt([], "Override the model's image size: N or N N (square only).")
     force_context_length: int = opt(0, "Override the text tower's context length (0: the model's).")
     cache_dir: str = opt("", "Where downloaded --pretrained files are cached (default: $BIGCLIP_CACHE).")
+    lock_image: bool = opt(False, "Freeze the image tower (LiT); frozen weights get no optimizer state.")
+    lock_image_unlocked_groups: int = opt(
+        0, "With --lock-image, leave the last N layer groups of the image tower trainable."
+    )
+    lock_text: bool = opt(False, "Freeze the text tower; frozen weights get no optimizer state.")
+    lock_text_unlocked_layers: int = opt(
+        0, "With --lock-text, leave the last N layer groups of the text tower trainable."
+    )
+    lock_text_freeze_layer_norm: bool = opt(
+        False, "With --lock-text, freeze the LayerNorms of locked layers too (else they stay trainable)."
+    )
 
     def validate(self) -> None:
         if isinstance(self.force_image_size, int):  # from a YAML file: `force_image_size: 224`
@@ -45,8 +56,10 @@ class ModelConfig:
             raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
+        from bigclip.models.lock import check_lock_options
         from bigclip.models.registry import get_model_config  # raises, listing valid names
 
+        check_lock_options(self)
         vision = get_model_config(self.model).vision_cfg
         if size and size[0] < vision.patch_size:
             raise ConfigError(

@@ -7,9 +7,15 @@ position / size jitter make every image different, so matching needs the attribu
 memorised pixels. The held-out set draws attribute combinations *without* replacement, so its
 captions are distinct and retrieval among N held-out samples is well defined (chance = 1/N).
 
+A classification set for zero-shot evaluation (`--imagenet-val`) labels new images by the
+shape drawn (4 classes, chance 25%); its prompt templates are captions with every other
+attribute filled in, so the text tower sees sentences like those it was trained on.
+
 Layout (OUT is a directory or s3://bucket/prefix; S3 objects are uploaded from memory):
   OUT/train/{00000..K-1}.tar + sizes.json     webdataset shards: KEY.jpg|png|webp, KEY.txt, KEY.json
   OUT/val/{00000..}.tar + sizes.json          held-out set, same format
+  OUT/classify/{00000..}.tar + classnames.txt + zeroshot_classification_templates.txt
+                                              KEY.jpg|png|webp, KEY.cls (the shape's index)
 """
 
 from __future__ import annotations
@@ -145,6 +151,8 @@ class DemoData:
     val_pattern: str
     train_samples: int
     val_samples: int
+    classify_pattern: str = ""
+    classify_samples: int = 0
 
 
 class _Sink:
@@ -190,12 +198,41 @@ def _write_split(sink: _Sink, split: str, combos: list[Attributes], counts: list
     return sink.url(f"{split}/{{00000..{len(counts) - 1:05d}}}.tar")
 
 
+def classify_templates() -> list[str]:
+    """Captions with every attribute but the shape filled in, varied across templates."""
+    names = [list(SIZES), list(COLOURS), list(POSITIONS), list(BACKGROUNDS)]
+    return [
+        Attributes(*(n[i % len(n)] for n in names[:2]), "{c}", *(n[i % len(n)] for n in names[2:])).caption()
+        for i in range(12)
+    ]
+
+
+def _write_classify(sink: _Sink, count: int, *, image_size: int, rng: random.Random) -> str:
+    """Shards of images labelled by shape (`.cls`), with class names and templates beside them."""
+    combos, per_shard = all_attributes(), SHARD_SAMPLES_VAL
+    for shard in range(max(1, -(-count // per_shard))):
+        samples = []
+        for i in range(shard * per_shard, min(count, (shard + 1) * per_shard)):
+            attrs = rng.choice(combos)
+            sample = make_sample(f"classify{i:06d}", attrs, image_size=image_size, fmt="jpg", rng=rng)
+            samples.append(
+                {"__key__": sample["__key__"], "jpg": sample["jpg"], "cls": str(SHAPES.index(attrs.shape))}
+            )
+        sink.write(f"classify/{shard:05d}.tar", tar_bytes(samples))
+    sink.write("classify/classnames.txt", "\n".join(SHAPES).encode() + b"\n")
+    sink.write(
+        "classify/zeroshot_classification_templates.txt", "\n".join(classify_templates()).encode() + b"\n"
+    )
+    return sink.url(f"classify/{{00000..{max(0, -(-count // per_shard) - 1):05d}}}.tar")
+
+
 def write_demo_data(
     out: str,
     *,
     samples: int,
     shards: int,
     val_samples: int,
+    classify_samples: int = 400,
     image_size: int = 64,
     seed: int = 0,
     s3: S3Settings | None = None,
@@ -221,7 +258,10 @@ def write_demo_data(
         val_pattern = _write_split(
             sink, "val", held_out, _split(val_samples, val_shards), image_size=image_size, rng=rng, bar=bar
         )
-    return DemoData(train_pattern, val_pattern, samples, val_samples)
+    classify = (
+        _write_classify(sink, classify_samples, image_size=image_size, rng=rng) if classify_samples else ""
+    )
+    return DemoData(train_pattern, val_pattern, samples, val_samples, classify, classify_samples)
 
 
 def main(argv: list[str]) -> int:
@@ -230,6 +270,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--samples", type=int, default=10000, help="Training samples.")
     parser.add_argument("--shards", type=int, default=10, help="Training shards.")
     parser.add_argument("--val-samples", type=int, default=500, help="Held-out samples, distinct captions.")
+    parser.add_argument(
+        "--classify-samples", type=int, default=400, help="Images labelled by shape, for --imagenet-val."
+    )
     parser.add_argument("--image-size", type=int, default=64, help="Image side in pixels.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
@@ -239,10 +282,15 @@ def main(argv: list[str]) -> int:
         samples=args.samples,
         shards=args.shards,
         val_samples=args.val_samples,
+        classify_samples=args.classify_samples,
         image_size=args.image_size,
         seed=args.seed,
         progress=not args.no_progress,
     )
     print(f"wrote {demo.train_samples} training and {demo.val_samples} held-out samples")
     print(f"  --train-data '{demo.train_pattern}' --val-data '{demo.val_pattern}'")
+    if demo.classify_pattern:
+        print(
+            f"  --imagenet-val '{demo.classify_pattern}'   ({demo.classify_samples} images of {len(SHAPES)} shapes)"
+        )
     return 0

@@ -6,7 +6,8 @@
 4. Preempt it with SIGUSR1, as SLURM does before a time limit: it checkpoints and exits 85.
 5. Requeue it on 1 rank (same global batch): it resumes from the latest S3 checkpoint at the
    exact step, and trains to the end.
-6. Report the loss before and after the resume and zero-shot retrieval on the held-out set.
+6. Report the loss before and after the resume, zero-shot retrieval on the held-out set and
+   zero-shot classification of new images by the shape drawn (`--imagenet-val`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 from bigclip.checkpoint import CheckpointStore
-from bigclip.demo.data import DemoData, write_demo_data
+from bigclip.demo.data import SHAPES, DemoData, write_demo_data
 from bigclip.demo.loopback_s3 import LoopbackS3
 
 BUCKET = "bigclip-demo"
@@ -46,7 +47,7 @@ def demo_data(out: Path, samples: int) -> DemoData:
     marker = out / "data" / "demo_data.json"
     if marker.exists():
         saved = DemoData(**json.loads(marker.read_text()))
-        if saved.train_samples == samples:
+        if saved.train_samples == samples and saved.classify_pattern:
             return saved
     print(f"[demo] writing {samples} captioned images as webdataset shards under {marker.parent}")
     made = write_demo_data(str(marker.parent), samples=samples, shards=8, val_samples=300, seed=0)
@@ -54,13 +55,21 @@ def demo_data(out: Path, samples: int) -> DemoData:
     return made
 
 
-def train_argv(data, out: Path, steps: int, batch_size: int) -> list[str]:
+def recipe_argv(data: DemoData, steps: int, batch_size: int) -> list[str]:
+    """What the demo trains and evaluates (the tiny CLIP, its data, optimiser, loss, zero-shot set)."""
     return [
-        "--model", "tiny", "--train-data", data.train_pattern, "--val-data", data.val_pattern,
-        "--precision", "fp32", "--batch-size", str(batch_size), "--workers", "1", "--epochs", "100",
-        "--max-steps", str(steps), "--lr", "2e-3", "--warmup", "50", "--wd", "0.1",
+        "--model", "tiny", "--train-data", data.train_pattern, "--precision", "fp32", "--batch-size",
+        str(batch_size), "--workers", "1", "--epochs", "100", "--max-steps", str(steps), "--lr", "2e-3",
+        "--warmup", "50", "--wd", "0.1", "--local-loss", "--gather-with-grad", "--loss-chunk-size", "32",
+        "--imagenet-val", data.classify_pattern, "--zeroshot-frequency", "1",
+    ]  # fmt: skip
+
+
+def train_argv(data: DemoData, out: Path, steps: int, batch_size: int) -> list[str]:
+    """The recipe, with held-out retrieval, logs, and checkpoints streamed to the loopback S3."""
+    return [
+        *recipe_argv(data, steps, batch_size), "--val-data", data.val_pattern,
         "--log-every-n-steps", "25", "--logs", str(out / "logs"), "--name", "demo",
-        "--local-loss", "--gather-with-grad", "--loss-chunk-size", "32",
         "--checkpoint-dir", f"s3://{BUCKET}/demo/checkpoints", "--save-every-n-steps", "100",
         "--save-frequency", "0", "--async-save", "--resume", "latest",
         "--remote-sync", f"s3://{BUCKET}/demo/logs", "--remote-sync-frequency", "30",
@@ -131,6 +140,12 @@ def report(out: Path, lines1: list[str], lines2: list[str], committed: list[tupl
     print(
         f"   image -> text: {100 * final['image_to_text_R@1']:.1f}%   text -> image: {100 * final['text_to_image_R@1']:.1f}%"
     )
+    top1 = final.get("imagenet-zeroshot-val-top1")
+    if top1 is not None:
+        print(
+            f"zero-shot classification of new images by shape ({len(SHAPES)} classes, chance "
+            f"{100 / len(SHAPES):.0f}%): top-1 {100 * top1:.1f}%"
+        )
     print(f"TensorBoard:           tensorboard --logdir {out / 'logs' / 'demo' / 'tensorboard'}")
 
 

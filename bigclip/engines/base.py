@@ -9,6 +9,7 @@ exposes a handful of verbs. The loop never branches on which engine it has:
     stats = engine.step(lr=...)                 # clip, step, zero grads, clamp logit scale
     engine.checkpoint_state()                   # DCP Stateful model + optimizer state
     engine.load_full_weights(values, names)     # --pretrained: whole values in, shards kept
+    engine.load_full_moments(values, names, step=s)   # OpenCLIP's AdamW state, the same way
 """
 
 from __future__ import annotations
@@ -84,6 +85,40 @@ class Engine(ABC):
 
     def _after_full_load(self) -> None:  # noqa: B027 (an optional hook)
         """Hook after the last `_set_full_param` (e.g. re-derive low-precision copies)."""
+
+    def trained_names(self) -> list[str]:
+        """Parameters the optimizer updates (not frozen by --lock-*), in model order."""
+        return [name for name, p in self.module.named_parameters() if p.requires_grad]
+
+    @abstractmethod
+    def _set_full_moments(self, name: str, moments: dict[str, torch.Tensor]) -> None:
+        """Keep this rank's shard of a trained parameter's whole Adam moments (fp32, on the device)."""
+
+    @abstractmethod
+    def _after_full_moments(self, step: int) -> None:
+        """After the last `_set_full_moments`: store what is pending, set every step count."""
+
+    @torch.no_grad()
+    def load_full_moments(
+        self, values: Iterable[torch.Tensor] | None, names: list[str], *, step: int
+    ) -> None:
+        """Collective: set the Adam moments of the trained parameters `names` and the optimizer's
+        step count, as `load_full_weights` sets weights: rank 0 yields exp_avg then exp_avg_sq of
+        each name in order (other ranks pass None), one whole tensor at a time is broadcast and
+        every rank keeps its shard. Whatever the optimizer stores (fp32, bf16, 8-bit) is written
+        from these fp32 values."""
+        shapes = self.full_param_shapes()
+        source = iter(values) if values is not None else None
+        for name in names:
+            moments = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full, failure = self._next_full(source, shapes[name])
+                self._raise_together(failure)
+                if self.runtime.world_size > 1:
+                    dist.broadcast(full, src=0)
+                moments[key] = full
+            self._set_full_moments(name, moments)
+        self._after_full_moments(step)
 
     @torch.no_grad()
     def load_full_weights(self, values: Iterable[torch.Tensor] | None, names: list[str]) -> None:

@@ -41,8 +41,16 @@ from bigclip.engines.deepspeed_config import (
     resolve_ds_config,
 )
 from bigclip.engines.deepspeed_layout import ZeroLayout
-from bigclip.engines.deepspeed_state import DeepSpeedModelState, DeepSpeedOptimState
-from bigclip.engines.optim import Precision, make_optimizer, param_groups, set_lr
+from bigclip.engines.deepspeed_state import DeepSpeedModelState, DeepSpeedOptimState, ensure_optimizer_state
+from bigclip.engines.optim import (
+    Precision,
+    make_optimizer,
+    param_groups,
+    read_moments,
+    set_lr,
+    set_step,
+    write_moments,
+)
 from bigclip.errors import ConfigError
 from bigclip.models import CLIP, MAX_LOGIT_SCALE, get_model_config, param_generator, param_initializers
 
@@ -66,6 +74,7 @@ class DeepSpeedEngine(Engine):
             path=path,
         )
         check_supported(cfg, accelerator=self._accelerator())
+        self._pending_moments: dict[int, dict[str, torch.Tensor]] = {}  # see _set_full_moments
 
     def _accelerator(self) -> Any:
         from deepspeed.accelerator import get_accelerator
@@ -109,10 +118,14 @@ class DeepSpeedEngine(Engine):
         return partitioned
 
     def _prepare_blocks(self, model: CLIP) -> None:
-        if self.plan.stage == 3:
+        frozen = any(not p.requires_grad for p in model.parameters())
+        if self.plan.stage == 3 and not frozen:
             # Gather each residual block's parameters at once, as FSDP2 does per block: one
             # all-gather per block instead of one per linear/norm, and no ZeRO-3 hooks inside a
             # block, so --torchcompile compiles whole blocks without graph breaks.
+            # Not with frozen parameters (--lock-*): DeepSpeed 0.19 reduces a leaf block's
+            # gradients from its backward hook, which fires before they exist when the block's
+            # input needs no gradient (the first trainable block after frozen ones).
             self.deepspeed.utils.set_z3_leaf_modules(model, list({type(b) for b in model.blocks()}))
         if self.cfg.model.torchcompile:
             self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile() does: no graph breaks
@@ -187,6 +200,31 @@ class DeepSpeedEngine(Engine):
 
     def _after_full_load(self) -> None:
         self.layout.refresh_low_precision()  # collective: compute copies from the new masters
+
+    def _set_full_moments(self, name: str, moments: dict[str, torch.Tensor]) -> None:
+        f = self.layout.local[name]
+        if f is None:
+            return
+        inner = self.ds_engine.optimizer.optimizer
+        ensure_optimizer_state(inner, self.layout.flats, self.layout.flat_groups)
+        # One flat partition holds many parameters: its moments are read once (dequantised for
+        # 8-bit), filled, and written back in `_after_full_moments`.
+        pending = self._pending_moments
+        if f.flat_index not in pending:
+            pending[f.flat_index] = read_moments(inner.state[self.layout.flats[f.flat_index]])
+        for key, full in moments.items():
+            self.layout.flat_slice(pending[f.flat_index][key], name).copy_(
+                self.layout.fragment_of(name, full)
+            )
+
+    def _after_full_moments(self, step: int) -> None:
+        inner = self.ds_engine.optimizer.optimizer
+        ensure_optimizer_state(inner, self.layout.flats, self.layout.flat_groups)
+        for index, moments in self._pending_moments.items():
+            write_moments(inner.state[self.layout.flats[index]], moments)
+        self._pending_moments = {}
+        for flat in self.layout.flats:
+            set_step(inner.state[flat], step)
 
     def checkpoint_state(self) -> dict[str, Any]:
         device = self.runtime.device

@@ -12,6 +12,11 @@ touches: a `Fragment`. The fragment addresses come from DeepSpeed's own bookkeep
 Views into the flat partitions (`master`, `flat_slice`) are real views, so writing through them
 updates DeepSpeed's state in place; `refresh_low_precision` then re-derives the compute copy
 (bf16/fp16 or fp32 parameters) from the masters, as DeepSpeed does after an optimizer step.
+
+Frozen parameters (--lock-image/--lock-text) are in no optimizer group, so they have no master
+copy: DeepSpeed keeps them in the compute dtype only. Under ZeRO-3 they are partitioned like the
+others and their "master" here is the partition itself (`ds_tensor`); under ZeRO-1/2 every rank
+holds them whole (`replicated`), and they are saved and loaded whole, as 0-dim parameters are.
 """
 
 from __future__ import annotations
@@ -68,18 +73,26 @@ class ZeroLayout:
         self.stage = int(ds_engine.zero_optimization_stage())
         self.group = group
         self.params: dict[str, nn.Parameter] = dict(ds_engine.module.named_parameters())
+        self.frozen = {n for n, p in self.params.items() if not p.requires_grad}
+        self.replicated = self.frozen if self.stage != 3 else set()  # whole on every rank
         if self.stage == 3:
             self.flats = list(self.optimizer.fp32_partitioned_groups_flat)
             self.shapes = {n: tuple(p.ds_shape) for n, p in self.params.items()}
-            self.local = {n: self._zero3_fragment(p) for n, p in self.params.items()}
+            self.local = {n: self._zero3_fragment(n, p) for n, p in self.params.items()}
             sub_groups = self.optimizer.sub_group_to_group_id
             self.flat_groups = [sub_groups[i] for i in range(len(self.flats))]
         else:
             self.flats = list(self.optimizer.single_partition_of_fp32_groups)
             self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
             self.local = {n: self._zero12_fragment(p) for n, p in self.params.items()}
+            self.local |= {n: Fragment(0, self.params[n].numel(), -1, 0) for n in self.replicated}
             self.flat_groups = list(range(len(self.flats)))  # optimizer group of each flat partition
         self.owners = self._gather_owners()
+
+    @property
+    def trained(self) -> list[str]:
+        """Names of the parameters the optimizer updates (and holds state for), in model order."""
+        return [n for n in self.params if n not in self.frozen]
 
     @staticmethod
     def _zero12_fragment(param: nn.Parameter) -> Fragment | None:
@@ -89,8 +102,11 @@ class ZeroLayout:
         lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
         return Fragment(lp.start, lp.numel, mapping.param_group_index, hp.start)
 
-    def _zero3_fragment(self, param: nn.Parameter) -> Fragment | None:
-        sub_group, offset, partition = self.optimizer.grad_position[self.optimizer.get_param_id(param)]
+    def _zero3_fragment(self, name: str, param: nn.Parameter) -> Fragment | None:
+        if name in self.frozen:  # partitioned like the others, in no optimizer sub-group
+            sub_group, offset, partition = -1, 0, param.ds_tensor.ds_numel
+        else:
+            sub_group, offset, partition = self.optimizer.grad_position[self.optimizer.get_param_id(param)]
         start = dist.get_rank(group=param.ds_process_group) * partition
         numel = min(partition, param.ds_numel - start)  # the last partitions hold padding
         return Fragment(start, numel, sub_group, offset) if numel > 0 else None
@@ -116,8 +132,15 @@ class ZeroLayout:
         return None if f is None else flat.detach().narrow(0, f.flat_offset, f.numel)
 
     def master(self, name: str) -> torch.Tensor | None:
+        """This rank's fragment of the weights the optimizer steps (a frozen parameter's own storage)."""
         f = self.local[name]
-        return None if f is None else self.flat_slice(self.flats[f.flat_index], name)
+        if f is None:
+            return None
+        if name in self.frozen:
+            param = self.params[name]
+            data = param.ds_tensor.data if self.stage == 3 else param.data
+            return data.detach().reshape(-1).narrow(0, 0, f.numel)
+        return self.flat_slice(self.flats[f.flat_index], name)
 
     def fragment_of(self, name: str, full: torch.Tensor) -> torch.Tensor | None:
         """This rank's range of a full-size tensor of parameter `name`, flattened."""
@@ -136,12 +159,12 @@ class ZeroLayout:
     def full_master(self, name: str, *, device: torch.device) -> torch.Tensor:
         """Collective: the whole master value of one parameter (fragments summed into zeros)."""
         flat = self.master(name)
-        dtype = flat.dtype if flat is not None else self.flats[0].dtype
+        dtype = self.flats[0].dtype
         full = torch.zeros(math.prod(self.shapes[name]), dtype=dtype, device=device)
         f = self.local[name]
         if f is not None:
             full[f.start : f.start + f.numel].copy_(flat)
-        if dist.get_world_size(self.group) > 1:
+        if dist.get_world_size(self.group) > 1 and name not in self.replicated:
             dist.all_reduce(full, group=self.group)
         return full.view(self.shapes[name])
 
@@ -152,10 +175,10 @@ class ZeroLayout:
             self.optimizer.update_lp_params()  # copy into the bit16 partition, all-gather the groups
             return
         self.optimizer.checkpoint_event_prologue()  # release any gathered parameters
-        for name, param in self.params.items():
+        for name in self.trained:  # a frozen parameter's "master" is its partition itself
             master = self.master(name)
             if master is not None:
-                param.ds_tensor.data[: master.numel()].copy_(master)
+                self.params[name].ds_tensor.data[: master.numel()].copy_(master)
         self.optimizer.checkpoint_event_epilogue()  # re-gather the persistent (small) parameters
 
     @torch.no_grad()

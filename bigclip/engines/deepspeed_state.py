@@ -93,13 +93,14 @@ class DeepSpeedModelState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        dtype = self.layout.flats[0].dtype
         for name in self.layout.params:
-            if len(self.layout.shapes[name]) == 0:
+            if len(self.layout.shapes[name]) == 0 or name in self.layout.replicated:
                 out[name] = self.layout.full_master(name, device=self.device)
             else:
-                out[name] = sharded(
-                    self.layout, name, self.layout.master(name), dtype=self.layout.flats[0].dtype
-                )
+                local = self.layout.master(name)  # frozen ZeRO-3 partitions: compute dtype, so a copy
+                local = local.to(dtype) if local is not None and local.dtype != dtype else local
+                out[name] = sharded(self.layout, name, local, dtype=dtype)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -126,7 +127,7 @@ class DeepSpeedOptimState(Stateful):
         moments = [read_moments(self.inner.state[flat]) for flat in self.layout.flats]
         step = torch.tensor(float(get_step(self.inner.state[self.layout.flats[0]])))
         state = {}
-        for name in self.layout.params:
+        for name in self.layout.trained:
             state[name] = {"step": step.clone()}
             for key in MOMENTS:
                 state[name][key] = self._entry(name, [m[key] for m in moments])
@@ -151,8 +152,8 @@ class DeepSpeedOptimState(Stateful):
     def _param_groups(self) -> list[dict[str, Any]]:
         """bigclip's two groups (no weight decay, weight decay) with the optimizer's hyperparameters."""
         names: list[list[str]] = [[], []]
-        for name, param in self.layout.params.items():
-            names[0 if excluded_from_weight_decay(name, param) else 1].append(name)
+        for name in self.layout.trained:
+            names[0 if excluded_from_weight_decay(name, self.layout.params[name]) else 1].append(name)
         groups = []
         for hyper, params in zip(self.inner.param_groups, names):
             groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": params})

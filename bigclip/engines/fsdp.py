@@ -177,6 +177,29 @@ class FSDPEngine(Engine):
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.copy_(full)
 
+    def _param_state(self, param: nn.Parameter) -> dict:
+        """The optimizer's state of a parameter (of its local shard for bitsandbytes), created if new."""
+        optimizer = self.optimizer
+        if isinstance(optimizer, LocalShardOptimizer):
+            optimizer, param = optimizer.inner, optimizer.shard(param)
+        if not optimizer.state.get(param):
+            create_optimizer_state(optimizer, [param])
+        return optimizer.state[param]
+
+    def _set_full_moments(self, name: str, moments: dict[str, torch.Tensor]) -> None:
+        param = self.module.get_parameter(name)
+        state = self._param_state(param)
+        current = read_moments(state)
+        for key, full in moments.items():
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            local_tensor(current[key]).copy_(local_tensor(full).reshape(local_tensor(current[key]).shape))
+        write_moments(state, current)
+
+    def _after_full_moments(self, step: int) -> None:
+        for name in self.trained_names():
+            set_step(self._param_state(self.module.get_parameter(name)), step)
+
 
 class _ModelState(Stateful):
     def __init__(self, model: nn.Module) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from bigclip.config import TrainConfig
 from bigclip.models.clip import CLIP, CLIPConfig
+from bigclip.models.lock import apply_locks
 from bigclip.models.registry import create_model, get_model_config
 
 SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}  # OpenCLIP's SigLIP init
@@ -53,6 +54,7 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLI
         from bigclip.ops.int8.switchback import apply_int8
 
         apply_int8(model, cfg.model.int8, include_attention=cfg.model.int8_attention)
+    apply_locks(model, cfg.model)
     return model
 
 

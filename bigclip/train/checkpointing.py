@@ -39,6 +39,7 @@ from bigclip.storage.redact import redact
 from bigclip.storage.s3 import S3Settings
 from bigclip.train.metrics import get_logger
 from bigclip.train.remote_sync import RemoteSync
+from bigclip.weights.openclip_resume import is_openclip_checkpoint, load_openclip_checkpoint
 
 
 @dataclass
@@ -192,6 +193,8 @@ def resume(
 ) -> tuple[TrainState, dict | None]:
     """Load `which` (from `backup.resume_target`) in place; returns the train state and the data
     position (None: epoch start)."""
+    if is_openclip_checkpoint(which):
+        return _resume_openclip(store, engine, cfg, runtime, global_batch), None
     contents = checkpoint_contents(engine, cfg, TrainState(), runtime, None)
     manifest = store.load(contents, which)
     train = contents["train"]
@@ -207,6 +210,25 @@ def resume(
         f"{manifest.world_size} rank(s), now {runtime.world_size}"
     )
     return state, json.loads(train["data"])
+
+
+def _resume_openclip(
+    store: CheckpointStore, engine: Engine, cfg: TrainConfig, runtime: Runtime, global_batch: int
+) -> TrainState:
+    """OpenCLIP's epoch_N.pt: weights, AdamW state and epoch (see weights/openclip_resume.py)."""
+    if store.latest() is not None:
+        get_logger().warning(
+            f"--resume {cfg.checkpoint.resume} starts over from the OpenCLIP checkpoint although this run "
+            f"has committed checkpoints ({store.latest()}); after a preemption, requeue with --resume latest"
+        )
+    plan = load_openclip_checkpoint(engine, cfg, runtime, cfg.checkpoint.resume, s3=store.s3)
+    state = TrainState(step=plan.step, epoch=plan.epoch, samples_seen=plan.step * global_batch)
+    get_logger().info(
+        f"resumed OpenCLIP checkpoint {cfg.checkpoint.resume}: {len(plan.weights)} weights, AdamW state of "
+        f"{len(plan.moments)}, step {plan.step}, continuing with epoch {plan.epoch}. Not carried over: "
+        + "; ".join(plan.notes)
+    )
+    return state
 
 
 def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int) -> None:

@@ -60,7 +60,9 @@ from bigclip.train.setup import (
 from bigclip.train.step import train_step
 from bigclip.train.step_log import log_step
 from bigclip.train.watchdog import StepWatchdog, between_steps
+from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
+from bigclip.weights.openclip_resume import is_openclip_checkpoint
 
 if TYPE_CHECKING:
     from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
@@ -90,6 +92,7 @@ class Run:
     remote_sync: RemoteSync | None = None
     watchdog: StepWatchdog | None = None
     pretrained_lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
+    zeroshot: ZeroShot = field(default_factory=ZeroShot)  # --imagenet-val / --imagenet-v2
 
     @property
     def global_batch(self) -> int:
@@ -113,6 +116,7 @@ def setup(cfg: TrainConfig) -> Run:
     )
     s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
     shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
+    zeroshot = ZeroShot.open(cfg, s3)
     store = open_store(cfg, run_dir, s3)
     sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
     write_config(cfg, run_dir, runtime)
@@ -127,10 +131,12 @@ def setup(cfg: TrainConfig) -> Run:
     scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
     run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
     run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
+    run.zeroshot = zeroshot
     attach(store, cfg, sync)  # and starts the sync
     if which:
         run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
-        run.last_saved_step = run.state.step  # never saved again over the checkpoint just loaded
+        # Never saved again over the checkpoint just loaded (an OpenCLIP .pt is not in the store).
+        run.last_saved_step = -1 if is_openclip_checkpoint(which) else run.state.step
     run.watchdog = StepWatchdog.start_for(cfg, runtime, run_dir)
     return run
 
@@ -244,18 +250,26 @@ def save_checkpoint(run: Run, *, data_position: dict | None, most_recent_only: b
 
 
 @between_steps
-def evaluate(run: Run) -> dict[str, float] | None:
-    if not run.cfg.data.val_data or not run.cfg.data.val_frequency:
+def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[str, float] | None:
+    """Held-out retrieval (with `retrieval`, given --val-data) and zero-shot classification (when due)."""
+    cfg = run.cfg.data
+    normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
+    metrics: dict[str, float] = {}
+    if retrieval and cfg.val_data and cfg.val_frequency:
+        mine = data.iter_eval_samples(
+            cfg.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
+            limit=cfg.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
+            resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
+        )  # fmt: skip
+        metrics = evaluate_retrieval(
+            run.engine, list(mine), run.runtime, normalize=normalize, batch_size=cfg.batch_size
+        )
+    if run.zeroshot.due(run.state.epoch, final=final):
+        run.store.wait()  # its loader forks workers (see build_loader)
+        metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
+                                         batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
+    if not metrics:
         return None
-    mine = data.iter_eval_samples(
-        run.cfg.data.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-        limit=run.cfg.data.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
-        resize_mode=run.cfg.data.image_resize_mode, interpolation=run.cfg.data.image_interpolation,
-    )  # fmt: skip
-    normalize = data.image_normalizer(run.cfg.data, device=run.runtime.device, dtype=run.engine.image_dtype)
-    metrics = evaluate_retrieval(
-        run.engine, list(mine), run.runtime, normalize=normalize, batch_size=run.cfg.data.batch_size
-    )
     metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
     if run.runtime.is_main:
         get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
@@ -278,7 +292,8 @@ def fit(run: Run) -> dict[str, Any]:
             break  # step budget spent mid-epoch
         loader.close()
         state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
-        metrics = evaluate(run) if val_due(cfg, state.epoch) else metrics
+        final = state.step >= run.total_steps or state.epoch >= cfg.optim.epochs
+        metrics = evaluate(run, retrieval=val_due(cfg, state.epoch), final=final) or metrics
         if save_due(cfg, state, epoch_end=True, final=False):
             kept = regular_save_due(cfg, state, epoch_end=True, final=False)
             save_checkpoint(run, data_position=None, most_recent_only=not kept)
@@ -295,7 +310,7 @@ def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str
         save_checkpoint(run, data_position=position, most_recent_only=not kept)
     loader.close()
     if metrics is None or metrics["step"] != run.state.step:
-        metrics = evaluate(run) or metrics  # the final weights get evaluated too
+        metrics = evaluate(run, final=True) or metrics  # the final weights get evaluated too
     run.store.wait()  # the last upload must be committed before the run reports success
     latest = run.store.latest()
     close_run(run)

@@ -3,6 +3,7 @@
     bigclip consolidate s3://bucket/run/checkpoints model.safetensors            # newest commit
     bigclip consolidate runs/x/checkpoints/step_00001200 s3://b/x/ --max-shard-size 5GB --dtype bf16
     bigclip consolidate registry:vit-h-14-v1 full.safetensors --with-optimizer --registry s3://b/reg
+    bigclip consolidate runs/x/checkpoints --open-clip-dir hub/vit-b-32     # OpenCLIP / HF Hub folder
 
 SRC: a bigclip checkpoint written by either engine at any world size (local, `s3://`, or
 `registry:NAME`), or a `.safetensors`/`.pt`/`.bin` file to convert. OUT: a `.safetensors`
@@ -17,7 +18,8 @@ Memory: the source is read in pieces of `--piece-size` with `--read-ahead` piece
 (64 MiB by default), converted and written as they arrive; a tensor is held whole only when
 its shards are not row-major ranges of it (e.g. sharded along dim 1), and then one tensor plus
 one shard. Nothing appears under OUT's names until every byte is written; the checksum
-manifest (OUT_STEM.manifest.json) is written last.
+manifest (OUT_STEM.manifest.json) is written last. `--open-clip-dir DIR` writes the folder
+OpenCLIP's `local-dir:` loader and the Hugging Face Hub take instead (see open_clip_export.py).
 """
 
 from __future__ import annotations
@@ -85,11 +87,24 @@ def consolidate(
     progress: bool = False,
     piece_bytes: int = PIECE_BYTES,
     read_ahead: int = 4,
+    open_clip_dir: str = "",
+    model: str = "",
 ) -> WriteResult:
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     source = open_weights(src, s3=s3, registry=registry)
     pairs = output_tensors(source, dtype=DTYPES[dtype], with_optimizer=with_optimizer)
+    if open_clip_dir:
+        from bigclip.weights.open_clip_export import export_open_clip
+
+        def pieces_of(chosen: list) -> Any:
+            return source.reader.stream([s for s, _ in chosen], piece_bytes=piece_bytes, window=read_ahead)
+
+        bar = progress_bar(sum(o.nbytes for _, o in pairs), label="export", enabled=progress)
+        result = export_open_clip(source, pairs, open_clip_dir, model=model, dtype=dtype, overwrite=overwrite,
+                                  s3=s3, pieces_of=pieces_of, on_bytes=bar.update)  # fmt: skip
+        bar.close()
+        return result
     plan = plan_output(
         out, [o for _, o in pairs], max_shard_bytes=parse_size(max_shard_size) if max_shard_size else 0
     )
@@ -118,7 +133,13 @@ def consolidate(
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bigclip consolidate", description=__doc__.split("\n")[0])
     parser.add_argument("src", help="Checkpoint (path, s3:// URI, run checkpoint root) or registry:NAME.")
-    parser.add_argument("out", help="OUT.safetensors, or a folder / s3:// prefix.")
+    parser.add_argument("out", nargs="?", default="", help="OUT.safetensors, or a folder / s3:// prefix.")
+    parser.add_argument(
+        "--open-clip-dir",
+        default="",
+        help="Instead of OUT: a folder OpenCLIP loads as local-dir:DIR and the Hugging Face Hub takes as it is.",
+    )
+    parser.add_argument("--model", default="", help="With --open-clip-dir: the model, if SRC does not say.")
     parser.add_argument(
         "--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the weights written."
     )
@@ -136,11 +157,18 @@ def main(argv: list[str]) -> int:
     add_config_flags(parser, CheckpointConfig, ("registry", "s3_endpoint", "s3_region"))
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
     args = parser.parse_args(argv)
+    if bool(args.out) == bool(args.open_clip_dir):
+        parser.error("give OUT or --open-clip-dir DIR (one of them)")
+    if args.open_clip_dir and (args.max_shard_size or args.with_optimizer):
+        parser.error(
+            "--open-clip-dir writes one weights file (OpenCLIP's loader reads one), without optimizer state"
+        )
     s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
     result = consolidate(
         args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
         with_optimizer=args.with_optimizer, overwrite=args.overwrite, s3=s3, registry=args.registry or "",
         progress=not args.no_progress, piece_bytes=parse_size(args.piece_size), read_ahead=args.read_ahead,
+        open_clip_dir=args.open_clip_dir, model=args.model,
     )  # fmt: skip
     plan = result.plan
     for name in plan.names():

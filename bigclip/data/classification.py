@@ -1,0 +1,190 @@
+"""Labelled image sets for zero-shot classification (`--imagenet-val`, `--imagenet-v2`).
+
+Three layouts, as OpenCLIP and CLIP_benchmark read them:
+  folder      DIR/<class>/<image>: torchvision's ImageFolder (classes in sorted folder order;
+              ImageNet's val set after the usual `valprep.sh`)
+  imagenet-v2 DIR/ImageNetV2-matched-frequency/<label>/<image>.jpeg (imagenetv2_pytorch's
+              layout: the folder name is the label); DIR may also be that folder itself
+  webdataset  shards (local or s3://, a brace pattern) whose samples hold an image and `.cls`
+              (the label as text), CLIP_benchmark's format
+Class names: `classnames.txt` beside the set (one per line, in label order; for shards, in
+their folder or its parent), else OpenCLIP's ImageNet class names when there are 1,000
+classes, else the folder names. Prompt templates: `zeroshot_classification_templates.txt`
+beside the set (one per line, `{c}` for the class name), else OpenCLIP's 80 ImageNet
+templates. Nothing is ever downloaded.
+
+Every rank reads only its share (files or shards index % world == rank) through a DataLoader
+with worker processes; unreadable images are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from bigclip.data.decode import IMAGE_EXTENSIONS, decode_image
+from bigclip.data.shards import validate_shards
+from bigclip.data.tar_samples import ShardSamples
+from bigclip.data.transforms import eval_transform
+from bigclip.errors import DataError
+from bigclip.storage.locations import open_location
+from bigclip.storage.s3 import S3Settings, is_s3
+
+CLASSNAMES_FILE = "classnames.txt"
+TEMPLATES_FILE = "zeroshot_classification_templates.txt"
+V2_FOLDER = "ImageNetV2-matched-frequency"
+FOLDER_IMAGES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+SKIPPED = -1  # label of an image that could not be decoded
+
+
+@cache
+def imagenet_metadata() -> dict:
+    """OpenCLIP's ImageNet class names and templates (copied with attribution, see the file)."""
+    return json.loads((resources.files("bigclip.data") / "imagenet_zeroshot.json").read_text())
+
+
+@dataclass
+class ClassificationSet:
+    uri: str
+    classnames: list[str]
+    templates: list[str]  # with `{c}` where the class name goes
+    items: list[tuple[str, int]]  # (image path, label) for folders
+    shards: list[str]  # webdataset shard URLs
+    s3: S3Settings | None = None
+
+    def prompts(self, classname: str) -> list[str]:
+        return [t.replace("{c}", classname) for t in self.templates]
+
+    def loader(
+        self, *, rank: int, world_size: int, image_size: int, batch_size: int, workers: int,
+        resize_mode: str = "shortest", interpolation: str = "bicubic",
+    ) -> DataLoader:  # fmt: skip
+        """Batches (uint8 images [B, S, S, 3], labels [B]) of this rank's share, resized and
+        cropped as --val-data is (normalised on the device); label SKIPPED marks an image that
+        could not be decoded."""
+        transform = eval_transform(image_size, resize_mode=resize_mode, interpolation=interpolation)
+        if self.items:
+            data: Dataset = _Files(self.items[rank::world_size], transform)
+        else:
+            data = _Shards(self.shards, rank=rank, world_size=world_size, transform=transform, s3=self.s3)
+        workers = min(workers, len(data) if isinstance(data, _Files) else len(data.mine))
+        return DataLoader(data, batch_size=batch_size, num_workers=workers)
+
+
+class _Files(Dataset):
+    def __init__(self, items: list[tuple[str, int]], transform) -> None:  # noqa: ANN001
+        self.items, self.transform = items, transform
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        path, label = self.items[i]
+        return _transformed(Path(path).read_bytes(), label, self.transform)
+
+
+class _Shards(IterableDataset):
+    """This rank's shards (or, with fewer shards than ranks, its samples), split among workers."""
+
+    def __init__(self, shards: list[str], *, rank: int, world_size: int, transform, s3) -> None:  # noqa: ANN001
+        by_shard = len(shards) >= world_size
+        self.mine = shards[rank::world_size] if by_shard else shards
+        self.stride, self.offset = (1, 0) if by_shard else (world_size, rank)
+        self.transform, self.s3 = transform, s3
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
+        info = get_worker_info()
+        shards = self.mine[info.id :: info.num_workers] if info else self.mine
+        index = 0
+        for url in shards:
+            for raw in ShardSamples(url, s3=self.s3):
+                image = next((raw.files[e] for e in IMAGE_EXTENSIONS if e in raw.files), None)
+                if "cls" not in raw.files or image is None:
+                    continue
+                if index % self.stride == self.offset:
+                    yield _transformed(image, int(raw.files["cls"].decode().strip()), self.transform)
+                index += 1
+
+
+def _transformed(data: bytes, label: int, transform) -> tuple[torch.Tensor, int]:  # noqa: ANN001
+    image = decode_image(data)
+    if image is None:
+        return torch.zeros(transform.image_size, transform.image_size, 3, dtype=torch.uint8), SKIPPED
+    return torch.from_numpy(np.array(transform(image))), label  # a writable copy for the collate
+
+
+def open_classification_set(uri: str, *, what: str, s3: S3Settings | None = None) -> ClassificationSet:
+    """The set at `uri`, checked (exists, has classes, names for them) before any model is built."""
+    if uri.rstrip("/").endswith((".tar", ".tar.gz", ".tgz")) or "{" in uri:
+        shards = list(validate_shards(uri, s3=s3, what=what).urls)
+        folder = shards[0].rpartition("/")[0]
+        here, parent = _texts(folder, s3), _texts(folder.rpartition("/")[0], s3)
+        classnames, templates = here[0] or parent[0], here[1] or parent[1] or _default_templates()
+        if not classnames:
+            raise DataError(f"{what} {uri}: no {CLASSNAMES_FILE} beside the shards or in their parent folder")
+        return ClassificationSet(uri, classnames, templates, [], shards, s3)
+    if is_s3(uri):
+        raise DataError(f"{what} {uri}: an s3:// set must be webdataset shards (a .tar pattern)")
+    return _folder_set(uri, what=what)
+
+
+def _folder_set(uri: str, *, what: str) -> ClassificationSet:
+    root = Path(uri)
+    if what == "--imagenet-v2" and (root / V2_FOLDER).is_dir():
+        root = root / V2_FOLDER
+    if not root.is_dir():
+        raise DataError(f"{what} {uri}: no such folder (bigclip never downloads evaluation sets)")
+    folders = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    numeric = what == "--imagenet-v2" or (bool(folders) and all(f.isdigit() for f in folders))
+    labels = {f: int(f) if numeric else i for i, f in enumerate(folders)}
+    items = [
+        (os.path.join(root, f, name), labels[f])
+        for f in folders
+        for name in sorted(os.listdir(root / f))
+        if name.lower().endswith(FOLDER_IMAGES)
+    ]
+    if not items:
+        raise DataError(f"{what} {uri}: no images in class sub-folders (expected DIR/<class>/<image>)")
+    count = max(labels.values()) + 1
+    names, templates = _texts(str(root), None)
+    if names and len(names) < count:
+        raise DataError(
+            f"{what} {uri}: {CLASSNAMES_FILE} names {len(names)} classes, the folders hold {count}"
+        )
+    classnames = names or _default_names(count, folders if not numeric else None, what=what, uri=uri)
+    return ClassificationSet(str(root), classnames, templates or _default_templates(), items, [])
+
+
+def _texts(folder: str, s3: S3Settings | None) -> tuple[list[str], list[str]]:
+    """(class names, templates) read from `folder`, each empty when its file is absent."""
+    if not folder:
+        return [], []
+    location = open_location(folder, s3=s3)
+    out = []
+    for name in (CLASSNAMES_FILE, TEMPLATES_FILE):
+        text = location.read_bytes(name).decode() if location.exists(name) else ""
+        out.append([line.strip() for line in text.splitlines() if line.strip()])
+    return out[0], out[1]
+
+
+def _default_names(count: int, folders: list[str] | None, *, what: str, uri: str) -> list[str]:
+    if count == len(imagenet_metadata()["classnames"]):
+        return list(imagenet_metadata()["classnames"])
+    if folders is not None:
+        return [f.replace("_", " ") for f in folders]
+    raise DataError(
+        f"{what} {uri}: {count} numbered classes; put their names in {CLASSNAMES_FILE} beside them"
+    )
+
+
+def _default_templates() -> list[str]:
+    return list(imagenet_metadata()["templates"])

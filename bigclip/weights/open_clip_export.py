@@ -1,0 +1,140 @@
+"""`bigclip consolidate SRC --open-clip-dir DIR`: the folder OpenCLIP's `local-dir:` loader reads
+and its `push_to_hf_hub` writes, so
+
+    model, _, preprocess = open_clip.create_model_and_transforms("local-dir:DIR")
+    tokenizer = open_clip.get_tokenizer("local-dir:DIR")
+
+work with no network, and DIR can be uploaded to the Hugging Face Hub as it is. DIR holds:
+  open_clip_model.safetensors   the weights under OpenCLIP's names (one file: the loader reads one)
+  open_clip_config.json         {"model_cfg": OpenCLIP's model config, "preprocess_cfg": mean, std,
+                                interpolation, resize mode}, plus where the weights came from and
+                                the tokenizer they were trained with
+  vocab.json, merges.txt, ...   that tokenizer in Hugging Face's format, as push_to_hf_hub uploads it
+The model config is the run's (--model, and its --force-* overrides when the checkpoint saved
+its config), checked against every weight's shape before anything is written. Weights trained
+with another tokenizer (bigclip's opt-in hashing one) are refused: OpenCLIP tokenizes differently, so its ids would
+mean nothing to the text tower. The config file is written last: a folder without it is not
+an export (OpenCLIP's loader needs it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from bigclip.data.device import channel_values
+from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from bigclip.errors import ConfigError, StorageError
+from bigclip.models.clip import CLIP, CLIPConfig
+from bigclip.models.registry import get_model_config
+from bigclip.storage.locations import open_location
+from bigclip.storage.s3 import S3Settings
+from bigclip.weights.dcp_reader import TensorInfo
+from bigclip.weights.hf_tokenizer_files import tokenizer_files
+from bigclip.weights.safetensors_writer import WriteResult, plan_output, write_safetensors
+from bigclip.weights.sources import WeightSource, weights_tokenizer
+
+CONFIG_NAME, WEIGHTS_NAME = "open_clip_config.json", "open_clip_model.safetensors"
+OPENCLIP_TOKENIZER = "open_clip"
+
+
+def saved_run_config(source: WeightSource) -> dict[str, Any]:
+    """The resolved config a bigclip checkpoint saved ({} for other sources)."""
+    reader = source.reader
+    if source.kind != "dcp" or "train.config" not in reader.value_keys("train."):
+        return {}
+    return json.loads(reader.read_value("train.config"))
+
+
+def model_config(name: str, run: dict[str, Any], weights: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """OpenCLIP's `model_cfg` for the weights: the named config with the run's --force-* options."""
+    model = run.get("model", {})
+    size = model.get("force_image_size") or 0
+    cfg = get_model_config(
+        name, force_quick_gelu=bool(model.get("force_quick_gelu")),
+        force_image_size=size[0] if isinstance(size, list) else int(size),
+        force_context_length=int(model.get("force_context_length") or 0),
+    )  # fmt: skip
+    cfg.init_logit_bias = -10.0 if "logit_bias" in weights else None  # OpenCLIP's SigLIP value
+    check_shapes(cfg, weights, name=name)
+    out = dataclasses.asdict(cfg)
+    out.pop("init_logit_scale")  # an initial value; the weights hold the trained one
+    return {k: v for k, v in out.items() if v is not None and v is not False}
+
+
+def check_shapes(cfg: CLIPConfig, weights: dict[str, tuple[int, ...]], *, name: str) -> None:
+    expected = {n: tuple(p.shape) for n, p in CLIP(cfg, device="meta").named_parameters()}
+    wrong = [f"{n}: weights {weights.get(n)}, config {s}" for n, s in expected.items() if weights.get(n) != s]
+    wrong += [f"{n}: not in model {name}" for n in weights if n not in expected]
+    if wrong:
+        raise ConfigError(
+            f"the weights do not fit OpenCLIP's config for {name}:\n  " + "\n  ".join(wrong[:20])
+            + "\n(pass --model NAME if the checkpoint does not say which model it holds)"
+        )  # fmt: skip
+
+
+def preprocess_config(run: dict[str, Any]) -> dict[str, Any]:
+    """What push_to_hf_hub records from the model's transforms: bigclip's evaluation transform
+    (bicubic resize of the shortest side, centre crop) with the run's mean and std."""
+    data = run.get("data", {})
+    return {
+        "mean": list(channel_values(data.get("image_mean") or [], OPENAI_CLIP_MEAN, flag="--image-mean")),
+        "std": list(channel_values(data.get("image_std") or [], OPENAI_CLIP_STD, flag="--image-std")),
+        "interpolation": data.get("image_interpolation") or "bicubic",
+        "resize_mode": data.get("image_resize_mode") or "shortest",
+    }
+
+
+def export_open_clip(
+    source: WeightSource,
+    pairs: list[tuple[TensorInfo, TensorInfo]],
+    folder: str,
+    *,
+    model: str = "",
+    dtype: str,
+    overwrite: bool = False,
+    s3: S3Settings | None = None,
+    pieces_of: Any,
+    on_bytes: Any = lambda n: None,
+) -> WriteResult:
+    """Write DIR from the consolidation's (source tensor, output tensor) pairs; `pieces_of(pairs)`
+    streams their bytes (see consolidate.py)."""
+    run = saved_run_config(source)
+    tokenizer = (
+        weights_tokenizer(source) or OPENCLIP_TOKENIZER
+    )  # a bigclip file that does not say: the default
+    if tokenizer != OPENCLIP_TOKENIZER:
+        raise ConfigError(
+            f"{source.uri} was trained with --tokenizer {tokenizer}; OpenCLIP tokenizes with its BPE "
+            "tokenizer, whose ids this text tower never learned. Export weights trained with --tokenizer open_clip"
+        )
+    name = model or source.model or run.get("model", {}).get("model", "")
+    if not name:
+        raise ConfigError(f"{source.uri} does not say which model it holds: pass --model NAME")
+    model_cfg = model_config(name, run, {o.name: tuple(o.shape) for _, o in pairs})
+    files = tokenizer_files(context_length=model_cfg["text_cfg"]["context_length"])
+    config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_config(run)}
+    config["bigclip"] = {"source": source.uri, "step": source.step, "model": name, "tokenizer": tokenizer}
+    location = open_location(folder, s3=s3)
+    taken = [n for n in [*files, CONFIG_NAME] if location.exists(n)]
+    if taken and not overwrite:
+        raise StorageError(f"{folder}: {', '.join(taken)} exist; pass --overwrite, or choose another folder")
+    plan = plan_output(f"{folder.rstrip('/')}/{WEIGHTS_NAME}", [o for _, o in pairs])
+    metadata = {"format": "pt", "bigclip.source": source.uri, "bigclip.dtype": dtype, "bigclip.model": name}
+    metadata["bigclip.tokenizer"] = tokenizer
+    manifest = {
+        "source": source.uri,
+        "model": name,
+        "step": source.step,
+        "dtype": dtype,
+        "tensors": len(pairs),
+    }
+    result = write_safetensors(
+        plan, pieces_of(pairs), metadata=metadata, manifest=manifest, s3=s3, overwrite=overwrite,
+        on_bytes=on_bytes,
+    )  # fmt: skip
+    for file_name, data in files.items():
+        location.write_bytes(file_name, data)
+    location.write_bytes(CONFIG_NAME, json.dumps(config, indent=2).encode())  # last: the commit
+    return result
