@@ -263,6 +263,7 @@ IN_TORCH_2_0 = frozenset(
         "torch.utils.data.DataLoader(num_workers=)",
         "torch.utils.data.DataLoader(pin_memory=)",
         "torch.utils.data.DataLoader(worker_init_fn=)",
+        "torch.utils.data.Dataset",
         "torch.utils.data.IterableDataset",
         "torch.utils.data.get_worker_info",
         "torch.utils.tensorboard.SummaryWriter",
