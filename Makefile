@@ -73,7 +73,8 @@ lint: install
 	$(VENV)/bin/ruff format --check bigclip tests benchmarks
 
 # CPU benchmarks, each a script that prints its table and writes benchmarks/results/NAME.json
-# (about an hour on 2 cores; each runs alone too: python benchmarks/NAME.py --help).
+# (about an hour on 2 cores; each runs alone too: python benchmarks/NAME.py --help). Run by hand:
+# benchmarks/faults.py (root, a real Slurm) and checkpoint_io.py --endpoint (a second S3 server).
 bench: install
 	$(VPY) benchmarks/loss_memory.py
 	$(VPY) benchmarks/loss_time_gloo.py
@@ -83,6 +84,8 @@ bench: install
 	$(VPY) benchmarks/consolidate.py
 	$(VPY) benchmarks/data_loader.py
 	$(VPY) benchmarks/demo_data_learnability.py
+	$(VPY) benchmarks/tokenizer.py
+	$(VPY) benchmarks/remote_sync.py
 
 # Every GPU row in its own process under a timeout; results in benchmarks/results/*_gpu.json.
 bench-gpu:
