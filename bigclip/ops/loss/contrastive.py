@@ -23,10 +23,10 @@ Exchange choice, from benchmarks/loss_memory.py (rank 0 of 16, d = 1280, fp32, c
 results/loss_memory.json; peak loss memory, and time relative to unchunked):
   global batch           8,192          32,768          65,536
   unchunked         160 MiB  1.00x  1364 MiB  1.00x  4776 MiB  1.00x
-  ring               22 MiB  0.67x    38 MiB  0.66x    58 MiB  0.57x
-  allgather          89 MiB  0.67x   345 MiB  0.63x   686 MiB  0.54x
+  ring               22 MiB  0.68x    38 MiB  0.62x    58 MiB  0.67x
+  allgather          89 MiB  0.65x   345 MiB  0.64x   686 MiB  0.66x
 The ring is the default: only it stays flat as the world grows (83x less than unchunked at
-65,536, 12x less than allgather) at nearly the all-gather's compute time (0-7% slower here,
+65,536, 12x less than allgather) at nearly the all-gather's compute time (within 5% here,
 where the fake process group makes communication free; on GPUs its transfers overlap the tiles).
 The all-gather makes fewer, larger collectives and remains selectable (--loss-exchange).
 Both chunked variants beat the unchunked loss on time: one matmul per tile serves both CLIP
