@@ -13,11 +13,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from bigclip.config import TrainConfig
-from bigclip.data import EvalSample, ImageNormalizer
+from bigclip import data
+from bigclip.config import DataConfig, TrainConfig
+from bigclip.data import EvalSample, ImageNormalizer, Tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
+from bigclip.storage.s3 import S3Settings
 
 
 def val_due(cfg: TrainConfig, epoch: int) -> bool:
@@ -85,6 +87,25 @@ def evaluate_retrieval(
     image = _gather_in_order(image_local, world=runtime.world_size, total=total)
     text = _gather_in_order(text_local, world=runtime.world_size, total=total)
     return retrieval_top1(image, text)
+
+
+def held_out_retrieval(
+    engine: Engine,
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    runtime: Runtime,
+    *,
+    s3: S3Settings | None,
+    normalize: ImageNormalizer,
+) -> dict[str, float]:
+    """evaluate_retrieval on --val-data: this rank's share of the pairs, read with the exact eval
+    transform (resize + center crop, as OpenCLIP)."""
+    mine = data.iter_eval_samples(
+        cfg.val_data, image_size=engine.unwrapped().image_size, tokenizer=tokenizer, limit=cfg.val_num_samples,
+        rank=runtime.rank, world_size=runtime.world_size, s3=s3,
+        resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
+    )  # fmt: skip
+    return evaluate_retrieval(engine, list(mine), runtime, normalize=normalize, batch_size=cfg.batch_size)
 
 
 def _padded_share(mine: list[EvalSample], runtime: Runtime) -> tuple[list[EvalSample], int]:

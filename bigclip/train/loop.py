@@ -40,7 +40,7 @@ from bigclip.train.checkpointing import (
     resume,
     save_due,
 )
-from bigclip.train.evaluate import evaluate_retrieval, val_due
+from bigclip.train.evaluate import held_out_retrieval, val_due
 from bigclip.train.metrics import (
     Average,
     Scalars,
@@ -256,13 +256,8 @@ def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[s
     normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
     metrics: dict[str, float] = {}
     if retrieval and cfg.val_data and cfg.val_frequency:
-        mine = data.iter_eval_samples(
-            cfg.val_data, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-            limit=cfg.val_num_samples, rank=run.runtime.rank, world_size=run.runtime.world_size, s3=run.s3,
-            resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
-        )  # fmt: skip
-        metrics = evaluate_retrieval(
-            run.engine, list(mine), run.runtime, normalize=normalize, batch_size=cfg.batch_size
+        metrics = held_out_retrieval(
+            run.engine, cfg, run.tokenizer, run.runtime, s3=run.s3, normalize=normalize
         )
     if run.zeroshot.due(run.state.epoch, final=final):
         run.store.wait()  # its loader forks workers (see build_loader)
