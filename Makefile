@@ -86,6 +86,7 @@ bench: install
 	$(VPY) benchmarks/demo_data_learnability.py
 	$(VPY) benchmarks/tokenizer.py
 	$(VPY) benchmarks/remote_sync.py
+	$(VPY) benchmarks/optimizer_step.py
 
 # Every GPU row in its own process under a timeout; results in benchmarks/results/*_gpu.json.
 bench-gpu:

@@ -42,6 +42,7 @@ from bigclip.engines.optim import (
     create_optimizer_state,
     get_step,
     is_finite,
+    keep_kernel_choice,
     local_tensor,
     make_optimizer,
     param_groups,
@@ -231,6 +232,7 @@ class _OptimState(Stateful):
         if isinstance(optimizer, LocalShardOptimizer):
             _load_local_shard_state(model, optimizer, state_dict["optimizer"])
         else:
+            keep_kernel_choice(state_dict["optimizer"]["param_groups"], optimizer)
             set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
         if self.engine.scaler and "loss_scaler" in state_dict:
             self.engine.scaler.load_state_dict(state_dict["loss_scaler"])

@@ -57,10 +57,22 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # device types bigclip runs on that have torch's fused AdamW
+
+
+def fusable(groups: list[dict]) -> bool:
+    """torch's fused AdamW takes floating-point parameters on a device with its kernel (not meta)."""
+    params = [p for g in groups for p in g["params"]]
+    return all(p.device.type in FUSED_ADAMW_DEVICES and torch.is_floating_point(p) for p in params)
+
+
 def make_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, **kwargs)
+        # Fused, not torch's default foreach: one pass over the state and no temporary the size of a
+        # moment (foreach's sqrt(exp_avg_sq): 10 GB for ViT-bigG-14 unsharded). ViT-B-32 on the
+        # CPU: 4.5x faster step, first-step peak 7.6 not 11.5 B/parameter (benchmarks/optimizer_step.py).
+        return torch.optim.AdamW(groups, fused=fusable(groups), **kwargs)
     if cfg.optimizer == "adamw8bit":
         try:
             import bitsandbytes as bnb
@@ -68,6 +80,17 @@ def make_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimize
             raise ConfigError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
         return bnb.optim.AdamW8bit(groups, **kwargs)
     raise ConfigError(f"unknown --optimizer {cfg.optimizer!r}")
+
+
+# Param-group keys that pick torch's kernel rather than the optimisation: a checkpoint's groups
+# carry the choice of the run that wrote it (foreach AdamW before bigclip switched to fused).
+KERNEL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def keep_kernel_choice(saved_groups: list[dict], optimizer: torch.optim.Optimizer) -> None:
+    """Make a checkpoint's param groups, about to be loaded, keep this optimizer's kernel."""
+    for saved, current in zip(saved_groups, optimizer.param_groups):
+        saved.update({k: current[k] for k in KERNEL_KEYS if k in current})
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -24,8 +24,8 @@ Peak = model state + the larger of (a) the end of forward: activations, backward
 and communication buffers, plus gradients that persist across steps (ZeRO's accumulators;
 FSDP2's sharded gradients are freed by zero_grad(set_to_none=True), but its --accum-freq passes
 keep unsharded gradients), and (b) the optimizer step: all gradients plus its temporaries
-(torch's foreach AdamW allocates one moment-sized buffer; ZeRO-3 also makes an fp32 copy of the
-gradient partition).
+(bigclip steps torch's fused AdamW, which allocates none; ZeRO makes an fp32 copy of the gradient
+partition).
 """
 
 from __future__ import annotations
@@ -182,9 +182,8 @@ def step_temporary_bytes(spec: PlanSpec, state: StateBytes) -> int:
     if spec.optimizer == "adamw8bit" or state.optimizer == 0:
         return 0  # blockwise 8-bit kernels update in place; offloaded optimizers step on the CPU
     if spec.engine == "fsdp":
-        return state.optimizer // 2  # foreach AdamW: one buffer the size of a moment
-    master = state.optimizer // 3  # ZeRO: fp32 master + 2 moments; one gradient copy + one temporary
-    return 2 * master
+        return 0  # fused AdamW updates in place (foreach would allocate a moment-sized buffer)
+    return state.optimizer // 3  # ZeRO's fp32 gradient partition (optimizer: fp32 master + 2 moments)
 
 
 def plan_memory(spec: PlanSpec, params: list[ParamInfo]) -> MemoryPlan:
