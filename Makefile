@@ -23,7 +23,7 @@ BENCH_PYTHON ?= $(PYTHON)
 ROWS ?=
 QUICK ?=
 
-.PHONY: install demo test lint bench bench-gpu wheelhouse clean slurm-deps
+.PHONY: install demo test lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
 
 install: $(STAMP)
 
@@ -97,6 +97,19 @@ bench-gpu:
 wheelhouse: install
 	$(VPY) -m bigclip.launch.wheelhouse --python-version $(PY) --platform $(PLATFORM) \
 	    --extras $(EXTRAS) --deepspeed "$(DEEPSPEED)" --out $(OUT)
+
+# The project's GPU machines (torch, Triton, torchvision, pytest, pyyaml, pillow, tensorboard, timm,
+# huggingface-hub... and no package index; /work/.library/device/KINDS.md) lack bigclip's
+# braceexpand and ftfy, and the peer rows' open_clip_torch and inf-cl. `make gpu-wheels` puts them
+# (~1.7 MB) into gpu-wheels/ to carry there, where `python3 -m pip install -q --no-index --no-deps
+# gpu-wheels/*.whl` installs them. tests/test_gpu_image.py checks that the first list is enough.
+GPU_IMAGE_LACKS ?= braceexpand ftfy
+GPU_PEER_WHEELS ?= $(OPEN_CLIP) inf-cl
+gpu-wheels: install
+	$(VPY) -m bigclip.launch.wheelhouse --only "$(GPU_IMAGE_LACKS)" --python-version $(PY) \
+	    --platform $(PLATFORM) --out gpu-wheels
+	$(VPY) -m bigclip.launch.wheelhouse --only "$(GPU_PEER_WHEELS)" --no-deps --python-version $(PY) \
+	    --platform $(PLATFORM) --out gpu-wheels
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -13,6 +13,7 @@
 3. Every resolved package is downloaded as a wheel for that target, except torch and what
    ships with it (triton, nvidia-*, cuda-*): the node's torch build is the one to keep.
 Needs pip >= 23 and the index reachable from this machine; the target need not be this one.
+`--only "REQ ..."` downloads just those requirements and their dependencies (`make gpu-wheels`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def build_wheelhouse(
     return [n for n, _ in names]
 
 
+def download_only(
+    requirements: list[str], *, python_version: str, platform: str, out: Path, deps: bool = True
+) -> list[Path]:
+    """Just `requirements` (and their dependencies unless `deps` is False) as wheels for the
+    target: what a node that has most of bigclip's dependencies already (a GPU image) lacks."""
+    out.mkdir(parents=True, exist_ok=True)
+    no_deps = [] if deps else ["--no-deps"]
+    pip("download", "-q", *no_deps, "-d", str(out), *target_options(python_version, platform), *requirements)
+    return sorted(out.glob("*.whl"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}")
@@ -105,7 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extras", default="s3,deepspeed,int8", help="bigclip extras, comma-separated")
     parser.add_argument("--deepspeed", default="deepspeed==0.19.8", help="the DeepSpeed to build")
     parser.add_argument("--out", type=Path, default=Path("wheelhouse"))
+    parser.add_argument(
+        "--only", default="", help="download just these requirements (space-separated) and their dependencies"
+    )
+    parser.add_argument("--no-deps", action="store_true", help="with --only: without their dependencies")
     args = parser.parse_args(argv)
+    if args.only:
+        wheels = download_only(args.only.split(), python_version=args.python_version, platform=args.platform,
+                               out=args.out, deps=not args.no_deps)  # fmt: skip
+        print(f"{len(wheels)} wheels in {args.out}; on the node:")
+        print(f"  pip install --no-index --no-deps {args.out}/*.whl")
+        return 0
     names = build_wheelhouse(python_version=args.python_version, platform=args.platform,
                              extras=args.extras, deepspeed=args.deepspeed, out=args.out)  # fmt: skip
     print(
