@@ -14,6 +14,7 @@ from support.dcp_harness import whole_checkpoint
 from support.engine_harness import assert_same_weights, global_batch
 from support.openclip_ref import open_clip_clip
 from test_engine_deepspeed import config, make_engine, run_steps
+from test_engine_deepspeed_checkpoint import AFTER, BATCH, BEFORE, save_and_continue
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
@@ -25,7 +26,6 @@ from bigclip.models import MAX_LOGIT_SCALE, create_model
 from bigclip.models.lock import lock_image_tower, lock_text_tower
 from bigclip.ops.loss.contrastive import build_loss
 
-BATCH, BEFORE, AFTER = 12, 3, 2
 # Image tower: the last block with ln_post, and proj, train; text tower fully locked except its
 # LayerNorms (no --lock-text-freeze-layer-norm).
 LOCKS = {"model.lock_image": True, "model.lock_image_unlocked_groups": 2, "model.lock_text": True}
@@ -89,24 +89,12 @@ def reference(cfg: TrainConfig, steps: int) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def save_and_continue(rank: int, world: int, cfg_dicts: list[dict], root: str) -> list[dict]:
-    out = []
-    for i, c in enumerate(cfg_dicts):
-        cfg = TrainConfig.from_dict(c).validate()
-        engine = make_engine(rank, world, cfg)
-        run_steps(engine, cfg, range(BEFORE), BATCH)
-        dcp.save(engine.checkpoint_state(), checkpoint_id=f"{root}/{i}")
-        losses = run_steps(engine, cfg, range(BEFORE, BEFORE + AFTER), BATCH)
-        out.append({"losses": losses, "weights": engine.full_state_dict()})
-    return out
-
-
 def resume_and_continue(rank: int, world: int, plan: list[tuple[dict, int]], root: str) -> list[dict]:
     out = []
     for c, i in plan:
         cfg = TrainConfig.from_dict(c).validate()
         engine = make_engine(rank, world, cfg)
-        dcp.load(engine.checkpoint_state(), checkpoint_id=f"{root}/{i}")
+        dcp.load(engine.checkpoint_state(), checkpoint_id=f"{root}/{i}/saved")
         losses = run_steps(engine, cfg, range(BEFORE, BEFORE + AFTER), BATCH)
         out.append({"losses": losses, "weights": engine.full_state_dict()})
     return out
@@ -128,7 +116,7 @@ def test_frozen_weights_never_move_and_resume_at_another_world_size(tmp_path):
         for name in frozen:
             assert torch.equal(run["weights"][name], initial[name]), (engine, name)
         assert_same_weights(expected, run["weights"], rtol=1e-4)
-        saved = whole_checkpoint(tmp_path / str(ENGINES.index(engine)))
+        saved = whole_checkpoint(tmp_path / str(ENGINES.index(engine)) / "saved")
         moments = {k.split(".state.")[1].rsplit(".", 1)[0] for k in saved if k.endswith(".exp_avg")}
         assert moments == set(expected) - frozen, engine  # no optimizer state for frozen weights
         assert {k.removeprefix("model.") for k in saved if k.startswith("model.")} == set(expected)
