@@ -95,8 +95,9 @@ def run_row(row: Row, *, quick: bool, env: dict[str, str]) -> dict:
             command, cwd=ROOT, env=env, timeout=row.timeout_s, capture_output=True, text=True
         )
     except subprocess.TimeoutExpired as e:
-        tail = (e.stdout or b"")[-1500:]
-        return {**result, "status": "timeout", "seconds": row.timeout_s, "detail": str(tail)}
+        out = e.stdout or b""  # bytes even with text=True: the partial output is not decoded
+        tail = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-1500:]
+        return {**result, "status": "timeout", "seconds": row.timeout_s, "detail": tail}
     output = done.stdout + done.stderr
     print(done.stdout[-6000:], flush=True)
     skip = next((line for line in done.stdout.splitlines() if line.startswith("SKIP: ")), None)
