@@ -236,7 +236,9 @@ def _resolve_optimizer(out: dict, cfg: TrainConfig, *, offload: bool, path: str)
             # sees flat fp32 partitions, which it handles like any other parameter.
             out["zero_allow_untested_optimizer"] = True
         if offload:
-            # The client optimizer steps on the CPU partitions; DeepSpeed refuses that by default.
+            # The client optimizer steps on the CPU partitions; DeepSpeed refuses that by default,
+            # fearing a slow step, but torch's fused AdamW is as fast as DeepSpeedCPUAdam there
+            # (benchmarks/optimizer_step.py) and needs no compile at start-up.
             if out.get("zero_force_ds_cpu_optimizer", False):
                 raise ConfigError(
                     f'{path}: "zero_force_ds_cpu_optimizer" needs an "optimizer" section, e.g. '
