@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_suite import ROWS  # noqa: E402
+from gpu_suite import GPU_TEST_FILES, ROWS  # noqa: E402
 
 IMAGE = [
     "numpy",
@@ -83,8 +83,7 @@ def run(image: str, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_gpu_tests_collect_and_skip_on_the_image(image_python):
-    done = run(image_python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-               "tests/test_gpu_ops.py", "tests/test_gpu_engines.py")  # fmt: skip
+    done = run(image_python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TEST_FILES)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"\d+ skipped", done.stdout) and "error" not in done.stdout.lower(), done.stdout[-2000:]
 

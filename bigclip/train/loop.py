@@ -121,7 +121,8 @@ def setup(cfg: TrainConfig) -> Run:
     sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
     write_config(cfg, run_dir, runtime)
     log.info(
-        f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}"
+        f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "
+        f"rank 0 on {runtime.device}"
     )
     engine = build_engine(cfg, runtime)
     engine.build(build_model(cfg))
