@@ -71,7 +71,7 @@ def make_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimize
     if cfg.optimizer == "adamw":
         # Fused, not torch's default foreach: one pass over the state and no temporary the size of a
         # moment (foreach's sqrt(exp_avg_sq): 10 GB for ViT-bigG-14 unsharded). ViT-B-32 on the
-        # CPU: 4.5x faster step, first-step peak 7.6 not 11.5 B/parameter (benchmarks/optimizer_step.py).
+        # CPU: 4.4-4.7x faster step, first-step peak 7.7 not 11.5 B/parameter (benchmarks/optimizer_step.py).
         return torch.optim.AdamW(groups, fused=fusable(groups), **kwargs)
     if cfg.optimizer == "adamw8bit":
         try:
