@@ -99,10 +99,10 @@ wheelhouse: install
 	    --extras $(EXTRAS) --deepspeed "$(DEEPSPEED)" --out $(OUT)
 
 # The project's GPU machines (torch, Triton, torchvision, pytest, pyyaml, pillow, tensorboard, timm,
-# huggingface-hub... and no package index; /work/.library/device/KINDS.md) lack bigclip's
-# braceexpand and ftfy, and the peer rows' open_clip_torch and inf-cl. `make gpu-wheels` puts them
-# (~1.7 MB) into gpu-wheels/ to carry there, where `python3 -m pip install -q --no-index --no-deps
-# gpu-wheels/*.whl` installs them. tests/test_gpu_image.py checks that the first list is enough.
+# huggingface-hub... and no package index) lack bigclip's braceexpand and ftfy, and the peer rows'
+# open_clip_torch and inf-cl. `make gpu-wheels` puts them (2.3 MB) into gpu-wheels/ to carry there,
+# where `python3 -m pip install -q --no-index --no-deps gpu-wheels/*.whl` installs them.
+# tests/test_gpu_image.py checks that the first list is enough.
 GPU_IMAGE_LACKS ?= braceexpand ftfy
 GPU_PEER_WHEELS ?= $(OPEN_CLIP) inf-cl
 gpu-wheels: install

@@ -22,8 +22,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from support.dcp_harness import whole_checkpoint
+from support.engine_harness import make_engine, run_steps
 from support.openclip_ref import open_clip_clip
-from test_engine_deepspeed import config, make_engine, run_steps
+from test_engine_deepspeed import config
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli import main as cli

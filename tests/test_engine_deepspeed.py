@@ -13,16 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.engine_harness import assert_same_weights, global_batch, tiny_config
+from support.engine_harness import assert_same_weights, global_batch, make_engine, run_steps, tiny_config
 
 from bigclip.config import TrainConfig
-from bigclip.distributed import Runtime, spawn
-from bigclip.engines import Engine, build_engine
+from bigclip.distributed import spawn
 from bigclip.engines.optim import make_optimizer, param_groups
 from bigclip.models import MAX_LOGIT_SCALE, create_model
-from bigclip.models.from_config import build_model
 from bigclip.ops.loss.contrastive import build_loss
-from bigclip.train.step import train_step
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # CPU tests: spawned ranks inherit it before importing DeepSpeed
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
@@ -40,31 +37,6 @@ def config(engine: str, **overrides: object) -> dict:
             "engine.deepspeed_config": str(DS_CONFIGS / f"{engine}.json"),
         }
     return tiny_config(**overrides).to_dict()
-
-
-def make_engine(rank: int, world: int, cfg: TrainConfig) -> Engine:
-    runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    engine = build_engine(cfg, runtime)
-    engine.build(build_model(cfg))  # applies patch dropout and grad checkpointing from the config
-    torch.manual_seed(1234 + rank)  # patch dropout draws; after build, which may draw (zero.Init)
-    return engine
-
-
-def run_steps(engine: Engine, cfg: TrainConfig, steps: range, batch: int) -> list[float]:
-    """Optimizer steps on the synthetic global batches; each rank takes its slice."""
-    rank, world = engine.runtime.rank, engine.runtime.world_size
-    loss_fn = build_loss(cfg.loss)
-    local, k = batch // world, cfg.optim.accum_freq
-    losses = []
-    for step in steps:
-        images, texts = global_batch(step, batch)
-        mine = images[rank * local : (rank + 1) * local], texts[rank * local : (rank + 1) * local]
-        micro = [(mine[0][i::k], mine[1][i::k]) for i in range(k)]
-        out = train_step(engine, loss_fn, micro, lr=cfg.optim.lr)
-        loss = out.loss.clone()
-        torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
-        losses.append(loss.item())
-    return losses
 
 
 def train(rank: int, world: int, cfg: TrainConfig, steps: int, batch: int) -> dict:

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from support.dcp_harness import whole_checkpoint
-from support.engine_harness import assert_same_weights
-from test_engine_deepspeed import config, make_engine, run_steps
+from support.engine_harness import assert_same_weights, make_engine, run_steps
+from test_engine_deepspeed import config
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn

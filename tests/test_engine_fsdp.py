@@ -3,7 +3,14 @@
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from support.engine_harness import assert_same_weights, global_batch, run_engine, tiny_config
+from support.engine_harness import (
+    assert_same_weights,
+    global_batch,
+    make_engine,
+    run_engine,
+    run_steps,
+    tiny_config,
+)
 
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import build_engine
@@ -82,36 +89,20 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_recovers():
     assert result["unchanged"][:-1] == [True] * (len(skipped) - 2) and not result["unchanged"][-1]
 
 
-def _train(engine, cfg, steps: range, *, rank: int, world: int, batch: int = 8) -> list[float]:
-    loss_fn, local, losses = build_loss(cfg.loss), batch // world, []
-    for step in steps:
-        images, texts = global_batch(step, batch)
-        mine = [(images[rank * local : (rank + 1) * local], texts[rank * local : (rank + 1) * local])]
-        losses.append(float(train_step(engine, loss_fn, mine, lr=cfg.optim.lr).loss))
-    return losses
-
-
 def foreach_checkpoint_worker(rank: int, world: int, root: str) -> dict:
     """A checkpoint written by a run whose engine stepped foreach AdamW (bigclip before it switched
     to fused), then resumed by today's engine."""
-    cfg = tiny_config()
-    runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-
-    def fresh_engine():
-        engine = build_engine(cfg, runtime)
-        engine.build(create_model("tiny", device="meta"))
-        return engine
-
-    old, o = fresh_engine(), cfg.optim
+    cfg, batch = tiny_config(), 8
+    old, o = make_engine(rank, world, cfg), cfg.optim
     groups = param_groups(old.module, weight_decay=o.wd)
     old.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
-    _train(old, cfg, range(3), rank=rank, world=world)
+    run_steps(old, cfg, range(3), batch)
     dcp.save(old.checkpoint_state(), checkpoint_id=root)
-    old_losses = _train(old, cfg, range(3, 6), rank=rank, world=world)
-    new = fresh_engine()
+    old_losses = run_steps(old, cfg, range(3, 6), batch)
+    new = make_engine(rank, world, cfg)
     dcp.load(new.checkpoint_state(), checkpoint_id=root)
     kernels = [(g["fused"], g["foreach"]) for g in new.optimizer.param_groups]
-    new_losses = _train(new, cfg, range(3, 6), rank=rank, world=world)
+    new_losses = run_steps(new, cfg, range(3, 6), batch)
     return {"kernels": kernels, "losses": (old_losses, new_losses),
             "weights": (old.full_state_dict(), new.full_state_dict())}  # fmt: skip
 

@@ -3,7 +3,7 @@ wheels of `make gpu-wheels` are installed there: nothing else is missing.
 
 Those machines reach no package index; their image holds torch, Triton, torchvision, pytest,
 pyyaml, pillow, numpy, safetensors, tensorboard, regex, tqdm and more, but not braceexpand or
-ftfy (/work/.library/device/KINDS.md, read 2026-11-17). Every device minute spent on a missing
+ftfy (the machines' package list as read on 2026-11-17). Every device minute spent on a missing
 import is lost. Simulated here: a fresh virtual environment with the part of that image bigclip
 touches (a CPU torch; no torchvision, which bigclip does not use) plus the wheels of the
 Makefile's GPU_IMAGE_LACKS, installed as the session would: `--no-index --no-deps`. Then the GPU
@@ -82,6 +82,10 @@ def run(image: str, *argv: str) -> subprocess.CompletedProcess:
     )
 
 
+def test_the_suite_lists_its_rows_on_the_image(image_python):
+    assert run(image_python, "benchmarks/gpu_suite.py", "--list").returncode == 0
+
+
 def test_gpu_tests_collect_and_skip_on_the_image(image_python):
     done = run(image_python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TEST_FILES)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -90,6 +94,5 @@ def test_gpu_tests_collect_and_skip_on_the_image(image_python):
 
 @pytest.mark.parametrize("row", [r for r in ROWS if not r.needs], ids=lambda r: r.name)
 def test_rows_without_optional_packages_import_on_the_image(image_python, row):
-    assert run(image_python, "benchmarks/gpu_suite.py", "--list").returncode == 0
     done = run(image_python, *row.argv, "--help")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from support.dcp_harness import whole_checkpoint
-from support.engine_harness import assert_same_weights, global_batch
+from support.engine_harness import assert_same_weights, global_batch, make_engine, run_steps
 from support.openclip_ref import open_clip_clip
-from test_engine_deepspeed import config, make_engine, run_steps
+from test_engine_deepspeed import config
 from test_engine_deepspeed_checkpoint import AFTER, BATCH, BEFORE, save_and_continue
 
 from bigclip.checkpoint import CheckpointStore

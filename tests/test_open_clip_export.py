@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from support.engine_harness import global_batch
+from support.engine_harness import global_batch, make_engine, run_steps
 from support.reference_venv import reference_python, run_reference
-from test_engine_deepspeed import config, make_engine, run_steps
+from test_engine_deepspeed import config
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.config import TrainConfig

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.engine_harness import make_engine
 from support.openclip_ref import open_clip_model_module
 from support.train_harness import train_worker
-from test_engine_deepspeed import config, make_engine
+from test_engine_deepspeed import config
 
 from bigclip.config import TrainConfig
 from bigclip.data import HashingTokenizer, ImageNormalizer

@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
-from bigclip.engines import build_engine
+from bigclip.engines import Engine, build_engine
 from bigclip.models import create_model
+from bigclip.models.from_config import build_model
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.train.step import train_step
 
@@ -40,23 +41,38 @@ def global_batch(
     return images, texts
 
 
+def make_engine(rank: int, world: int, cfg: TrainConfig) -> Engine:
+    runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    engine = build_engine(cfg, runtime)
+    engine.build(build_model(cfg))  # applies patch dropout and grad checkpointing from the config
+    torch.manual_seed(1234 + rank)  # patch dropout draws; after build, which may draw (zero.Init)
+    return engine
+
+
+def run_steps(engine: Engine, cfg: TrainConfig, steps: range, batch: int) -> list[float]:
+    """Optimizer steps on the synthetic global batches; each rank takes its slice."""
+    rank, world = engine.runtime.rank, engine.runtime.world_size
+    loss_fn = build_loss(cfg.loss)
+    local, k = batch // world, cfg.optim.accum_freq
+    losses = []
+    for step in steps:
+        images, texts = global_batch(step, batch)
+        mine = images[rank * local : (rank + 1) * local], texts[rank * local : (rank + 1) * local]
+        micro = [(mine[0][i::k], mine[1][i::k]) for i in range(k)]
+        out = train_step(engine, loss_fn, micro, lr=cfg.optim.lr)
+        loss = out.loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses
+
+
 def run_engine(rank: int, world: int, cfg_dict: dict, steps: int, batch: int) -> dict:
     """Worker for bigclip.distributed.spawn: returns the loss per step and the final full weights."""
     cfg = TrainConfig.from_dict(cfg_dict).validate()
     runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     engine = build_engine(cfg, runtime)
     engine.build(create_model(cfg.model.model, device="meta", patch_dropout=cfg.model.force_patch_dropout))
-    loss_fn = build_loss(cfg.loss)
-    local, k = batch // world, cfg.optim.accum_freq
-    losses = []
-    for step in range(steps):
-        images, texts = global_batch(step, batch)
-        mine = images[rank * local : (rank + 1) * local], texts[rank * local : (rank + 1) * local]
-        micro = [(mine[0][i::k], mine[1][i::k]) for i in range(k)] if k > 1 else [mine]
-        out = train_step(engine, loss_fn, micro, lr=cfg.optim.lr)
-        loss = out.loss.clone()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        losses.append(loss.item())
+    losses = run_steps(engine, cfg, range(steps), batch)
     weights = engine.full_state_dict()
     return {"losses": losses, "weights": weights if rank == 0 else None}
 
