@@ -125,3 +125,51 @@ def test_dist_timeout_bounds_every_collective(tmp_path: Path) -> None:
         procs[1].wait()
     found = re.search(r"failed after ([\d.]+) s", out)
     assert found and 2.5 < float(found.group(1)) < 20, out[-2000:]
+
+
+BLOCKED = """
+import os, signal, sys, time, torch, torch.distributed as dist
+from types import SimpleNamespace
+from bigclip.distributed import init_distributed
+from bigclip.train.watchdog import StepWatchdog
+runtime = init_distributed(backend="gloo", timeout_s=120)
+ranks_0_2 = dist.new_group([0, 2])
+cfg = SimpleNamespace(engine=SimpleNamespace(step_timeout=10))  # beats every second; no step timed
+watchdog = StepWatchdog.start_for(cfg, runtime, sys.argv[1])
+dist.barrier()
+if runtime.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+if runtime.rank == 0:
+    time.sleep(1)
+    try:
+        dist.all_reduce(torch.ones(1))  # needs rank 1: fails
+    except RuntimeError as e:
+        watchdog.explain_failure(e)
+        sys.exit(1)
+dist.all_reduce(torch.ones(1), group=ranks_0_2)  # waits for rank 0, which is past its error
+"""
+
+
+def test_a_rank_blocked_on_a_failed_peer_names_the_dead_rank_too(tmp_path: Path) -> None:
+    """Rank 2 waits in a collective for rank 0, alive but past the error that rank 1's death
+    caused: without the announcement it would learn of it only when rank 0 exits, taking the
+    store (and so the roll call) with it, or after the group's 120 s timeout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "SLURM_NTASKS": "3",
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [subprocess.Popen([sys.executable, "-c", BLOCKED, str(tmp_path)], env=env | {"SLURM_PROCID": str(r)},
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(3)]  # fmt: skip
+    try:
+        outs = {r: procs[r].communicate(timeout=60)[0] for r in (2, 0)}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[2].returncode == 1, outs[2][-3000:]
+    assert "rank 0 stopped on an error after step 0 (RuntimeError: " in outs[2], outs[2][-3000:]
+    assert "not answering" in outs[2] and "ranks [1]" in outs[2], outs[2][-3000:]
+    assert "ranks [1]" in outs[0], outs[0][-3000:]

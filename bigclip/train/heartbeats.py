@@ -5,11 +5,13 @@ Every rank's watchdog thread writes a beat every `interval_s` into the side stor
 rank: a counter, its last finished step, and where its main thread is at that moment. A rank that
 stops beating is stopped (SIGSTOP, a frozen node), dead (killed, out of memory, its node lost) or
 stuck holding the GIL; one that beats but finishes no step is waiting, usually in a collective,
-for one of the first kind. A roll call reads every rank's beat twice, a few intervals apart,
+for one of the first kind. A rank whose training stops on an error announces it in the same store:
+its peers may be blocked in a collective that waits for it, which they would otherwise notice only
+when its process exits (gloo) or at the process group's timeout (NCCL). A roll call reads every rank's beat twice, a few intervals apart,
 beating itself meanwhile: who did not move did not answer. No collective is involved, so a hung
 process group cannot hang the diagnosis, and a store that does not answer (its host is rank 0
-under srun) is reported as such. Cost: one small store write per rank per interval, off the
-training thread.
+under srun) is reported as such. Cost: one small store write and one key check per rank per
+interval, off the training thread.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLL_CALL_INTERVALS = 2.5  # a live rank beats at least twice in this many intervals
+FAILURE_KEY = "failed"
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def _frame_text(frame: traceback.FrameSummary) -> str:
     return f"{frame.name} ({path}:{frame.lineno})"
 
 
-def _brief(error: Exception) -> str:
+def describe_error(error: BaseException) -> str:
     first = str(error).splitlines()[0][:200] if str(error) else ""
     return f"{type(error).__name__}: {first}"
 
@@ -101,8 +104,25 @@ class Heartbeats:
                 self.store.set(str(self.rank), value)
                 self.error = ""
             except Exception as e:  # a timeout or a refused connection: the store's host is gone
-                self.error = _brief(e)
+                self.error = describe_error(e)
         return not self.error
+
+    def announce_failure(self, *, step: int, error: str) -> None:
+        """Tell every rank's watchdog that this rank stopped on `error` after `step`."""
+        try:
+            self.store.set(FAILURE_KEY, json.dumps({"rank": self.rank, "step": step, "error": error}))
+        except Exception as e:  # nobody can be told: the peers fall back on their own errors
+            self.error = describe_error(e)
+
+    def peer_failure(self) -> dict[str, Any] | None:
+        """The failure another rank announced, if any (None too when the store does not answer)."""
+        try:
+            if not self.store.check([FAILURE_KEY]):
+                return None
+            failure = json.loads(bytes(self.store.get(FAILURE_KEY)).decode())
+        except Exception:
+            return None
+        return failure if failure["rank"] != self.rank else None
 
     def read(self) -> dict[int, Beat]:
         """The latest beat of every rank that has beaten (raises if the store does not answer)."""
@@ -122,7 +142,7 @@ class Heartbeats:
                 self.beat(step)
             call.beats = self.read()
         except Exception as e:
-            call.store_error = _brief(e)
+            call.store_error = describe_error(e)
             return call
         for rank in range(self.world_size):
             if rank == self.rank:

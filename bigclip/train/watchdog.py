@@ -16,9 +16,12 @@ watches the one thing every engine has in common, the training loop finishing st
   from its last committed checkpoint. Every rank does the same, so every healthy rank names the
   stuck ones; a stopped rank cannot, and srun (--kill-on-bad-exit) or torchrun ends it.
 - A rank that died makes the others' next collective fail (gloo: at once; NCCL: after the
-  process group's timeout, or this watchdog first): `explain_failure` then names the ranks that
-  stopped answering before the error propagates (exit code 1, no requeue: a rank that ran out of
-  memory would do so again).
+  process group's timeout, or this watchdog first): `explain_failure` then announces the failure
+  in the store and names the ranks that stopped answering before the error propagates (exit code
+  1, no requeue: a rank that ran out of memory would do so again). A rank blocked in a collective
+  that waits for the failed one, alive but past the error, would see nothing until that process
+  exits (and the store with it, under srun) or the group times out: its watchdog reads the
+  announcement at its next beat, names the silent ranks too, and ends the process with 1.
 While a preemption signal is being handled the watchdog stands aside: the checkpoint may take
 longer than a step, and the scheduler's grace time bounds it.
 """
@@ -40,7 +43,13 @@ from typing import Any, TypeVar
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, side_store
-from bigclip.train.heartbeats import Heartbeats, RollCall, main_thread_location
+from bigclip.train.heartbeats import (
+    ROLL_CALL_INTERVALS,
+    Heartbeats,
+    RollCall,
+    describe_error,
+    main_thread_location,
+)
 from bigclip.train.metrics import get_logger
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, write_requeue_marker
 from bigclip.train.signals import preemption_flag
@@ -48,7 +57,9 @@ from bigclip.train.signals import preemption_flag
 AUTO_FACTOR = 10.0
 AUTO_FLOOR_S = 300.0
 AUTO_MIN_STEPS = 10
-MAX_BEAT_INTERVAL_S = 5.0  # one store write per rank per interval: 205/s on 1024 ranks
+MAX_BEAT_INTERVAL_S = 5.0  # two store requests per rank per interval: 410/s on 1024 ranks
+RESUBMIT = ("Resubmit the job to resume from its last committed checkpoint once the cause (out of memory, "
+            "a lost node) is dealt with.")  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,6 +89,7 @@ class StepWatchdog:
         self._last_step_at: float | None = None  # not watching before the first step
         self._paused = 0
         self._stop = threading.Event()
+        self._reporting = threading.Lock()  # one report per rank: its own failure, a peer's, or a hang
         self._thread = threading.Thread(target=self._watch, name="bigclip-step-watchdog", daemon=True)
 
     @classmethod
@@ -116,6 +128,9 @@ class StepWatchdog:
         while not self._stop.wait(self.interval_s):
             if self.heartbeats is not None:
                 self.heartbeats.beat(self.step)
+                failure = self.heartbeats.peer_failure()
+                if failure is not None:
+                    self._follow(failure)
             limit, last = step_limit(self.timeout_s, self._intervals), self._last_step_at
             idle = time.monotonic() - last if last is not None else 0.0
             standing_aside = self._paused or preemption_flag().signum
@@ -123,6 +138,8 @@ class StepWatchdog:
                 self._give_up(limit=limit, idle=idle)
 
     def _give_up(self, *, limit: float, idle: float) -> None:
+        if not self._reporting.acquire(blocking=False):
+            return  # this rank is already reporting a failure
         log = get_logger()
         log.error(
             f"step watchdog (rank {self.rank}): no step finished for {idle:.1f} s (limit {limit:.0f} s) "
@@ -142,10 +159,30 @@ class StepWatchdog:
             f"step watchdog (rank {self.rank}): exiting with {REQUEUE_EXIT_CODE}: the job is requeued "
             "and resumes from its last committed checkpoint"
         )
+        self._depart(call)
+        _exit_now(REQUEUE_EXIT_CODE)
+
+    def _follow(self, failure: dict[str, Any]) -> None:
+        """Another rank stopped on an error while this one trains on, most likely blocked in a
+        collective that waits for it: report as that rank does and end the process."""
+        assert self.heartbeats is not None
+        if not self._reporting.acquire(blocking=False):
+            return  # this rank is already reporting (its own error, or a hang)
+        where = main_thread_location()
+        self.heartbeats.activity = f"its report on rank {failure['rank']}'s error, waiting before in {where}"
+        call = self.heartbeats.roll_call(step=self.step)
+        get_logger().error(
+            f"rank {self.rank}: rank {failure['rank']} stopped on an error after step {failure['step']} "
+            f"({failure['error']}) while this rank, after step {self.step}, waited in {where}; roll call of "
+            f"the ranks:\n{call.describe()}\n{RESUBMIT}"
+        )
+        self._depart(call)
+        _exit_now(1)
+
+    def _depart(self, call: RollCall | None) -> None:
         if call is not None and self.heartbeats is not None:
             answering = [r for r in range(call.world_size) if r not in call.silent]
             self.heartbeats.depart(answering, step=self.step, timeout_s=3 * self.interval_s)
-        _exit_now(REQUEUE_EXIT_CODE)
 
     def _write_marker(self, record: dict) -> None:
         try:  # every survivor writes it (under srun the first to exit ends the others); the first stays
@@ -161,16 +198,17 @@ class StepWatchdog:
         self.close()
         if self.heartbeats is None:
             return None
+        if not self._reporting.acquire(blocking=False):  # the watchdog reports and ends the process
+            time.sleep((ROLL_CALL_INTERVALS + 4) * self.interval_s)
+            return None
+        self.heartbeats.announce_failure(step=self.step, error=describe_error(error))
         self.heartbeats.activity = f"the {type(error).__name__} of a failed collective"
         call = self.heartbeats.roll_call(step=self.step)
-        answering = [r for r in range(call.world_size) if r not in call.silent]
-        self.heartbeats.depart(answering, step=self.step, timeout_s=3 * self.interval_s)
         get_logger().error(
-            f"rank {self.rank}: a collective failed after step {self.step} "
-            f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
-            f"roll call of the ranks:\n{call.describe()}\nResubmit the job to resume from its last "
-            "committed checkpoint once the cause (out of memory, a lost node) is dealt with."
+            f"rank {self.rank}: a collective failed after step {self.step} ({describe_error(error)}); "
+            f"roll call of the ranks:\n{call.describe()}\n{RESUBMIT}"
         )
+        self._depart(call)
         return call
 
 
