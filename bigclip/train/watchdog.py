@@ -97,7 +97,10 @@ class StepWatchdog:
         timeout_s, beats = cfg.engine.step_timeout, None
         if runtime.world_size > 1 and timeout_s >= 0:
             interval = beat_interval(timeout_s)
-            store = side_store(prefix="bigclip/heartbeats", timeout_s=max(10.0, 2 * interval))
+            # torchrun (--max-restarts) keeps its TCPStore server across worker restarts: keys of the
+            # failed attempt, its failure announcement first, must not reach the next one
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = side_store(prefix=f"bigclip/heartbeats/{attempt}", timeout_s=max(10.0, 2 * interval))
             beats = Heartbeats(store, rank=runtime.rank, world_size=runtime.world_size, interval_s=interval)
             beats.beat(0)  # present from the start, so a roll call never waits for a missing key
         watchdog = cls(timeout_s=timeout_s, rank=runtime.rank, run_dir=run_dir, heartbeats=beats)
