@@ -5,17 +5,18 @@ Every rank's watchdog thread writes a beat every `interval_s` into the side stor
 rank: a counter, its last finished step, and where its main thread is at that moment. A rank that
 stops beating is stopped (SIGSTOP, a frozen node), dead (killed, out of memory, its node lost) or
 stuck holding the GIL; one that beats but finishes no step is waiting, usually in a collective,
-for one of the first kind. A rank whose training stops on an error announces it in the same store:
-its peers may be blocked in a collective that waits for it, which they would otherwise notice only
-when its process exits (gloo) or at the process group's timeout (NCCL). A roll call reads every rank's beat twice, a few intervals apart,
+for one of the first kind. A roll call reads every rank's beat twice, a few intervals apart,
 beating itself meanwhile: who did not move did not answer. No collective is involved, so a hung
 process group cannot hang the diagnosis, and a store that does not answer (its host is rank 0
-under srun) is reported as such. Cost: one small store write and one key check per rank per
-interval, off the training thread.
+under srun) is reported as such. A rank whose training stops on an error announces it in the same
+store: its peers may be blocked in a collective that waits for it, which they would otherwise
+notice only when its process exits (gloo) or at the process group's timeout (NCCL). Cost: one
+small store write and one key check per rank per interval, off the training thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -90,29 +91,23 @@ class Heartbeats:
 
     def __init__(self, store: Any, *, rank: int, world_size: int, interval_s: float) -> None:
         self.store, self.rank, self.world_size, self.interval_s = store, rank, world_size, interval_s
-        self.error = ""  # the last store error, if the latest beat failed
         self.activity = ""  # what to report instead of the main thread's place (e.g. "handling an error")
         self._count = 0
         self._lock = threading.Lock()
 
-    def beat(self, step: int) -> bool:
+    def beat(self, step: int) -> None:
         with self._lock:
             self._count += 1
             where = self.activity or main_thread_location()
             value = json.dumps({"count": self._count, "step": step, "where": where})
-            try:
+            # A timeout or a refused connection: the store's host is gone, which a roll call reports.
+            with contextlib.suppress(Exception):
                 self.store.set(str(self.rank), value)
-                self.error = ""
-            except Exception as e:  # a timeout or a refused connection: the store's host is gone
-                self.error = describe_error(e)
-        return not self.error
 
     def announce_failure(self, *, step: int, error: str) -> None:
         """Tell every rank's watchdog that this rank stopped on `error` after `step`."""
-        try:
+        with contextlib.suppress(Exception):  # nobody can be told: the peers fall back on their own errors
             self.store.set(FAILURE_KEY, json.dumps({"rank": self.rank, "step": step, "error": error}))
-        except Exception as e:  # nobody can be told: the peers fall back on their own errors
-            self.error = describe_error(e)
 
     def peer_failure(self) -> dict[str, Any] | None:
         """The failure another rank announced, if any (None too when the store does not answer)."""

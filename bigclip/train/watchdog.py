@@ -57,6 +57,7 @@ from bigclip.train.signals import preemption_flag
 AUTO_FACTOR = 10.0
 AUTO_FLOOR_S = 300.0
 AUTO_MIN_STEPS = 10
+DEPART_INTERVALS = 3  # how long a reporting rank waits for the others' reports before it exits
 MAX_BEAT_INTERVAL_S = 5.0  # two store requests per rank per interval: 410/s on 1024 ranks
 RESUBMIT = ("Resubmit the job to resume from its last committed checkpoint once the cause (out of memory, "
             "a lost node) is dealt with.")  # fmt: skip
@@ -185,7 +186,7 @@ class StepWatchdog:
     def _depart(self, call: RollCall | None) -> None:
         if call is not None and self.heartbeats is not None:
             answering = [r for r in range(call.world_size) if r not in call.silent]
-            self.heartbeats.depart(answering, step=self.step, timeout_s=3 * self.interval_s)
+            self.heartbeats.depart(answering, step=self.step, timeout_s=DEPART_INTERVALS * self.interval_s)
 
     def _write_marker(self, record: dict) -> None:
         try:  # every survivor writes it (under srun the first to exit ends the others); the first stays
@@ -201,8 +202,9 @@ class StepWatchdog:
         self.close()
         if self.heartbeats is None:
             return None
-        if not self._reporting.acquire(blocking=False):  # the watchdog reports and ends the process
-            time.sleep((ROLL_CALL_INTERVALS + 4) * self.interval_s)
+        if not self._reporting.acquire(blocking=False):  # the watchdog reports and ends the process:
+            # its roll call, its wait for the others, and rank 0's last interval for their store calls
+            time.sleep((ROLL_CALL_INTERVALS + DEPART_INTERVALS + 1) * self.interval_s)
             return None
         self.heartbeats.announce_failure(step=self.step, error=describe_error(error))
         self.heartbeats.activity = f"the {type(error).__name__} of a failed collective"

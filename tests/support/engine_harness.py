@@ -13,7 +13,6 @@ import torch.distributed as dist
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine, build_engine
-from bigclip.models import create_model
 from bigclip.models.from_config import build_model
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.train.step import train_step
@@ -69,9 +68,7 @@ def run_steps(engine: Engine, cfg: TrainConfig, steps: range, batch: int) -> lis
 def run_engine(rank: int, world: int, cfg_dict: dict, steps: int, batch: int) -> dict:
     """Worker for bigclip.distributed.spawn: returns the loss per step and the final full weights."""
     cfg = TrainConfig.from_dict(cfg_dict).validate()
-    runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    engine = build_engine(cfg, runtime)
-    engine.build(create_model(cfg.model.model, device="meta", patch_dropout=cfg.model.force_patch_dropout))
+    engine = make_engine(rank, world, cfg)
     losses = run_steps(engine, cfg, range(steps), batch)
     weights = engine.full_state_dict()
     return {"losses": losses, "weights": weights if rank == 0 else None}
