@@ -17,6 +17,15 @@ class ModelConfig:
         0.0, "Fraction of image patches dropped during training (class token kept)."
     )
     grad_checkpointing: bool = opt(False, "Recompute each residual block's activations in backward.")
+    grad_checkpointing_every: int = opt(
+        1, "With --grad-checkpointing, checkpoint one residual block in N (the others keep activations)."
+    )
+    grad_checkpointing_policy: str = opt(
+        "full",
+        "With --grad-checkpointing: `full` keeps only each checkpointed block's input; `ops` also keeps"
+        " attention and every other matmul output (torchtitan's selective checkpointing: less recompute).",
+        choices=("full", "ops"),
+    )
     torchcompile: bool = opt(False, "torch.compile each residual block.")
     int8: str = opt(
         "none",
@@ -54,6 +63,13 @@ class ModelConfig:
             raise ConfigError(f"--force-context-length must be positive, got {self.force_context_length}")
         if not 0.0 <= self.force_patch_dropout < 1.0:
             raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
+        refined = self.grad_checkpointing_every != 1 or self.grad_checkpointing_policy != "full"
+        if refined and not self.grad_checkpointing:
+            raise ConfigError(
+                "--grad-checkpointing-every/--grad-checkpointing-policy refine --grad-checkpointing: add it"
+            )
+        if self.grad_checkpointing_every < 1:
+            raise ConfigError(f"--grad-checkpointing-every must be >= 1, got {self.grad_checkpointing_every}")
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
         from bigclip.models.lock import check_lock_options

@@ -109,9 +109,10 @@ class CLIP(nn.Module):
         """Residual blocks of both towers: the units engines shard, checkpoint and compile."""
         return [*self.visual.transformer.resblocks, *self.transformer.resblocks]
 
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.visual.transformer.grad_checkpointing = enable
-        self.transformer.grad_checkpointing = enable
+    def set_grad_checkpointing(self, enable: bool = True, *, every: int = 1, policy: str = "full") -> None:
+        """OpenCLIP's switch, plus bigclip's selective options (see bigclip.models.checkpointing)."""
+        self.visual.transformer.set_grad_checkpointing(enable, every=every, policy=policy)
+        self.transformer.set_grad_checkpointing(enable, every=every, policy=policy)
 
     def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         features = self.visual(image)

@@ -49,7 +49,11 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLI
         **extra,
         **forced(cfg),
     )
-    model.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    model.set_grad_checkpointing(
+        cfg.model.grad_checkpointing,
+        every=cfg.model.grad_checkpointing_every,
+        policy=cfg.model.grad_checkpointing_policy,
+    )
     if cfg.model.int8 != "none":
         from bigclip.ops.int8.switchback import apply_int8
 

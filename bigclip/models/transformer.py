@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bigclip.models.checkpointing import BlockCheckpointing, block_plan
+
 
 class LayerNorm(nn.LayerNorm):
     """LayerNorm that follows its input's dtype, so fp32 gains can serve bf16 activations."""
@@ -80,8 +82,17 @@ class ResidualAttentionBlock(nn.Module):
                 c_proj=nn.Linear(mlp_width, width, device=device),
             )
         )
+        self.checkpointing: BlockCheckpointing | None = None  # see bigclip.models.checkpointing
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        ckpt = self.checkpointing
+        if ckpt is not None and self.training and torch.is_grad_enabled():
+            # Inside the block, so inside the engine's unit (FSDP2/ZeRO-3 hooks run around it).
+            # Non-reentrant: composes with those parameter hooks and with torch.compile.
+            return checkpoint(self._forward, x, causal, use_reentrant=False, context_fn=ckpt.context_fn())
+        return self._forward(x, causal)
+
+    def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), causal=causal)
         return x + self.mlp(self.ln_2(x))
 
@@ -100,17 +111,21 @@ class Transformer(nn.Module):
         super().__init__()
         self.width = width
         self.layers = layers
-        self.grad_checkpointing = False
         self.resblocks = nn.ModuleList(
             ResidualAttentionBlock(width, heads, mlp_ratio, act_layer=act_layer, device=device)
             for _ in range(layers)
         )
 
+    def set_grad_checkpointing(self, enable: bool = True, *, every: int = 1, policy: str = "full") -> None:
+        plan = block_plan(self.layers, every=every, policy=policy)
+        for block, ckpt in zip(self.resblocks, plan):
+            block.checkpointing = ckpt if enable else None
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return any(block.checkpointing is not None for block in self.resblocks)
+
     def forward(self, x: torch.Tensor, *, causal: bool = False) -> torch.Tensor:
         for block in self.resblocks:
-            if self.grad_checkpointing and self.training:
-                # Non-reentrant checkpointing composes with FSDP2 and ZeRO-3 parameter hooks.
-                x = checkpoint(block, x, causal, use_reentrant=False)
-            else:
-                x = block(x, causal)
+            x = block(x, causal)
         return x

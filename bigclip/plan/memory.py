@@ -8,9 +8,11 @@ flash attention), per token of width W, MLP width M, H heads, a bytes per comput
     LayerNorm mean and rstd (2 x 2 fp32) and the attention log-sum-exp (H fp32):   (4 + H) x 4
 SwitchBack int8 `memefficient` saves an int8 copy (+ an fp32 absmax per row) of each swapped
 linear's input instead of the 16-bit one (the attention output stays, SDPA keeps it); `global`
-and `vectorwise` save the same as a plain linear. With --grad-checkpointing a block keeps only
-its input (W x a) and one block at a time is recomputed whole in backward. Outside the blocks:
-the vision tower keeps ln_pre's input (fp32 under FSDP2, whose root is fp32) and its last block's
+and `vectorwise` save the same as a plain linear. With --grad-checkpointing a checkpointed block
+keeps only its input (W x a; policy `ops` also keeps the QKV output, SDPA's output and log-sum-exp
+and c_fc's output: 5 W + M elements + H fp32), the blocks left out by --grad-checkpointing-every
+keep everything, and one block at a time is recomputed in backward. Outside the blocks:
+the vision tower keeps ln_pre's input and its last block's
 output (ln_post reads the class token through a view of it); the inputs themselves (fp32 images,
 int64 tokens). Backward needs a workspace of about one block's MLP and residual gradients
 (2 M + 3 W per token x a). Patch dropout shortens the vision sequence to 1 + kept patches.
@@ -99,21 +101,47 @@ def block_saved_per_token(tower: Tower, spec: PlanSpec) -> int:
     return saved
 
 
+def checkpointed_saved_per_token(tower: Tower, spec: PlanSpec) -> int:
+    """Bytes a checkpointed block keeps per token until its backward (module docstring)."""
+    a = dtype_bytes(spec.dtypes.compute_dtype)
+    if spec.checkpoint_policy == "ops":
+        return a * (5 * tower.width + tower.mlp) + 4 * tower.heads
+    return a * tower.width
+
+
+def checkpointed_blocks(tower: Tower, spec: PlanSpec) -> int:
+    """Blocks of the tower checkpointed: 0, or one in --grad-checkpointing-every (blocks 0, k, 2k...)."""
+    return -(-tower.layers // spec.checkpoint_every) if spec.grad_checkpointing else 0
+
+
 def activation_bytes(spec: PlanSpec) -> int:
     """Saved activations of one micro-batch on one rank, both towers and outside the blocks."""
     a = dtype_bytes(spec.dtypes.compute_dtype)
-    root = 4 if spec.engine == "fsdp" else a  # FSDP2's root runs in fp32; DeepSpeed's in the compute dtype
     total = 0
     for name, tower in towers(spec).items():
         tokens = spec.batch_size * tower.tokens
         per_block = block_saved_per_token(tower, spec)
-        if spec.grad_checkpointing:
-            total += tokens * (tower.layers * a * tower.width + per_block)
-        else:
-            total += tokens * tower.layers * per_block
+        ckpt = checkpointed_blocks(tower, spec)
+        kept = ckpt * checkpointed_saved_per_token(tower, spec) + (tower.layers - ckpt) * per_block
+        recomputing = per_block if ckpt else 0  # one block's activations, rebuilt in backward
+        total += tokens * (kept + recomputing)
         if name == "vision":
-            total += tokens * tower.width * (root + a)
+            total += tokens * tower.width * 2 * a  # ln_pre's input and the last block's output
     return total + input_bytes(spec)
+
+
+def recomputed_flops(spec: PlanSpec) -> float:
+    """Forward FLOPs per step that checkpointing repeats in backward (hardware work, not model work):
+    a `full` block repeats all of its matmuls and attention; an `ops` block only out_proj and c_proj."""
+    total = 0.0
+    for tower in towers(spec).values():
+        w, m, s = tower.width, tower.mlp, tower.tokens
+        if spec.checkpoint_policy == "ops":
+            per_token = 2 * (w * w + m * w)
+        else:
+            per_token = 2 * (4 * w * w + 2 * m * w) + 4 * s * w  # QKV, out, MLP; QK^T and AV
+        total += checkpointed_blocks(tower, spec) * spec.global_batch * s * per_token
+    return total
 
 
 def input_bytes(spec: PlanSpec) -> int:

@@ -29,7 +29,7 @@ from bigclip.cli_args import parse_train_args
 from bigclip.errors import ConfigError
 from bigclip.models import get_model_config
 from bigclip.models.flops import forward_flops as model_forward_flops
-from bigclip.plan.memory import MemoryPlan, plan_memory
+from bigclip.plan.memory import MemoryPlan, plan_memory, recomputed_flops
 from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
 from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes, from_train_config, model_params
 
@@ -65,6 +65,11 @@ class Plan:
     @property
     def model_flops_per_step(self) -> float:
         return 3 * self.forward_flops_per_sample * self.spec.global_batch
+
+    @property
+    def recomputed_flops_per_step(self) -> float:
+        """Hardware work --grad-checkpointing adds (not in MFU's numerator): compare settings by it."""
+        return recomputed_flops(self.spec)
 
     @property
     def step_time_s(self) -> float:
@@ -142,6 +147,10 @@ def _throughput_rows(plan: Plan) -> list[tuple[str, str]]:
     return [
         ("global batch", f"{plan.spec.global_batch:,}"),
         ("model FLOPs per step", f"{plan.model_flops_per_step:.3e}"),
+        (
+            "recomputed by checkpointing",
+            f"{plan.recomputed_flops_per_step:.3e} (+{plan.recomputed_flops_per_step / plan.model_flops_per_step:.0%})",
+        ),
         (f"step time at {hw.mfu:.0%} MFU", f"{plan.step_time_s:.2f} s ({hw.peak_tflops:g} TFLOP/s peak)"),
         ("samples per second", f"{plan.spec.global_batch / plan.step_time_s:,.0f}"),
     ]
@@ -186,6 +195,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "fits": plan.fits,
         "forward_flops_per_sample": plan.forward_flops_per_sample,
         "model_flops_per_step": plan.model_flops_per_step,
+        "recomputed_flops_per_step": plan.recomputed_flops_per_step,
         "step_time_s": plan.step_time_s,
         "checkpoint_total_bytes": plan.checkpoint_total_bytes,
         "checkpoint_rank0_bytes": plan.checkpoint_rank0_bytes,

@@ -54,6 +54,8 @@ class PlanSpec:
     optimizer: str = "adamw"
     accum_freq: int = 1
     grad_checkpointing: bool = False
+    checkpoint_every: int = 1  # --grad-checkpointing-every
+    checkpoint_policy: str = "full"  # --grad-checkpointing-policy
     patch_dropout: float = 0.0
     int8: str = "none"
     int8_attention: bool = False
@@ -91,7 +93,8 @@ def from_train_config(cfg: TrainConfig, *, gpus: int) -> PlanSpec:
     return PlanSpec(
         model=cfg.model.model, gpus=gpus, batch_size=cfg.data.batch_size, engine=engine,
         precision=cfg.engine.precision, optimizer=cfg.optim.optimizer, accum_freq=cfg.optim.accum_freq,
-        grad_checkpointing=cfg.model.grad_checkpointing, patch_dropout=cfg.model.force_patch_dropout,
+        grad_checkpointing=cfg.model.grad_checkpointing, checkpoint_every=cfg.model.grad_checkpointing_every,
+        checkpoint_policy=cfg.model.grad_checkpointing_policy, patch_dropout=cfg.model.force_patch_dropout,
         int8=cfg.model.int8, int8_attention=cfg.model.int8_attention, loss=cfg.loss.loss,
         loss_chunk_size=cfg.loss.loss_chunk_size, loss_exchange=cfg.loss.loss_exchange,
         local_loss=cfg.loss.local_loss, gather_with_grad=cfg.loss.gather_with_grad,
