@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,14 @@ from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError
 from bigclip.models.transformer import ResidualAttentionBlock
 from bigclip.ops.int8.switchback import apply_int8
-from bigclip.plan.memory import Tower, block_saved_per_token, loss_buffer_bytes
+from bigclip.plan.memory import (
+    Tower,
+    activation_bytes,
+    block_saved_per_token,
+    loss_buffer_bytes,
+    recomputed_flops,
+    towers,
+)
 from bigclip.plan.report import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, main, s3_requests
 from bigclip.plan.spec import PlanSpec, from_train_config
 from bigclip.storage.s3 import S3Settings
@@ -141,3 +149,33 @@ def test_deepspeed_flags_select_the_zero_stage_and_offload() -> None:
     whole = build_plan(zero1, Hardware()).memory.state
     assert whole.parameters >= 2 * 2_539_000_000 and whole.gradients == whole.parameters
     assert math.isclose(whole.optimizer, 12 * 2_539_570_000 / 256, rel_tol=0.01)
+
+
+def test_selective_checkpointing_is_priced_between_none_and_full() -> None:
+    """What `bigclip plan` tells a user choosing a checkpointing setting: memory falls and recomputed
+    work rises from none to `ops` / every-2 to full, and full keeps one block input per block."""
+    base = PlanSpec(model="ViT-bigG-14", gpus=1, batch_size=64)
+    settings = {
+        "none": base,
+        "every-2": replace(base, grad_checkpointing=True, checkpoint_every=2),
+        "ops": replace(base, grad_checkpointing=True, checkpoint_policy="ops"),
+        "full": replace(base, grad_checkpointing=True),
+    }
+    memory = {k: activation_bytes(s) for k, s in settings.items()}
+    work = {k: recomputed_flops(s) for k, s in settings.items()}
+    assert (
+        memory["none"] > memory["every-2"] > memory["full"]
+        and memory["none"] > memory["ops"] > memory["full"]
+    )
+    assert work["none"] == 0 < work["ops"] < work["every-2"] < work["full"]
+    plain = activation_bytes(replace(base, batch_size=1))
+    full = activation_bytes(replace(base, batch_size=1, grad_checkpointing=True))
+    tokens_times_layers = sum(t.tokens * t.layers * t.width * 2 for t in towers(base).values())  # bf16 inputs
+    one_block = sum(t.tokens * block_saved_per_token(t, base) for t in towers(base).values())
+    assert (
+        full
+        == plain
+        - sum(t.tokens * t.layers * block_saved_per_token(t, base) for t in towers(base).values())
+        + tokens_times_layers
+        + one_block
+    )

@@ -177,6 +177,5 @@ class Engine(ABC):
     @property
     def image_dtype(self) -> torch.dtype:
         """The dtype images enter the model in (its patch embedding's weights'), which the data
-        loader normalises into on the device: fp32 under FSDP2's amp (the root stays fp32), bf16
-        with pure_bf16 or DeepSpeed's bf16."""
+        loader normalises into on the device: bf16 under DeepSpeed's bf16 modes, fp32 under fp32."""
         return self.unwrapped().visual.conv1.weight.dtype

@@ -111,6 +111,12 @@ class FSDPEngine(Engine):
         # The root's parameters are needed again right at the start of backward: keep them gathered.
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=scalars, reshard_after_forward=False)
 
+    @property
+    def image_dtype(self) -> torch.dtype:
+        """The compute dtype: the root's policy would cast fp32 images to it anyway (same values,
+        since the loader normalises in fp32 first), so the loader skips the fp32 copy."""
+        return self.precision.compute_dtype
+
     def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None) -> dict[str, torch.Tensor]:
         return self.module(images, texts)
 

@@ -46,12 +46,12 @@ class BlockCheckpointing:
 
     policy: str = "full"
 
-    def context_fn(self):  # noqa: ANN201 (torch's checkpoint takes a zero-argument factory)
+    def checkpoint_kwargs(self) -> dict:
+        """Extra arguments of `torch.utils.checkpoint.checkpoint` for this policy. `full` passes
+        none: torch 2.11's dynamo refuses any context_fn it cannot inline (even the no-op default)."""
         if self.policy == "full":
-            from torch.utils.checkpoint import noop_context_fn
-
-            return noop_context_fn
-        return functools.partial(create_selective_checkpoint_contexts, _save_ops_policy())
+            return {}
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_ops_policy())}
 
 
 def _save_ops_policy():  # noqa: ANN202

@@ -89,7 +89,7 @@ class ResidualAttentionBlock(nn.Module):
         if ckpt is not None and self.training and torch.is_grad_enabled():
             # Inside the block, so inside the engine's unit (FSDP2/ZeRO-3 hooks run around it).
             # Non-reentrant: composes with those parameter hooks and with torch.compile.
-            return checkpoint(self._forward, x, causal, use_reentrant=False, context_fn=ckpt.context_fn())
+            return checkpoint(self._forward, x, causal, use_reentrant=False, **ckpt.checkpoint_kwargs())
         return self._forward(x, causal)
 
     def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:

@@ -191,11 +191,11 @@ def communication_bytes(spec: PlanSpec, params: list[ParamInfo]) -> int:
 
 def _fsdp_communication(spec: PlanSpec, blocks: dict[int, int], root: int, largest: int) -> int:
     p = spec.dtypes
-    a, param_b, reduce_b = (dtype_bytes(x) for x in (p.compute_dtype, p.param_dtype, p.reduce_dtype))
+    a, reduce_b = dtype_bytes(p.compute_dtype), dtype_bytes(p.reduce_dtype)
     gathered = sum(blocks.values()) if not spec.reshard_after_forward else 2 * largest
     # The unsharded gradients of the block in backward, and their copy in the reduce dtype.
     reduce_scatter = largest * (a + (reduce_b if reduce_b != a else 0))
-    return a * gathered + param_b * root + reduce_scatter
+    return a * (gathered + root) + reduce_scatter  # the root stays gathered, in the compute dtype
 
 
 def persistent_gradient_bytes(spec: PlanSpec, state: StateBytes, params: list[ParamInfo]) -> int:
