@@ -1,6 +1,7 @@
 """A Hugging Face cache laid out by huggingface_hub itself, with no network.
 
-`populate_cache(cache_dir, repo_id, folder)` downloads every file of a local folder with
+`populate_cache(cache_dir, repo_id, folder)` (in a process of its own, since huggingface_hub reads
+HF_HUB_OFFLINE once, at import) downloads every file of a local folder with
 `huggingface_hub.hf_hub_download(..., endpoint=URL)` from a Hub stand-in on 127.0.0.1 that answers
 the two requests the library makes per file (HEAD, for the commit, ETag and size, then GET), so
 the blobs/, snapshots/ and refs/ entries are the library's own. The stand-in stops before the
@@ -11,6 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import os
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -40,14 +45,16 @@ def _handler(repos: dict[str, Path]) -> type[http.server.BaseHTTPRequestHandler]
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
-            data = path.read_bytes()
+            stat = path.stat()
+            etag = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
             self.send_response(200)
             self.send_header("X-Repo-Commit", COMMIT)
-            self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("ETag", f'"{etag}"')  # names the blob in the cache
+            self.send_header("Content-Length", str(stat.st_size))
             self.end_headers()
             if body:
-                self.wfile.write(data)
+                with open(path, "rb") as f:
+                    shutil.copyfileobj(f, self.wfile, 16 << 20)
 
         def do_HEAD(self) -> None:  # noqa: N802 (http.server's naming)
             self._answer(body=False)
@@ -59,7 +66,16 @@ def _handler(repos: dict[str, Path]) -> type[http.server.BaseHTTPRequestHandler]
 
 
 def populate_cache(cache_dir: Path, repo_id: str, folder: Path) -> list[Path]:
-    """Download every file of `folder` as repository `repo_id` into the cache at `cache_dir`."""
+    """Download every file of `folder`, as repository `repo_id`, into the cache at `cache_dir`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["NO_PROXY"] = "127.0.0.1"  # the stand-in is on this machine
+    script = [sys.executable, __file__, str(cache_dir), repo_id, str(folder)]
+    out = subprocess.run(script, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [Path(line) for line in out.stdout.splitlines()]
+
+
+def _download_all(cache_dir: Path, repo_id: str, folder: Path) -> list[Path]:
     from huggingface_hub import hf_hub_download
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler({repo_id: folder}))
@@ -71,3 +87,8 @@ def populate_cache(cache_dir: Path, repo_id: str, folder: Path) -> list[Path]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+if __name__ == "__main__":
+    for path in _download_all(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])):
+        print(path)
