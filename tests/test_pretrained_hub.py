@@ -87,7 +87,11 @@ def test_vit_b_32_tag_loads_from_the_offline_hugging_face_cache_and_trains(demo_
     assert_started_from(tmp_path / "logs" / "b32", weights, names)
 
 
-def test_hf_hub_model_loads_its_config_preprocessing_and_weights_offline(demo_data, tmp_path):
+ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs" / "zero3.json")]
+
+
+@pytest.mark.parametrize("engine", [[], ZERO3], ids=["fsdp", "deepspeed-zero3"])
+def test_hf_hub_model_loads_its_config_preprocessing_and_weights_offline(demo_data, tmp_path, engine):
     """OpenCLIP's layout: open_clip_config.json (model_cfg + preprocess_cfg) and the weights, the
     safetensors file preferred over open_clip_pytorch_model.bin; --cache-dir names the cache."""
     model_cfg = json.loads((ROOT / "bigclip" / "models" / "configs" / "tiny.json").read_text())
@@ -97,7 +101,7 @@ def test_hf_hub_model_loads_its_config_preprocessing_and_weights_offline(demo_da
     config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess}
     files = {"open_clip_model.safetensors": safe, "open_clip_pytorch_model.bin": other}
     populate_cache(tmp_path / "cache", "test-org/tiny-clip", repo_folder(tmp_path, files, config))
-    argv = ["--model", "hf-hub:test-org/tiny-clip", "--cache-dir", str(tmp_path / "cache")]
+    argv = ["--model", "hf-hub:test-org/tiny-clip", "--cache-dir", str(tmp_path / "cache"), *engine]
     out = train(demo_data, tmp_path, *argv, name="hub", env={"HF_HOME": str(tmp_path / "empty")})
     assert out.returncode == 0, out.stderr[-4000:]
     log = (tmp_path / "logs" / "hub" / "out.log").read_text()
@@ -109,11 +113,14 @@ def test_hf_hub_model_loads_its_config_preprocessing_and_weights_offline(demo_da
     )
     assert_started_from(tmp_path / "logs" / "hub", safe, sorted(safe))
 
-    missing = train(demo_data, tmp_path, "--model", "hf-hub:test-org/absent", "--cache-dir", str(tmp_path / "cache"),
-                    name="absent", env={})  # fmt: skip
-    assert missing.returncode == 2
-    assert "hf-hub:test-org/absent: cannot get open_clip_config.json" in missing.stderr
-    assert "with HF_HUB_OFFLINE=1 only files already there are found" in missing.stderr
+
+def test_an_uncached_hf_hub_model_fails_offline_saying_how_to_get_it(demo_data, tmp_path):
+    argv = ["--model", "hf-hub:test-org/absent", "--cache-dir", str(tmp_path / "cache")]
+    out = train(demo_data, tmp_path, *argv, name="absent", env={})
+    assert out.returncode == 2
+    assert "hf-hub:test-org/absent: cannot get open_clip_config.json" in out.stderr
+    assert "with HF_HUB_OFFLINE=1 only files already there are found" in out.stderr
+    assert "`hf download test-org/absent`" in out.stderr
 
 
 RESOLVE = """
