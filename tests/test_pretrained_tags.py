@@ -61,6 +61,10 @@ def test_tag_table_is_openclips_for_every_bundled_model():
         ),
         (["--model", "ViT-B-32", "--pretrained", "no_such_tag"], ["there is no such file or folder"]),
         (
+            ["--model", "hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K", "--pretrained", "laion2b_s34b_b79k"],
+            ["OpenCLIP tags name weights of bigclip's bundled models", "brings its own weights"],
+        ),
+        (
             ["--model", "ViT-B-32-256", "--pretrained", "datacomp_s34b_b86k"],
             ["unknown model 'ViT-B-32-256'; available: tiny, ViT-B-16, ViT-B-32", "hf-hub:ORG/REPO"],
         ),

@@ -70,8 +70,8 @@ class ModelConfig:
         from bigclip.models.registry import get_model_config  # raises, listing valid names
 
         check_lock_options(self)
-        vision = get_model_config(self.model, cache_dir=self.cache_dir).vision_cfg
         check_pretrained(self.model, self.pretrained)  # an unknown tag: the tags this model has
+        vision = get_model_config(self.model, cache_dir=self.cache_dir).vision_cfg
         if size and size[0] < vision.patch_size:
             raise ConfigError(
                 f"--force-image-size {size[0]} is below {self.model}'s patch size {vision.patch_size}"

@@ -76,10 +76,12 @@ def check_pretrained(model: str, pretrained: str) -> None:
     """Fail at parse time for a bare name that is no tag of --model and no file or folder here."""
     if not looks_like_tag(pretrained) or Path(pretrained).exists():
         return
-    if model.startswith("hf-hub:"):
+    if model.startswith("hf-hub:"):  # (checked before the repository's config is looked for)
         raise ConfigError(
             f"--pretrained {pretrained!r}: OpenCLIP tags name weights of bigclip's bundled models; --model "
             f"{model} brings its own weights (drop --pretrained to use them, or give a path or URI)"
         )
+    if model.removesuffix(QUICKGELU) not in list_models():
+        return  # an unknown --model: get_model_config's error names the models
     if get_tag(model, pretrained) is None:
         raise unknown_tag(model, pretrained)

@@ -1,10 +1,10 @@
 """`--pretrained`: start training from OpenCLIP's (or bigclip's) weights, sharded as they arrive.
 
 Accepted: an OpenCLIP tag of the model (`laion2b_s34b_b79k`; an `hf-hub:ORG/REPO` model's own
-weights when none is given: see named.py), a `.safetensors` file or index, a `.pt`/`.bin`/`.pth` state dict or OpenCLIP training
-checkpoint (`{"state_dict": ...}`, `module.`/`_orig_mod.` prefixes removed), a bigclip
-checkpoint (its `model.*` tensors), local, `s3://`, `https://`, or `registry:NAME` (which
-holds a lease on NAME while the run lives; see `registry/leases.py`).
+weights when none is given: see named.py), a `.safetensors` file or index, a `.pt`/`.bin`/`.pth`
+state dict or OpenCLIP training checkpoint (`{"state_dict": ...}`, `module.`/`_orig_mod.`
+prefixes removed), a bigclip checkpoint (its `model.*` tensors), local, `s3://`, `https://`,
+or `registry:NAME` (which holds a lease on NAME while the run lives; see `registry/leases.py`).
 
 Only rank 0 opens the weights. It matches their names and shapes against the model first and
 every rank raises the same error, listing missing, unexpected and mis-shaped keys, before any
