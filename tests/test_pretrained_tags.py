@@ -61,12 +61,23 @@ def test_tag_table_is_openclips_for_every_bundled_model():
         ),
         (["--model", "ViT-B-32", "--pretrained", "no_such_tag"], ["there is no such file or folder"]),
         (
+            ["--model", "ViT-B-16-plus-240", "--pretrained", "laion400m_e32"],
+            [
+                "unknown model 'ViT-B-16-plus-240'",
+                "'laion400m_e32' is known for ViT-B-16, ViT-B-32, ViT-B-32-quickgelu, ViT-L-14",
+            ],
+        ),
+        (
             ["--model", "hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K", "--pretrained", "laion2b_s34b_b79k"],
             ["OpenCLIP tags name weights of bigclip's bundled models", "brings its own weights"],
         ),
         (
             ["--model", "ViT-B-32-256", "--pretrained", "datacomp_s34b_b86k"],
-            ["unknown model 'ViT-B-32-256'; available: tiny, ViT-B-16, ViT-B-32", "hf-hub:ORG/REPO"],
+            [
+                "unknown model 'ViT-B-32-256'; available: tiny, ViT-B-16, ViT-B-32",
+                "hf-hub:ORG/REPO",
+                "the OpenCLIP tag 'datacomp_s34b_b86k' is known for none of them",
+            ],
         ),
     ],  # fmt: skip
 )

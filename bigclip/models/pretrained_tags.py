@@ -82,6 +82,10 @@ def check_pretrained(model: str, pretrained: str) -> None:
             f"{model} brings its own weights (drop --pretrained to use them, or give a path or URI)"
         )
     if model.removesuffix(QUICKGELU) not in list_models():
-        return  # an unknown --model: get_model_config's error names the models
+        elsewhere = ", ".join(models_with(pretrained)) or "none of them"
+        raise ConfigError(
+            f"unknown model {model!r}; available: {', '.join(list_models())}, or hf-hub:ORG/REPO (an OpenCLIP "
+            f"model on the Hugging Face Hub); the OpenCLIP tag {pretrained!r} is known for {elsewhere}"
+        )
     if get_tag(model, pretrained) is None:
         raise unknown_tag(model, pretrained)
