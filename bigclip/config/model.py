@@ -11,8 +11,13 @@ from bigclip.openclip_flags import bnb_linear_to_int8
 
 @dataclass
 class ModelConfig:
-    model: str = opt("tiny", "Model config name (see `bigclip models`), e.g. ViT-bigG-14.")
-    pretrained: str = opt("", "Initial weights: a path, s3:// or https:// URI, or registry:NAME.")
+    model: str = opt(
+        "tiny", "Model config name (see `bigclip models`), e.g. ViT-bigG-14, or hf-hub:ORG/REPO (OpenCLIP's)."
+    )
+    pretrained: str = opt(
+        "",
+        "Initial weights: an OpenCLIP tag (laion2b_s34b_b79k), a path, s3:// or https:// URI, or registry:NAME.",
+    )
     force_patch_dropout: float = opt(
         0.0, "Fraction of image patches dropped during training (class token kept)."
     )
@@ -40,7 +45,11 @@ class ModelConfig:
     )
     force_image_size: list[int] = opt([], "Override the model's image size: N or N N (square only).")
     force_context_length: int = opt(0, "Override the text tower's context length (0: the model's).")
-    cache_dir: str = opt("", "Where downloaded --pretrained files are cached (default: $BIGCLIP_CACHE).")
+    cache_dir: str = opt(
+        "",
+        "Cache for downloaded weights: the Hugging Face cache of tags and hf-hub models (default: HF_HOME's), "
+        "DIR/downloads for https:// and s3:// files (default: $BIGCLIP_CACHE).",
+    )
     lock_image: bool = opt(False, "Freeze the image tower (LiT); frozen weights get no optimizer state.")
     lock_image_unlocked_groups: int = opt(
         0, "With --lock-image, leave the last N layer groups of the image tower trainable."
@@ -73,10 +82,12 @@ class ModelConfig:
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
         from bigclip.models.lock import check_lock_options
+        from bigclip.models.pretrained_tags import check_pretrained
         from bigclip.models.registry import get_model_config  # raises, listing valid names
 
         check_lock_options(self)
-        vision = get_model_config(self.model).vision_cfg
+        check_pretrained(self.model, self.pretrained)  # an unknown tag: the tags this model has
+        vision = get_model_config(self.model, cache_dir=self.cache_dir).vision_cfg
         if size and size[0] < vision.patch_size:
             raise ConfigError(
                 f"--force-image-size {size[0]} is below {self.model}'s patch size {vision.patch_size}"

@@ -64,7 +64,7 @@ class DeepSpeedEngine(Engine):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when DeepSpeed picks its accelerator
         self.deepspeed = import_deepspeed()
         self.precision = Precision.from_name(cfg.engine.precision)
-        model_cfg = get_model_config(cfg.model.model)
+        model_cfg = get_model_config(cfg.model.model, cache_dir=cfg.model.cache_dir)
         path = cfg.engine.deepspeed_config
         self.plan: DeepSpeedPlan = resolve_ds_config(
             load_ds_config(path),

@@ -1,5 +1,7 @@
 """OpenCLIP-compatible CLIP models: plain nn.Modules, OpenCLIP's JSON configs and weight names,
-and `build_model(cfg)` (from_config), which applies a run's model options. No distributed code.
+and `build_model(cfg)` (from_config), which applies a run's model options; OpenCLIP's pretrained
+tags (pretrained_tags) and `hf-hub:ORG/REPO` files through the Hugging Face cache (hf_hub).
+No distributed code.
 May import config, errors and ops (int8 swap); never engines, data or train.
 """
 

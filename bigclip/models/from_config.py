@@ -32,7 +32,7 @@ def forced(cfg: TrainConfig) -> dict[str, int | bool]:
 
 def model_config(cfg: TrainConfig) -> CLIPConfig:
     """The config of the model this run builds (its --model with the --force-* options applied)."""
-    return get_model_config(cfg.model.model, **forced(cfg))
+    return get_model_config(cfg.model.model, cache_dir=cfg.model.cache_dir, **forced(cfg))
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLIP:
@@ -46,6 +46,7 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLI
         device=device,
         patch_dropout=cfg.model.force_patch_dropout,
         seed=cfg.optim.seed,
+        cache_dir=cfg.model.cache_dir,  # where an hf-hub:ORG/REPO model's config is cached
         **extra,
         **forced(cfg),
     )

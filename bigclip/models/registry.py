@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import fields
 from functools import cache
@@ -11,6 +12,7 @@ import torch
 
 from bigclip.errors import ConfigError
 from bigclip.models.clip import CLIP, CLIPConfig, TextConfig, VisionConfig, init_weights
+from bigclip.models.hf_hub import hub_config, hub_repo, is_hub_model
 
 
 @cache
@@ -34,17 +36,19 @@ def _known(cls: type, values: dict, where: str) -> dict:
 
 
 def get_model_config(
-    name: str, *, force_quick_gelu: bool = False, force_image_size: int = 0, force_context_length: int = 0
+    name: str,
+    *,
+    force_quick_gelu: bool = False,
+    force_image_size: int = 0,
+    force_context_length: int = 0,
+    cache_dir: str = "",
 ) -> CLIPConfig:
-    """A named config, with OpenCLIP's `force_*` overrides (0: keep the config's value).
+    """A named config (or `hf-hub:ORG/REPO`'s `model_cfg`), with OpenCLIP's `force_*` overrides
+    (0: keep the config's value). `cache_dir`: the Hugging Face cache for hf-hub names (--cache-dir).
 
     A changed image size or context length changes the positional embeddings' shapes, as in
     OpenCLIP; weights of the original size then no longer fit (`--pretrained` says which)."""
-    files = _config_files()
-    base = name.removesuffix("-quickgelu")
-    if base not in files:
-        raise ConfigError(f"unknown model {name!r}; available: {', '.join(list_models())}")
-    raw = json.loads(files[base])
+    raw = _raw_config(name, cache_dir=cache_dir)
     vision = VisionConfig(**_known(VisionConfig, raw.pop("vision_cfg", {}), "vision_cfg"))
     text = TextConfig(**_known(TextConfig, raw.pop("text_cfg", {}), "text_cfg"))
     raw.setdefault("quick_gelu", name.endswith("-quickgelu"))
@@ -52,6 +56,19 @@ def get_model_config(
     vision.image_size = force_image_size or vision.image_size
     text.context_length = force_context_length or text.context_length
     return CLIPConfig(vision_cfg=vision, text_cfg=text, **_known(CLIPConfig, raw, "top level"))
+
+
+def _raw_config(name: str, *, cache_dir: str) -> dict:
+    if is_hub_model(name):
+        return copy.deepcopy(hub_config(hub_repo(name), cache_dir=cache_dir)["model_cfg"])
+    files = _config_files()
+    base = name.removesuffix("-quickgelu")
+    if base not in files:
+        raise ConfigError(
+            f"unknown model {name!r}; available: {', '.join(list_models())}, or hf-hub:ORG/REPO "
+            "(an OpenCLIP model on the Hugging Face Hub)"
+        )
+    return json.loads(files[base])
 
 
 def create_model(
@@ -63,6 +80,7 @@ def create_model(
     init_logit_bias: float | None = None,
     init_logit_scale: float | None = None,
     seed: int = 0,
+    cache_dir: str = "",
     **forced: int | bool,
 ) -> CLIP:
     """Build a CLIP by config name.
@@ -72,7 +90,7 @@ def create_model(
     weights are initialised here with `init_weights(seed=seed)`. `forced`: `get_model_config`'s
     force_* overrides.
     """
-    cfg = get_model_config(name, **forced)  # force_quick_gelu, force_image_size, force_context_length
+    cfg = get_model_config(name, cache_dir=cache_dir, **forced)  # and force_quick_gelu, _image_size, ...
     if init_logit_bias is not None:
         cfg.init_logit_bias = init_logit_bias
     if init_logit_scale is not None:

@@ -62,6 +62,7 @@ from bigclip.train.step_log import log_step
 from bigclip.train.watchdog import StepWatchdog, between_steps
 from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
+from bigclip.weights.named import apply_preprocess
 from bigclip.weights.openclip_resume import is_openclip_checkpoint
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ def setup(cfg: TrainConfig) -> Run:
     run_dir = prepare_run_dir(cfg, runtime)
     log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
+    apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
     text_cfg = model_config(cfg).text_cfg
     tokenizer = data.build_tokenizer(
         cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size

@@ -1,9 +1,10 @@
 """`--pretrained`: start training from OpenCLIP's (or bigclip's) weights, sharded as they arrive.
 
-Accepted: a `.safetensors` file or index, a `.pt`/`.bin`/`.pth` state dict or OpenCLIP training
-checkpoint (`{"state_dict": ...}`, `module.`/`_orig_mod.` prefixes removed), a bigclip
-checkpoint (its `model.*` tensors), local, `s3://`, `https://`, or `registry:NAME` (which
-holds a lease on NAME while the run lives; see `registry/leases.py`).
+Accepted: an OpenCLIP tag of the model (`laion2b_s34b_b79k`; an `hf-hub:ORG/REPO` model's own
+weights when none is given: see named.py), a `.safetensors` file or index, a `.pt`/`.bin`/`.pth`
+state dict or OpenCLIP training checkpoint (`{"state_dict": ...}`, `module.`/`_orig_mod.`
+prefixes removed), a bigclip checkpoint (its `model.*` tensors), local, `s3://`, `https://`,
+or `registry:NAME` (which holds a lease on NAME while the run lives; see `registry/leases.py`).
 
 Only rank 0 opens the weights. It matches their names and shapes against the model first and
 every rank raises the same error, listing missing, unexpected and mis-shaped keys, before any
@@ -30,8 +31,10 @@ from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import BigclipError, ConfigError, StorageError
+from bigclip.models.hf_hub import is_hub_model
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import prefetch
+from bigclip.weights.named import weights_of
 from bigclip.weights.sources import (
     REGISTRY_SCHEME,
     WeightSource,
@@ -92,8 +95,8 @@ def _listing(title: str, items: list[str], limit: int) -> list[str]:
 def applies(cfg: TrainConfig, store: CheckpointStore) -> bool:
     """--pretrained initialises a run that does not resume; a resumed run's checkpoint wins, so
     a requeued job does not read (or lease) the initial weights again."""
-    if not cfg.model.pretrained:
-        return False
+    if not cfg.model.pretrained and not is_hub_model(cfg.model.model):
+        return False  # (an hf-hub:ORG/REPO model starts from the repository's weights)
     resume = cfg.checkpoint.resume
     return not resume or (resume == LATEST and store.latest() is None)
 
@@ -102,6 +105,7 @@ def _open_on_rank0(
     cfg: TrainConfig, shapes: dict, s3: S3Settings
 ) -> tuple[WeightSource, WeightPlan, HeldLease | None]:
     uri, lease = cfg.model.pretrained, None
+    named = weights_of(cfg.model)  # a tag's or an hf-hub model's file, from the Hugging Face cache
     if uri.startswith(REGISTRY_SCHEME):
         from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
 
@@ -110,7 +114,10 @@ def _open_on_rank0(
         lease = registry.acquire_lease(parse_registry_ref(uri), owner=owner)
         atexit.register(lease.release)  # also on an exception that ends the run; idempotent
     try:
-        source = open_weights(uri, s3=s3, registry=cfg.checkpoint.registry, cache=cfg.model.cache_dir)
+        source = open_weights(named[0] if named else uri, s3=s3, registry=cfg.checkpoint.registry,
+                              cache=cfg.model.cache_dir)  # fmt: skip
+        if named:
+            uri = source.uri = f"{named[1]}: {named[0]}"
         if source.model and source.model != cfg.model.model:
             log.warning(
                 f"--pretrained {uri} was saved from model {source.model}; this run builds {cfg.model.model}"

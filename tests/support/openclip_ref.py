@@ -75,6 +75,12 @@ def open_clip_tokenizer_module():
     return importlib.import_module("open_clip.tokenizer")
 
 
+def open_clip_pretrained_module():
+    """OpenCLIP's `open_clip.pretrained` (its table of pretrained tags; needs tqdm, not torchvision)."""
+    _register_open_clip_package()
+    return importlib.import_module("open_clip.pretrained")
+
+
 def open_clip_train_parser():
     """The argparse parser of OpenCLIP's trainer (`open_clip_train.params.parse_args`), unparsed."""
     if importlib.util.find_spec("open_clip_train") is None:
