@@ -8,9 +8,8 @@ Precision: under amp_bf16 / amp every module computes in the compute dtype from 
 weights, through one `MixedPrecisionPolicy` on the blocks and on the root group (patch/token
 embeddings, final norms, projections), and gradients are reduced in fp32. That is what DeepSpeed's
 bf16/fp16 modes compute too, so a precision means the same on both engines (tests/test_precision_matrix.py);
-the loss then runs in fp32 on the features. (Keeping the root in fp32 was measured no closer to
-OpenCLIP's autocast: on ViT-B-32 the gradients' relative error against autocast's was 0.038 with an
-fp32 root and 0.024 without, both within bf16 noise; README "Precision".)
+the loss then runs in fp32 on the features. (Keeping the root in fp32 was measured no closer to OpenCLIP's autocast:
+benchmarks/precision_vs_autocast.py; README "Precision and activation checkpointing".)
 
 FSDP2 cannot shard 0-dim parameters, and OpenCLIP's `logit_scale`/`logit_bias` are 0-dim; they are
 left replicated (`ignored_params`) and this engine averages their gradients itself in `step`.
