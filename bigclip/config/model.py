@@ -56,12 +56,30 @@ class ModelConfig:
             raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
-        from bigclip.models.lock import check_lock_options
         from bigclip.models.registry import get_model_config  # raises, listing valid names
 
-        check_lock_options(self)
+        self._check_locks()
         vision = get_model_config(self.model).vision_cfg
         if size and size[0] < vision.patch_size:
             raise ConfigError(
                 f"--force-image-size {size[0]} is below {self.model}'s patch size {vision.patch_size}"
             )
+
+    def _check_locks(self) -> None:
+        """Refuse --lock-* options that cannot apply, saying what to do instead. (Here, not in
+        models/lock.py, which applies them: the check needs only this config.)"""
+        for flag, count, lock, needed in (
+            (
+                "--lock-image-unlocked-groups",
+                self.lock_image_unlocked_groups,
+                self.lock_image,
+                "--lock-image",
+            ),
+            ("--lock-text-unlocked-layers", self.lock_text_unlocked_layers, self.lock_text, "--lock-text"),
+        ):
+            if count < 0:
+                raise ConfigError(f"{flag} must be 0 or more, got {count}")
+            if count and not lock:
+                raise ConfigError(f"{flag} {count} has an effect only with {needed}; add {needed}")
+        if self.lock_text_freeze_layer_norm and not self.lock_text:
+            raise ConfigError("--lock-text-freeze-layer-norm has an effect only with --lock-text; add it")

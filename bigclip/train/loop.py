@@ -12,26 +12,21 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from bigclip import data
-from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig
-from bigclip.distributed import Runtime, init_distributed
-from bigclip.engines import Engine, build_engine
+from bigclip.distributed import init_distributed
+from bigclip.engines import build_engine
 from bigclip.errors import NonFiniteLossError
 from bigclip.models.from_config import build_model, model_config
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
 from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import (
-    TrainState,
     attach,
     checkpoint_contents,
     manifest_meta,
@@ -48,7 +43,7 @@ from bigclip.train.metrics import (
     get_logger,
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
-from bigclip.train.remote_sync import RemoteSync
+from bigclip.train.run import Run
 from bigclip.train.schedule import lr_at
 from bigclip.train.setup import (
     prepare_run_dir,
@@ -63,40 +58,6 @@ from bigclip.train.watchdog import StepWatchdog, between_steps
 from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
 from bigclip.weights.openclip_resume import is_openclip_checkpoint
-
-if TYPE_CHECKING:
-    from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
-
-
-@dataclass
-class Run:
-    """What the loop carries around."""
-
-    cfg: TrainConfig
-    runtime: Runtime
-    run_dir: Path
-    engine: Engine
-    loss_fn: torch.nn.Module
-    tokenizer: Any
-    scalars: Scalars  # --report-to: TensorBoard, wandb
-    shards: data.ShardList
-    s3: S3Settings
-    store: CheckpointStore
-    state: TrainState = field(default_factory=TrainState)
-    data_position: dict | None = None  # where the data stream resumes in the current epoch
-    total_steps: int = 0
-    steps_per_epoch: int = 0  # planned optimizer steps per epoch (the LR schedule's cooldown uses it)
-    last_loss: float | None = None  # the global loss at the latest log step
-    last_saved_step: int = -1
-    preemption: PreemptionWatcher | None = None
-    remote_sync: RemoteSync | None = None
-    watchdog: StepWatchdog | None = None
-    pretrained_lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
-    zeroshot: ZeroShot = field(default_factory=ZeroShot)  # --imagenet-val / --imagenet-v2
-
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.data.batch_size * self.cfg.optim.accum_freq * self.runtime.world_size
 
 
 def setup(cfg: TrainConfig) -> Run:

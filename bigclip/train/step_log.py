@@ -17,7 +17,7 @@ from bigclip.train.metrics import Average, StepTimer, get_logger, peak_memory_gb
 from bigclip.train.step import StepOutput
 
 if TYPE_CHECKING:
-    from bigclip.train.loop import Run
+    from bigclip.train.run import Run
 
 
 def log_step(
