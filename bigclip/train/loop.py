@@ -27,6 +27,7 @@ from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
 from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import (
+    at_epoch_start,
     attach,
     checkpoint_contents,
     manifest_meta,
@@ -98,7 +99,8 @@ def setup(cfg: TrainConfig) -> Run:
     if which:
         run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
         # Never saved again over the checkpoint just loaded (an OpenCLIP .pt is not in the store).
-        run.last_saved_step = -1 if is_openclip_checkpoint(which) else run.state.step
+        run.step_from_epoch = is_openclip_checkpoint(which)
+        run.last_saved_step = -1 if run.step_from_epoch else run.state.step
     run.watchdog = StepWatchdog.start_for(cfg, runtime, run_dir)
     return run
 
@@ -242,6 +244,9 @@ def fit(run: Run) -> dict[str, Any]:
     steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
     run.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
     run.steps_per_epoch = steps_per_epoch
+    if run.step_from_epoch:  # an OpenCLIP checkpoint: its epoch, at this run's steps per epoch
+        at_epoch_start(state, steps_per_epoch=steps_per_epoch, global_batch=run.global_batch)
+        run.step_from_epoch = False
     metrics = None
     while state.step < run.total_steps and state.epoch < cfg.optim.epochs:
         run.engine.train()

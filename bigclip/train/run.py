@@ -49,6 +49,7 @@ class Run:
     steps_per_epoch: int = 0  # planned optimizer steps per epoch (the LR schedule's cooldown uses it)
     last_loss: float | None = None  # the global loss at the latest log step
     last_saved_step: int = -1
+    step_from_epoch: bool = False  # resumed from OpenCLIP: fit sets the step from the epoch
     preemption: PreemptionWatcher | None = None
     remote_sync: RemoteSync | None = None
     watchdog: StepWatchdog | None = None
