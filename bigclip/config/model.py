@@ -18,6 +18,13 @@ class ModelConfig:
     )
     grad_checkpointing: bool = opt(False, "Recompute each residual block's activations in backward.")
     torchcompile: bool = opt(False, "torch.compile each residual block.")
+    torchcompile_mode: str = opt(
+        "",
+        "With --torchcompile: torch.compile's mode, e.g. max-autotune or reduce-overhead (default: torch's).",
+    )
+    torchcompile_backend: str = opt(
+        "", "With --torchcompile: torch.compile's backend, e.g. inductor or eager (default: inductor)."
+    )
     int8: str = opt(
         "none",
         "Run MLP linears as int8 SwitchBack layers.",
@@ -54,6 +61,8 @@ class ModelConfig:
             raise ConfigError(f"--force-context-length must be positive, got {self.force_context_length}")
         if not 0.0 <= self.force_patch_dropout < 1.0:
             raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
+        if (self.torchcompile_mode or self.torchcompile_backend) and not self.torchcompile:
+            raise ConfigError("--torchcompile-mode and --torchcompile-backend need --torchcompile; add it")
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
         from bigclip.models.registry import get_model_config  # raises, listing valid names

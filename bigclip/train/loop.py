@@ -152,10 +152,11 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
         state.samples_seen += run.global_batch
         timer.step_done()
         run.watchdog.step_done(state.step)  # no sync: it only notes the time
-        if state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps:
+        console = state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps
+        if console or state.step % cfg.log.log_metric_every_n_steps == 0:  # as OpenCLIP main: both
             log_step(
                 run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
-                capacity=loader.stats.take_capacity(),
+                capacity=loader.stats.take_capacity(), console=console,
             )  # fmt: skip
         if state.step >= run.total_steps:  # a budget that ends with the epoch completes it (evaluated, saved)
             return state.epoch_step >= run.steps_per_epoch
