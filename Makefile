@@ -45,14 +45,15 @@ demo: install
 
 # OpenCLIP's whole package (its factory imports torchvision) for the reference tests, in a venv
 # of its own: the torchvision wheel the registry serves is a CUDA build that cannot be imported
-# beside the CPU torch above. torch + torchvision + open_clip_torch: ~5.5 GB, 1-3 minutes from a
+# beside the CPU torch above. torch + torchvision + open_clip_torch (+ braceexpand, pandas and
+# webdataset, which its trainer open_clip_train.main imports): ~5.5 GB, 1-3 minutes from a
 # local index; created once, reused after (tests/support/reference_venv.py).
 REF_VENV ?= .venv-ref
 REF_TORCH ?= torch==2.14.1 torchvision==0.29.1
 test: install slurm-deps
-	@$(REF_VENV)/bin/python -c "import open_clip, torchvision" 2>/dev/null || ( \
+	@$(REF_VENV)/bin/python -c "import open_clip, torchvision, braceexpand, pandas, webdataset" 2>/dev/null || ( \
 	    $(PYTHON) -m venv $(REF_VENV) && \
-	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir $(REF_TORCH) ftfy regex tqdm safetensors && \
+	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir $(REF_TORCH) ftfy regex tqdm safetensors braceexpand pandas webdataset && \
 	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps "$(OPEN_CLIP)" )
 	BIGCLIP_REFERENCE_PYTHON=$(CURDIR)/$(REF_VENV)/bin/python $(VPY) -m pytest -q tests
 

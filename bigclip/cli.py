@@ -13,7 +13,7 @@ import sys
 from bigclip.errors import BigclipError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("bigclip.train.loop", "Train a CLIP model (same flags as `python -m bigclip.train`)."),
+    "train": ("bigclip.train.entry", "Train a CLIP model (the same entry as `python -m bigclip.train`)."),
     "demo": ("bigclip.demo.runner", "End-to-end demo on CPU: data, S3, 2-rank training, resume, retrieval."),
     "make-demo-data": ("bigclip.demo.data", "Write synthetic captioned-image webdataset shards."),
     "index-shards": (

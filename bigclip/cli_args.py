@@ -85,6 +85,25 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type
     for alias in meta.get("aliases", ()):
         # Aliases take their own spelling of the value and convert it (OpenCLIP compatibility).
         group.add_argument(alias, dest=f"_alias_{f.name}", default=None, help=f"alias of {names[0]}")
+    for switch, value in meta.get("switches", {}).items():
+        # OpenCLIP flags without a value that mean one value of this field (e.g. --fsdp).
+        group.add_argument(switch, dest=f"_switch_{f.name}", action="store_const", const=value, default=None,
+                           help=f"OpenCLIP's spelling of {_spelled(names[0], value)}")  # fmt: skip
+
+
+def _spelled(flag: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag.removeprefix("--")
+    return f"{flag} {value}"
+
+
+def _apply_switch(section: Any, f: dataclasses.Field, switched: Any, given: Any) -> None:
+    """An OpenCLIP switch sets its value; the field's own flag may agree but not contradict it."""
+    if given is not None and given != switched:
+        (switch,) = [s for s, v in f.metadata["switches"].items() if v == switched][:1]
+        raise ConfigError(f"{switch} means {_spelled(_flag(f.name), switched)}, which contradicts "
+                          f"{_spelled(_flag(f.name), given)}: give one of them")  # fmt: skip
+    setattr(section, f.name, switched)
 
 
 def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, owner: type,
@@ -151,6 +170,9 @@ def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
             if alias_value is not None:
                 setattr(section, f.name, f.metadata["convert"](alias_value))
             value = getattr(args, f.name)
+            switched = getattr(args, f"_switch_{f.name}", None)
+            if switched is not None:
+                _apply_switch(section, f, switched, value)
             if value is not None:
                 setattr(section, f.name, openclip_flags.resolve_value(f.name, value))
     return cfg.validate()

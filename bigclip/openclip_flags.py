@@ -28,7 +28,25 @@ _CSV = (
 _COCA = "bigclip trains contrastive CLIP and SigLIP models; CoCa's captioning loss is not built"
 _DISTILL = "bigclip has no distillation; train with --pretrained to start from a teacher's weights instead"
 
-# flag -> why it is refused and what to use instead
+_AUDIO = "bigclip trains image-text CLIP and SigLIP models; OpenCLIP main's audio towers (CLAP) are not built"
+_NAFLEX = (
+    "NaFlex (variable resolution and aspect ratio, packed patch sequences) needs timm's NaFlexViT towers and a "
+    "packing loader; bigclip builds OpenCLIP's fixed-resolution ViT towers: train at one size (--force-image-size)"
+)
+_BUCKETS = (
+    "length bucketing groups variable-length NaFlex samples; bigclip's batches have one image size and one "
+    "context length, so there is nothing to bucket"
+)
+_LAYER_DECAY = (
+    "layer-wise learning-rate decay is not implemented; to keep a pretrained tower's early layers, freeze them "
+    "with --lock-image/--lock-text and --lock-image-unlocked-groups/--lock-text-unlocked-layers"
+)
+_JSON_TEXT = (
+    "captions come from a text member, chosen with --text-key (e.g. --text-key caption.txt;txt); write the JSON "
+    "field into such a member when making the shards"
+)
+
+# flag -> why it is refused and what to use instead (OpenCLIP 3.3.0's options and main's newer ones)
 REFUSED: dict[str, str] = {
     "--horovod": f"{_DDP}; launch with torchrun, srun or the deepspeed launcher",
     "--ddp-static-graph": f"{_DDP} (FSDP2 per-block sharding needs no static-graph hint)",
@@ -62,6 +80,82 @@ REFUSED: dict[str, str] = {
     "--coca-contrastive-loss-weight": _COCA,
     "--distill-model": _DISTILL,
     "--distill-pretrained": _DISTILL,
+    # OpenCLIP main (tests/data/openclip_main_params.json names the commit)
+    **dict.fromkeys(
+        (
+            "--audio-ext",
+            "--audio-fill",
+            "--audio-fusion",
+            "--audio-int16-normalize",
+            "--audio-layer-decay",
+            "--audio-multiprocessing-context",
+            "--audio-trunc",
+            "--audio-zeroshot-audio-key",
+            "--audio-zeroshot-class-key",
+            "--audio-zeroshot-dataset",
+            "--audio-zeroshot-multiprocessing-context",
+            "--audio-zeroshot-split",
+            "--audio-zeroshot-target-key",
+            "--audio-zeroshot-template",
+            "--audio-zeroshot-workers",
+            "--pretrained-audio",
+        ),
+        _AUDIO,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        (
+            "--use-naflex",
+            "--force-naflex-vision",
+            "--naflex-batch-divisor",
+            "--naflex-loss-scale",
+            "--naflex-max-text-tokens",
+            "--naflex-max-tokens-per-batch",
+            "--naflex-num-train-image-tokens",
+            "--naflex-pad-multiple",
+            "--naflex-patch-size-probs",
+            "--naflex-patch-sizes",
+            "--naflex-seq-len-probs",
+            "--naflex-seq-lens",
+            "--text-pad-multiple",
+        ),
+        _NAFLEX,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("--length-bucketing", "--bucket-chunk", "--bucket-pool", "--bucket-prefetch-pools"), _BUCKETS
+    ),
+    **dict.fromkeys(("--image-layer-decay", "--visual-layer-decay", "--text-layer-decay"), _LAYER_DECAY),
+    "--text-pooler-own-group": f"it places the text pooler in a layer-decay group; {_LAYER_DECAY}",
+    "--json-text-key": _JSON_TEXT,
+    "--json-text-key-probs": _JSON_TEXT,
+    "--fsdp-checkpoint": (
+        "bigclip always saves sharded (torch.distributed.checkpoint) checkpoints, which resume at any world size; "
+        "`bigclip consolidate` writes the full weights as safetensors"
+    ),
+    "--fsdp-offload-cpu": (
+        "FSDP2 CPU offload is not wired in; for optimizer or parameter offload use --engine deepspeed with a "
+        "ds_config that has offload_optimizer/offload_param (see ds_configs/)"
+    ),
+    "--max-image-pixels": (
+        "bigclip opens images header-first and decodes JPEGs at reduced size; images PIL refuses as decompression "
+        "bombs are skipped and counted; to drop large images by area, filter when making the shards "
+        "(img2dataset --max_image_area)"
+    ),
+    "--opt-fallback-list": (
+        "it routes parameters to the AdamW fallback of Muon-family timm optimizers; bigclip's optimizers are AdamW "
+        "(--optimizer adamw or adamw8bit) for every parameter"
+    ),
+    "--torchcompile-strategy": (
+        "bigclip compiles each residual block before sharding (--torchcompile), one strategy for both engines; "
+        "tune it with --torchcompile-mode and --torchcompile-backend"
+    ),
+    "--train-loss-ema-samples": (
+        "bigclip's log line shows the running average of the logged global losses since the epoch began (as "
+        "OpenCLIP 3.3.0); the per-step global loss is in the scalars (--log-metric-every-n-steps)"
+    ),
+    "--wd-exclude": (
+        "bigclip's weight-decay rule is OpenCLIP's default one, fixed (no decay for parameters of fewer than 2 "
+        "dimensions or with bn, ln, bias or logit_scale in their name); extra patterns are not supported"
+    ),
 }
 
 _LOW_PRECISION_WEIGHTS = (
@@ -87,6 +181,8 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
     },
     "dataset_type": {
         "csv": _CSV,
+        "webdataset-audio": _AUDIO,
+        "synthetic-audio": _AUDIO,
         "synthetic": (
             "bigclip reads webdataset shards only; `bigclip make-demo-data DIR` writes synthetic "
             "captioned-image shards to train on"

@@ -69,11 +69,14 @@ def room(module: str) -> str:
     raise AssertionError(f"{module} is in no layer: add its package to LAYER in {__file__}")
 
 
-def bigclip_imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported module, at module level?) for every import of a bigclip module in the file."""
+def bigclip_imports(path: Path, *, include_type_only: bool = False) -> list[tuple[str, bool]]:
+    """(imported module, at module level?) for every import of a bigclip module in the file;
+    `if TYPE_CHECKING:` imports only with `include_type_only`."""
     tree = ast.parse(path.read_text())
     top_level = {id(node) for node in tree.body}
     type_only = {id(n) for node in ast.walk(tree) if _is_type_checking_block(node) for n in ast.walk(node)}
+    if include_type_only:
+        type_only = set()
     found = []
     for node in ast.walk(tree):
         if id(node) in type_only:
@@ -112,6 +115,63 @@ def test_no_module_imports_a_higher_layer():
                 continue
             problems.append(f"{source} imports {target} ({a} is below {b})")
     assert not problems, "\n".join(problems)
+
+
+def import_graph(*, include_type_only: bool) -> dict[str, set[str]]:
+    """bigclip module -> the bigclip modules it imports: at module level, inside functions and,
+    with `include_type_only`, under `if TYPE_CHECKING:`."""
+    graph = {}
+    for path in all_modules():
+        source = module_name(path)
+        found = bigclip_imports(path, include_type_only=include_type_only)
+        graph[source] = {target for target, _ in found if target != source}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in graph:
+                continue  # a name that is no module of the tree (checked by the layer rule)
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycles():
+    """Modules import each other in one direction only. Every import counts: module-level ones,
+    those inside functions (a lazy import still makes the two modules depend on each other; it
+    only hides the circle until that function runs) and `if TYPE_CHECKING:` ones (type
+    checkers and `typing.get_type_hints` run them). The fix is to move the shared name down
+    into a module both can import."""
+    cycles = import_cycles(import_graph(include_type_only=True))
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_circle_through_a_lazy_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
 def loaded_after(statement: str) -> set[str]:

@@ -1,7 +1,9 @@
 """Every option of OpenCLIP's trainer parser is accepted with its meaning or refused saying why.
 
-Walks `open_clip_train.params`' own parser (installed with open_clip_torch; missing, the tests
-skip locally and fail under CI), so a new OpenCLIP option fails here until it is handled.
+Two references: the released parser, walked live (`open_clip_train.params` of the installed
+open_clip_torch 3.3.0; missing, the tests skip locally and fail under CI), and OpenCLIP main's,
+kept as test data (tests/data/openclip_main_params.json names the commit; see
+support/openclip_main.py to regenerate it). A new OpenCLIP option fails here until it is handled.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from typing import Any
 
 import pytest
+from support.openclip_main import main_options
 from support.openclip_ref import open_clip_train_parser
 
 from bigclip.cli_args import build_parser, parse_train_args
@@ -40,6 +43,10 @@ SAMPLES: dict[str, list[str]] = {
     "--image-std": ["0.5", "0.5", "0.5"], "--aug-cfg": ["scale=(0.5, 1.0)"],
     "--train-data-upsampling-factors": ["1::2", "--dataset-resampled", "--train-data", "/a/{0..1}.tar::/b/0.tar"],
     "--lock-image-unlocked-groups": ["3", "--lock-image"], "--lock-text-unlocked-layers": ["2", "--lock-text"],
+    # OpenCLIP main's
+    "--image-key": ["webp"], "--text-key": ["caption.txt;txt"], "--opt-kwargs": ["amsgrad=True", "foreach=None"],
+    "--torchcompile-mode": ["max-autotune", "--torchcompile"], "--torchcompile-backend": ["eager", "--torchcompile"],
+    "--log-metric-every-n-steps": ["5"], "--val-retrieval-chunk-size": ["1024"],
 }  # fmt: skip
 
 # OpenCLIP options whose bigclip field has another name or value: flag -> (field, value meant).
@@ -51,6 +58,9 @@ MEANS: dict[str, tuple[str, Any]] = {
     "--no-set-device-rank": ("set_device_rank", False),
     "--force-image-size": ("force_image_size", [96, 96]),
     "--report-to": ("report_to", "wandb,tensorboard"),
+    "--opt-kwargs": ("opt_kwargs", {"amsgrad": True, "foreach": None}),
+    "--fsdp": ("engine", "fsdp"),  # FSDP2 instead of DDP: bigclip's default engine
+    "--fsdp-no-reshard-after-forward": ("reshard_after_forward", False),
 }
 # Values bigclip spells differently: (flag, OpenCLIP value) -> bigclip value.
 VALUE_MEANS = {("--precision", "amp_bfloat16"): "amp_bf16", ("--dataset-type", "auto"): "webdataset"}
@@ -63,6 +73,9 @@ NEEDS = {
 def openclip_options() -> list[argparse.Action]:
     parser = open_clip_train_parser()
     return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+MAIN_COMMIT, MAIN_OPTIONS = main_options()
 
 
 def command_lines(action: argparse.Action) -> list[tuple[list[str], str | None]]:
@@ -86,16 +99,50 @@ def cases() -> list[tuple[str, list[str], str | None]]:
     return [(a.option_strings[0], argv, v) for a in options for argv, v in command_lines(a)]
 
 
+def main_cases() -> list[tuple[str, list[str], str | None]]:
+    return [(a.option_strings[0], argv, v) for a in MAIN_OPTIONS for argv, v in command_lines(a)]
+
+
 def test_openclip_has_the_options_this_test_was_written_for():
     flags = {a.option_strings[0] for a in openclip_options()}
     assert len(flags) >= 90 and {"--dataset-type", "--horovod", "--precision"} <= flags
-    assert set(REFUSED) <= flags and set(PENDING) <= flags
+    main = {s for a in MAIN_OPTIONS for s in a.option_strings}
+    assert len(MAIN_COMMIT) == 40 and len(MAIN_OPTIONS) >= 140 and {"--fsdp", "--use-naflex"} <= main
+    assert set(REFUSED) <= flags | main and set(PENDING) <= flags  # no refusal of an option nobody has
 
 
 @pytest.mark.parametrize(("flag", "argv", "value"), cases(), ids=lambda x: x if isinstance(x, str) else "")
 def test_every_openclip_option_is_accepted_or_refused_saying_why(flag, argv, value):
     if flag == "reference":
         openclip_options()  # skips (or fails on CI) naming the missing package
+    accepted_or_refused(flag, argv, value)
+
+
+@pytest.mark.parametrize(
+    ("flag", "argv", "value"), main_cases(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_every_option_of_openclip_main_is_accepted_or_refused_saying_why(flag, argv, value):
+    accepted_or_refused(flag, argv, value)
+
+
+def test_every_spelling_of_openclip_mains_options_is_declared():
+    """Second spellings too (e.g. --visual-layer-decay for --image-layer-decay): none is unknown to argparse."""
+    declared = set(build_parser()._option_string_actions)
+    missing = [s for a in MAIN_OPTIONS for s in a.option_strings if s not in declared and s not in PENDING]
+    assert not missing, missing
+
+
+def test_defaults_that_matter_are_openclip_mains():
+    """bigclip's precision default is main's amp_bf16 (3.3.0's is amp); image and caption keys are main's."""
+    defaults = {a.dest: a.default for a in MAIN_OPTIONS}
+    cfg = TrainConfig()
+    assert cfg.engine.precision == defaults["precision"] == "amp_bf16"
+    assert (cfg.data.image_key, cfg.data.text_key) == (defaults["image_key"], defaults["text_key"])
+    assert cfg.log.log_metric_every_n_steps == defaults["log_metric_every_n_steps"]
+    assert cfg.data.val_retrieval_chunk_size == defaults["val_retrieval_chunk_size"]
+
+
+def accepted_or_refused(flag: str, argv: list[str], value: str | None) -> None:
     if flag in REFUSED or value in REFUSED_VALUES.get(flag.removeprefix("--").replace("-", "_"), {}):
         with pytest.raises(ConfigError) as refused:
             parse_train_args(argv)

@@ -4,18 +4,24 @@ OpenCLIP's `CLIP` (from the installed package) trains a few steps with torch Ada
 `open_clip_train.main` groups it, and the checkpoint dict is written as its trainer writes it.
 bigclip resumes it on 2 ranks through the real training entry point, under FSDP2 and ZeRO-3,
 and saves: every weight, Adam moment and step count equals OpenCLIP's, found by name through
-the optimizer's own parameter objects (not through bigclip's mapping).
+the optimizer's own parameter objects (not through bigclip's mapping). A checkpoint written by
+OpenCLIP's trainer itself (`open_clip_train.main`, in the reference environment) resumes at half
+and at double its global batch and trains exactly the epochs that remain, from OpenCLIP's LR.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from support.dcp_harness import whole_checkpoint
 from support.engine_harness import global_batch
-from support.openclip_ref import open_clip_clip
+from support.launch_harness import read_keys, srun_like, wait_all
+from support.openclip_ref import missing_reference, open_clip_clip
+from support.reference_venv import run_reference
 from support.train_harness import demo_argv
 from test_engine_deepspeed import DS_CONFIGS
 
@@ -103,7 +109,7 @@ def test_openclip_checkpoint_resumes_on_two_ranks_with_equal_moments(demo_data, 
     reference = openclip_run(tmp_path / "epoch_1.pt", lock_image_groups=lock_groups, ddp_prefix=prefix)
     argv = demo_argv(demo_data, tmp_path, "--resume", str(tmp_path / "epoch_1.pt"), *flags)
     restored = spawn(resume_and_save, 2, argv)[0]
-    assert restored["state"]["step"] == 3 and restored["state"]["epoch"] == 1
+    assert restored["state"]["epoch"] == 1  # the step follows once the loader is built (below)
     saved = whole_checkpoint(Path(restored["checkpoint"]))
     for name, value in reference["weights"].items():
         assert torch.equal(saved[f"model.{name}"], value), name
@@ -120,3 +126,79 @@ def test_a_different_lock_is_refused_with_what_to_do(demo_data, tmp_path):
     argv = demo_argv(demo_data, tmp_path, "--resume", str(tmp_path / "epoch_1.pt"))
     with pytest.raises(RuntimeError, match="--lock-image/--lock-text options the OpenCLIP run used"):
         spawn(resume_and_save, 1, argv)
+
+
+# OpenCLIP's own trainer on its synthetic data, with bigclip's tiny config registered in its
+# model registry (same JSON schema): a real `epoch_1.pt` as `open_clip_train.main` writes it.
+TRAINER = """
+import sys, open_clip
+open_clip.add_model_config(sys.argv[1])
+from open_clip_train.main import main
+main(sys.argv[2:])
+"""
+OPENCLIP_BATCH, SAMPLES, LR, WARMUP, EPOCHS = 4, 32, 1e-3, 2, 3
+
+
+@pytest.fixture(scope="module")
+def trainer_checkpoint(tmp_path_factory) -> Path:
+    from importlib import resources
+
+    logs = tmp_path_factory.mktemp("openclip-trainer")
+    tiny = resources.files("bigclip.models") / "configs" / "tiny.json"
+    needs = "import braceexpand, pandas, webdataset"  # open_clip_train.data's imports
+    try:
+        run_reference(needs)
+    except AssertionError:
+        missing_reference(f"OpenCLIP's trainer dependencies ({needs}) in the reference environment")
+    run_reference(TRAINER, str(tiny), "--model", "tiny", "--dataset-type", "synthetic", "--device", "cpu",
+                  "--train-num-samples", str(SAMPLES), "--batch-size", str(OPENCLIP_BATCH), "--epochs", "1",
+                  "--precision", "fp32", "--workers", "0", "--lr", str(LR), "--warmup", str(WARMUP),
+                  "--save-frequency", "1", "--report-to", "", "--logs", str(logs), "--name", "oc")  # fmt: skip
+    return logs / "oc" / "checkpoints" / "epoch_1.pt"
+
+
+def openclip_lr(step: int, *, total_steps: int) -> float:
+    """OpenCLIP's learning rate at `step`, from its own scheduler (open_clip_train/scheduler.py)."""
+    if importlib.util.find_spec("open_clip_train") is None:
+        missing_reference("open_clip_train (installed with open_clip_torch)")
+    from open_clip_train.scheduler import cosine_lr
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    cosine_lr(optimizer, LR, WARMUP, total_steps)(step)
+    return optimizer.param_groups[0]["lr"]
+
+
+def tensorboard_scalars(folder: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("batch", "world"), [(2, 1), (4, 2)], ids=["half the global batch", "double"])
+def test_an_openclip_trainer_checkpoint_resumes_at_another_global_batch(
+    demo_data, tmp_path, trainer_checkpoint, batch, world
+):
+    """OpenCLIP's trainer places epoch E at step E x batches per epoch under the current flags; AdamW's
+    step count (here OpenCLIP's 8 steps of batch 4) is only its bias correction."""
+    steps_per_epoch = SAMPLES // (batch * world)
+    argv = demo_argv(demo_data, tmp_path, "--resume", str(trainer_checkpoint), "--batch-size", str(batch),
+                     "--train-num-samples", str(SAMPLES), "--epochs", str(EPOCHS), "--lr", str(LR),
+                     "--warmup", str(WARMUP), "--log-every-n-steps", "1", "--val-frequency", "0",
+                     "--save-frequency", "0", "--batch-keys-file", str(tmp_path / "keys"), name="resumed")  # fmt: skip
+    assert wait_all(srun_like(argv, world, tmp_path)) == [0] * world, (tmp_path / "rank0.log").read_text()[
+        -3000:
+    ]
+    log = (tmp_path / "resumed" / "out.log").read_text()
+    epochs = [int(e) for e in re.findall(r"Train Epoch: (\d+) ", log)]
+    assert epochs == [1] * steps_per_epoch + [2] * steps_per_epoch  # epochs 1..N-1, each whole, once
+    for rank in range(world):
+        assert sorted(read_keys(tmp_path / "keys", rank)) == list(
+            range(steps_per_epoch, EPOCHS * steps_per_epoch)
+        )
+    lrs = tensorboard_scalars(tmp_path / "resumed" / "tensorboard", "train/lr")  # at the step just taken
+    first = openclip_lr(steps_per_epoch, total_steps=EPOCHS * steps_per_epoch)
+    assert lrs[steps_per_epoch + 1] == pytest.approx(first, rel=1e-6)
+    assert first != pytest.approx(openclip_lr(8, total_steps=EPOCHS * steps_per_epoch))  # not AdamW's step

@@ -111,14 +111,40 @@ def test_torchrun_layout_sigterm_with_workers_checkpoints_and_resumes(demo_data,
         assert all(after[s] == before[rank][s] for s in before[rank] if s < marker["step"])
 
 
-def test_a_signal_during_start_up_does_not_kill_the_rank(demo_data, tmp_path):
-    """SIGUSR1 while Python still imports torch: caught (signals.py), honoured after the first step."""
+DOORS = {
+    "python -m bigclip.train": ["-m", "bigclip.train"],
+    "bigclip train": ["-m", "bigclip.cli", "train"],  # what the console script runs: bigclip.cli:main
+}
+
+
+def signal_during_start_up(proc: subprocess.Popen) -> str:
+    """SIGUSR1 as soon as the process either catches it or has loaded torch, whichever comes first
+    (so a process that imports torch before installing its handlers gets it unhandled); returns which."""
+    status, maps = Path(f"/proc/{proc.pid}/status"), Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        caught = next(line for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+        if int(caught.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1:
+            which = "handlers first"
+        elif "libtorch" in maps.read_text():
+            which = "torch first"
+        else:
+            time.sleep(0.001)
+            continue
+        proc.send_signal(signal.SIGUSR1)
+        return which
+    raise AssertionError(f"the process neither caught SIGUSR1 nor loaded torch (exit {proc.poll()})")
+
+
+@pytest.mark.parametrize("door", list(DOORS))
+def test_a_signal_during_start_up_does_not_kill_the_rank(demo_data, tmp_path, door):
+    """SIGUSR1 before torch is imported: caught (signals.py), honoured after the first step, the
+    same through both entry points (train/entry.py)."""
     argv = demo_argv(demo_data, tmp_path, "--max-steps", "5", "--save-frequency", "0", name="early")
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    proc = subprocess.Popen([sys.executable, "-m", "bigclip.train", *argv], env=env,
+    proc = subprocess.Popen([sys.executable, *DOORS[door], *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGUSR1)
+    which = signal_during_start_up(proc)
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
+    assert (which, proc.returncode) == ("handlers first", REQUEUE_EXIT_CODE), out[-3000:]
     assert "preempted by SIGUSR1 at step 1" in out

@@ -11,6 +11,7 @@ Field metadata understood by `bigclip.cli_args`:
   choices  allowed values
   aliases  extra flag names (e.g. OpenCLIP's `--use-bnb-linear` for `--int8`)
   convert  callable applied to a value given through an alias
+  switches OpenCLIP flags without a value that set one value of the field: {flag: value}
 OpenCLIP options bigclip refuses, and OpenCLIP's other spellings of values, are in
 `bigclip.openclip_flags` (one table).
 

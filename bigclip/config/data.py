@@ -16,6 +16,14 @@ class DataConfig:
     val_data: str = opt("", "Held-out shards for retrieval evaluation (same pattern syntax).")
     train_num_samples: int = opt(0, "Samples per epoch (0: read sizes.json beside the shards).")
     val_num_samples: int = opt(0, "Held-out samples to evaluate (0: all).")
+    val_retrieval_chunk_size: int = opt(
+        4096, "Score held-out retrieval N rows at a time (less memory, same result; 0: all at once)."
+    )
+    val_retrieval_precision: str = opt(
+        "fp32",
+        "Held-out retrieval scores in fp32 or in the features' dtype ('model').",
+        choices=("fp32", "model"),
+    )
     val_frequency: int = opt(1, "Evaluate --val-data every N epochs and after the last (0: never).")
     imagenet_val: str = opt(
         "",
@@ -30,6 +38,16 @@ class DataConfig:
     )
     dataset_type: str = opt(
         "webdataset", "Data format (OpenCLIP's 'auto': webdataset).", choices=("webdataset",)
+    )
+    image_key: str = opt(
+        "jpg;png;jpeg;webp",
+        "Tar member suffix holding the image, ';'-separated alternatives (the first present wins), "
+        "e.g. 'webp' or 'image.png' (OpenCLIP main's --image-key).",
+    )
+    text_key: str = opt(
+        "txt",
+        "Tar member suffix holding the caption, ';'-separated alternatives, e.g. 'caption.txt;txt' "
+        "(OpenCLIP main's --text-key).",
     )
     dataset_resampled: bool = opt(False, "Sample shards with replacement (an endless stream).")
     workers: int = opt(4, "Data-loader worker processes per rank.")
@@ -88,7 +106,13 @@ class DataConfig:
             raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
         if self.train_num_samples < 0 or self.val_num_samples < 0:
             raise ConfigError("--train-num-samples and --val-num-samples must be 0 (auto) or positive")
+        if self.val_retrieval_chunk_size < 0:
+            raise ConfigError(f"--val-retrieval-chunk-size must be 0 (all at once) or more, got "
+                              f"{self.val_retrieval_chunk_size}")  # fmt: skip
         if self.val_frequency < 0 or self.zeroshot_frequency < 0:
             raise ConfigError("--val-frequency and --zeroshot-frequency must be 0 (never) or positive")
+        for flag, value in (("--image-key", self.image_key), ("--text-key", self.text_key)):
+            if not value.replace(";", "").strip():
+                raise ConfigError(f"{flag} {value!r}: name the tar member suffix, e.g. {flag} txt")
         if self.tokenizer not in TOKENIZERS:  # e.g. from a YAML file or an old checkpoint's config
             raise ConfigError(f"--tokenizer {self.tokenizer!r}: use one of {', '.join(TOKENIZERS)}")

@@ -10,14 +10,23 @@ from bigclip.errors import ConfigError
 
 @dataclass
 class EngineConfig:
-    engine: str = opt("fsdp", "Sharding engine: torch FSDP2 or DeepSpeed ZeRO.", choices=ENGINES)
+    # OpenCLIP main's --fsdp (FSDP2's fully_shard instead of DDP) is bigclip's default engine.
+    engine: str = opt(
+        "fsdp",
+        "Sharding engine: torch FSDP2 or DeepSpeed ZeRO.",
+        choices=ENGINES,
+        switches={"--fsdp": "fsdp"},
+    )
     precision: str = opt(
         "amp_bf16", "Numerics: bf16/fp16 mixed, fp32, or bf16 everywhere.", choices=PRECISIONS
     )
     deepspeed_config: str = opt(
         "", "DeepSpeed JSON config (see ds_configs/); needed with --engine deepspeed."
     )
-    reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (ZeRO-3-like).")
+    reshard_after_forward: bool = opt(
+        True, "FSDP2: free gathered parameters after forward (ZeRO-3-like).",
+        switches={"--fsdp-no-reshard-after-forward": False},
+    )  # fmt: skip
     dist_backend: str = opt("", "torch.distributed backend (default: nccl on GPU, gloo on CPU).")
     dist_timeout: int = opt(
         1800,

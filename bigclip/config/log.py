@@ -12,7 +12,12 @@ from bigclip.errors import ConfigError
 class LogConfig:
     logs: str = opt("./logs", "Root folder for run directories.")
     name: str = opt("", "Run name (default: date-model-lr-batch-precision).")
-    log_every_n_steps: int = opt(100, "Print a log line and write scalars every N steps.")
+    log_every_n_steps: int = opt(100, "Print a log line (and write scalars) every N steps.")
+    log_metric_every_n_steps: int = opt(
+        10,
+        "Write scalars (--report-to) every N steps, denser than the log line; the loss logged is the "
+        "global batch's (OpenCLIP main's --log-metric-every-n-steps).",
+    )
     report_to: str = opt(
         "tensorboard",
         "Metric sinks, comma-separated: tensorboard, wandb (pip install wandb), or '' for none.",
@@ -27,8 +32,11 @@ class LogConfig:
     batch_keys_file: str = opt("", "Append each step's sample keys to FILE.rankN.jsonl, to audit data order.")
 
     def validate(self) -> None:
-        if self.log_every_n_steps < 1:
-            raise ConfigError(f"--log-every-n-steps must be at least 1, got {self.log_every_n_steps}")
+        if self.log_every_n_steps < 1 or self.log_metric_every_n_steps < 1:
+            raise ConfigError(
+                f"--log-every-n-steps and --log-metric-every-n-steps must be at least 1, got "
+                f"{self.log_every_n_steps} and {self.log_metric_every_n_steps}"
+            )
         if self.remote_sync_frequency < 1:
             raise ConfigError(
                 f"--remote-sync-frequency must be at least 1 (seconds), got {self.remote_sync_frequency}"

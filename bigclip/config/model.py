@@ -32,6 +32,13 @@ class ModelConfig:
         choices=("full", "ops"),
     )
     torchcompile: bool = opt(False, "torch.compile each residual block.")
+    torchcompile_mode: str = opt(
+        "",
+        "With --torchcompile: torch.compile's mode, e.g. max-autotune or reduce-overhead (default: torch's).",
+    )
+    torchcompile_backend: str = opt(
+        "", "With --torchcompile: torch.compile's backend, e.g. inductor or eager (default: inductor)."
+    )
     int8: str = opt(
         "none",
         "Run MLP linears as int8 SwitchBack layers.",
@@ -79,16 +86,36 @@ class ModelConfig:
             )
         if self.grad_checkpointing_every < 1:
             raise ConfigError(f"--grad-checkpointing-every must be >= 1, got {self.grad_checkpointing_every}")
+        if (self.torchcompile_mode or self.torchcompile_backend) and not self.torchcompile:
+            raise ConfigError("--torchcompile-mode and --torchcompile-backend need --torchcompile; add it")
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
-        from bigclip.models.lock import check_lock_options
         from bigclip.models.pretrained_tags import check_pretrained
         from bigclip.models.registry import get_model_config  # raises, listing valid names
 
-        check_lock_options(self)
+        self._check_locks()
         check_pretrained(self.model, self.pretrained)  # an unknown tag: the tags this model has
         vision = get_model_config(self.model, cache_dir=self.cache_dir).vision_cfg
         if size and size[0] < vision.patch_size:
             raise ConfigError(
                 f"--force-image-size {size[0]} is below {self.model}'s patch size {vision.patch_size}"
             )
+
+    def _check_locks(self) -> None:
+        """Refuse --lock-* options that cannot apply, saying what to do instead. (Here, not in
+        models/lock.py, which applies them: the check needs only this config.)"""
+        for flag, count, lock, needed in (
+            (
+                "--lock-image-unlocked-groups",
+                self.lock_image_unlocked_groups,
+                self.lock_image,
+                "--lock-image",
+            ),
+            ("--lock-text-unlocked-layers", self.lock_text_unlocked_layers, self.lock_text, "--lock-text"),
+        ):
+            if count < 0:
+                raise ConfigError(f"{flag} must be 0 or more, got {count}")
+            if count and not lock:
+                raise ConfigError(f"{flag} {count} has an effect only with {needed}; add {needed}")
+        if self.lock_text_freeze_layer_norm and not self.lock_text:
+            raise ConfigError("--lock-text-freeze-layer-norm has an effect only with --lock-text; add it")

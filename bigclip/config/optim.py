@@ -15,6 +15,11 @@ class OptimConfig:
         "adamw", "Optimizer: torch AdamW or bitsandbytes' 8-bit AdamW.", choices=OPTIMIZERS,
         aliases=("--opt",), convert=opt_to_optimizer,
     )  # fmt: skip
+    opt_kwargs: dict = opt(
+        {},
+        "Extra optimizer keyword arguments, KEY=VALUE words (OpenCLIP main's --opt-kwargs), e.g. "
+        "--opt-kwargs amsgrad=True; --lr, --beta1/2, --eps and --wd keep their own flags.",
+    )
     lr: float = opt(5e-4, "Peak learning rate.")
     beta1: float = opt(0.9, "Adam beta1.")
     beta2: float = opt(0.98, "Adam beta2.")
@@ -33,6 +38,12 @@ class OptimConfig:
     seed: int = opt(0, "Random seed (weights, data order, patch dropout).")
 
     def validate(self) -> None:
+        own = {"lr", "betas", "eps", "weight_decay"} & set(self.opt_kwargs)
+        if own:
+            raise ConfigError(
+                f"--opt-kwargs {', '.join(sorted(own))}: set these with their own flags (--lr, --beta1/--beta2, "
+                "--eps, --wd), which the learning-rate schedule and the weight-decay groups read"
+            )
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.accum_freq < 1:

@@ -21,6 +21,7 @@ tokenizer and index (`bigclip index-shards`) stand alone.
 """
 
 from bigclip.data.augment import Augmentation
+from bigclip.data.decode import SampleKeys
 from bigclip.data.device import ImageNormalizer, image_normalizer
 from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set
 from bigclip.data.loader import DataStats, TrainBatch, TrainLoader, build_train_loader
@@ -36,6 +37,7 @@ __all__ = [
     "EvalSet",
     "HashingTokenizer",
     "ImageNormalizer",
+    "SampleKeys",
     "ShardList",
     "Tokenizer",
     "TrainBatch",

@@ -1,8 +1,9 @@
 """Decoding a raw webdataset sample into (image, caption), or the reason it is skipped.
 
 Samples come from the open internet and are untrusted: any failure to decode is a skip
-with a reason, counted by the caller, never an exception. Images: jpg/jpeg/png/webp (the
-first present, in that order); caption: txt, UTF-8.
+with a reason, counted by the caller, never an exception. Which tar members hold the image and
+the caption is OpenCLIP's --image-key / --text-key (`SampleKeys`): by default the first of
+jpg/png/jpeg/webp present, and txt (UTF-8).
 
 Training opens images lazily (`load=False`: the header only), so that the transform can
 decode a JPEG at reduced size (transforms.py); damage found then is a BAD_IMAGE skip too
@@ -19,7 +20,7 @@ from PIL import Image
 
 from bigclip.data.tar_samples import RawSample
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+IMAGE_EXTENSIONS = ("jpg", "png", "jpeg", "webp")  # OpenCLIP's --image-key default, in its order
 TEXT_EXTENSIONS = ("txt",)
 
 # Why a sample was skipped (keys of the skip counters reported to the training loop).
@@ -28,6 +29,27 @@ NO_TEXT = "no_text"
 BAD_IMAGE = "bad_image"  # image bytes PIL cannot decode
 BAD_TEXT = "bad_text"  # caption that is not UTF-8
 SKIP_REASONS = (NO_IMAGE, NO_TEXT, BAD_IMAGE, BAD_TEXT)
+
+
+@dataclass(frozen=True)
+class SampleKeys:
+    """The member suffixes (what follows the sample key, e.g. 'jpg' or 'caption.txt') read as the
+    image and as the caption: the first one present wins."""
+
+    image: tuple[str, ...] = IMAGE_EXTENSIONS
+    text: tuple[str, ...] = TEXT_EXTENSIONS
+
+    @classmethod
+    def parse(cls, *, image_key: str, text_key: str) -> SampleKeys:
+        """OpenCLIP's spelling: ';'-separated alternatives, e.g. --image-key 'jpg;png'."""
+        return cls(image=_alternatives(image_key), text=_alternatives(text_key))
+
+
+def _alternatives(value: str) -> tuple[str, ...]:
+    return tuple(part.strip().lstrip(".") for part in value.split(";") if part.strip())
+
+
+DEFAULT_KEYS = SampleKeys()  # OpenCLIP's defaults: jpg;png;jpeg;webp and txt
 
 
 @dataclass
@@ -56,12 +78,12 @@ def decode_image(data: bytes, *, load: bool = True) -> Image.Image | None:
         return None
 
 
-def decode_sample(raw: RawSample, *, load: bool = True) -> Decoded | str:
+def decode_sample(raw: RawSample, *, load: bool = True, keys: SampleKeys = DEFAULT_KEYS) -> Decoded | str:
     """A `Decoded` sample (its image only opened unless `load`), or one of SKIP_REASONS."""
-    image_bytes = _first(raw.files, IMAGE_EXTENSIONS)
+    image_bytes = _first(raw.files, keys.image)
     if image_bytes is None:
         return NO_IMAGE
-    text_bytes = _first(raw.files, TEXT_EXTENSIONS)
+    text_bytes = _first(raw.files, keys.text)
     if text_bytes is None:
         return NO_TEXT
     try:

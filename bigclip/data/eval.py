@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bigclip.data.decode import Decoded, decode_sample
+from bigclip.data.decode import DEFAULT_KEYS, Decoded, SampleKeys, decode_sample
 from bigclip.data.shards import validate_shards
 from bigclip.data.tar_samples import ShardSamples
 from bigclip.data.tokenizer import Tokenizer
@@ -44,11 +44,13 @@ class EvalSet:
     texts: torch.Tensor  # [N, context_length]
 
 
-def _decoded_samples(pattern: str, *, s3: S3Settings | None, skipped: Counter) -> Iterator[Decoded]:
+def _decoded_samples(
+    pattern: str, *, s3: S3Settings | None, skipped: Counter, keys: SampleKeys
+) -> Iterator[Decoded]:
     shards = validate_shards(pattern, s3=s3, what="--val-data")
     for url in shards.urls:
         for raw in ShardSamples(url, s3=s3):
-            decoded = decode_sample(raw, load=True)
+            decoded = decode_sample(raw, load=True, keys=keys)
             if isinstance(decoded, str):
                 skipped[decoded] += 1
                 continue
@@ -67,11 +69,12 @@ def iter_eval_samples(
     skipped: Counter | None = None,
     resize_mode: str = "shortest",
     interpolation: str = "bicubic",
+    keys: SampleKeys = DEFAULT_KEYS,
 ) -> Iterator[EvalSample]:
     """Samples `index % world_size == rank` among the first `limit` (0: all); skips counted in `skipped`."""
     transform = eval_transform(image_size, resize_mode=resize_mode, interpolation=interpolation)
     counts = skipped if skipped is not None else Counter()
-    for index, decoded in enumerate(_decoded_samples(pattern, s3=s3, skipped=counts)):
+    for index, decoded in enumerate(_decoded_samples(pattern, s3=s3, skipped=counts, keys=keys)):
         if limit and index >= limit:
             return
         if index % world_size != rank:

@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader
 from bigclip.config import DataConfig
 from bigclip.data.augment import Augmentation
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
+from bigclip.data.decode import SampleKeys
 from bigclip.data.device import image_normalizer
 from bigclip.data.resume.assignment import ReaderAssignment, assign_readers
 from bigclip.data.resume.position import DataPosition, RankProgress
@@ -181,6 +182,7 @@ class TrainLoader:
             s3=s3,
             draws_key=draws_key(seed=seed, epoch=epoch),
             cumulative=self.shards.cumulative_weights(),
+            keys=SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),
         )
 
     def _reader_specs(self, assignment: ReaderAssignment, *, seed: int) -> list[ReaderSpec]:

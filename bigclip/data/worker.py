@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from bigclip.data.augment import erase_boxes
-from bigclip.data.decode import BAD_IMAGE, decode_sample
+from bigclip.data.decode import BAD_IMAGE, DEFAULT_KEYS, SampleKeys, decode_sample
 from bigclip.data.resume.assignment import ShardTask, Tail
 from bigclip.data.resume.randomness import choose, choose_weighted, keyed_rng
 from bigclip.data.resume.reader_state import OpenShardState, ReaderState, encode_row
@@ -109,6 +109,7 @@ class ReaderStream(IterableDataset):
         s3: S3Settings | None,
         draws_key: str = "",
         cumulative: list[float] | None = None,
+        keys: SampleKeys = DEFAULT_KEYS,
     ) -> None:
         self.readers = readers
         self.urls = urls
@@ -120,6 +121,7 @@ class ReaderStream(IterableDataset):
         self.tokenizer = tokenizer
         self.crop_key = crop_key  # (seed, epoch): with (shard, sample index), keys a sample's crop
         self.s3 = s3
+        self.keys = keys  # --image-key / --text-key
 
     def url(self, task: int) -> str:
         """The shard a task id names: the shard itself, or the shard drawn at that draw."""
@@ -207,7 +209,7 @@ class Reader:
 
     def _add(self, raw: RawSample, shard: _OpenShard, pending: _Pending) -> bool:
         """Decode, transform and append one sample; False when it is skipped as corrupt."""
-        decoded = decode_sample(raw, load=False)
+        decoded = decode_sample(raw, load=False, keys=self.stream.keys)
         pixels = None if isinstance(decoded, str) else self._pixels(decoded.image, shard.shard, raw.index)
         if pixels is None:
             reason = decoded if isinstance(decoded, str) else BAD_IMAGE

@@ -34,6 +34,7 @@ from torch import nn
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.engines.base import Engine, StepStats
+from bigclip.engines.compile import compile_blocks
 from bigclip.engines.deepspeed_config import (
     DeepSpeedPlan,
     import_deepspeed,
@@ -129,8 +130,7 @@ class DeepSpeedEngine(Engine):
             self.deepspeed.utils.set_z3_leaf_modules(model, list({type(b) for b in model.blocks()}))
         if self.cfg.model.torchcompile:
             self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile() does: no graph breaks
-            for block in model.blocks():
-                block.compile()
+            compile_blocks(list(model.blocks()), self.cfg.model)
 
     def _check_optimizer_wrapper(self) -> None:
         kind = type(self.ds_engine.optimizer).__name__

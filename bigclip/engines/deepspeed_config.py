@@ -247,6 +247,12 @@ def _resolve_optimizer(out: dict, cfg: TrainConfig, *, offload: bool, path: str)
                 )
             out["zero_force_ds_cpu_optimizer"] = False
         return False
+    if cfg.optim.opt_kwargs:
+        raise ConfigError(
+            f'{path}: its "optimizer" section is built by DeepSpeed, which --opt-kwargs {cfg.optim.opt_kwargs} '
+            'cannot reach: put them in the section\'s "params", or remove the section (bigclip then builds '
+            "the optimizer with them)"
+        )
     if cfg.optim.optimizer != "adamw":
         raise ConfigError(
             f"{path}: --optimizer {cfg.optim.optimizer} is built by bigclip and handed to DeepSpeed; remove "

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bigclip.engines.base import Engine, StepStats
+from bigclip.engines.compile import compile_blocks
 from bigclip.engines.optim import (
     DynamicLossScaler,
     LocalShardOptimizer,
@@ -77,8 +78,7 @@ class FSDPEngine(Engine):
         if self.precision.param_dtype != torch.float32:
             model.to(self.precision.param_dtype)
         if self.cfg.model.torchcompile:
-            for block in model.blocks():
-                block.compile()
+            compile_blocks(list(model.blocks()), self.cfg.model)
         self._shard(model)
         model.to_empty(device=self.runtime.device)
         init_sharded_weights(model, seed=self.cfg.optim.seed, device=self.runtime.device)

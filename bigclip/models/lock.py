@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from bigclip.errors import ConfigError
-
 if TYPE_CHECKING:
     from bigclip.config import ModelConfig
     from bigclip.models.clip import CLIP
@@ -81,17 +79,3 @@ def apply_locks(model: CLIP, cfg: ModelConfig) -> None:
             unlocked_layers=cfg.lock_text_unlocked_layers,
             freeze_layer_norm=cfg.lock_text_freeze_layer_norm,
         )
-
-
-def check_lock_options(cfg: ModelConfig) -> None:
-    """Refuse what cannot apply, saying what to do instead."""
-    for flag, count, lock, needed in (
-        ("--lock-image-unlocked-groups", cfg.lock_image_unlocked_groups, cfg.lock_image, "--lock-image"),
-        ("--lock-text-unlocked-layers", cfg.lock_text_unlocked_layers, cfg.lock_text, "--lock-text"),
-    ):
-        if count < 0:
-            raise ConfigError(f"{flag} must be 0 or more, got {count}")
-        if count and not lock:
-            raise ConfigError(f"{flag} {count} has an effect only with {needed}; add {needed}")
-    if cfg.lock_text_freeze_layer_norm and not cfg.lock_text:
-        raise ConfigError("--lock-text-freeze-layer-norm has an effect only with --lock-text; add it")

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from bigclip.errors import ConfigError, StorageError
 from bigclip.storage.hashing import ObjectRecord
-from bigclip.weights.sources import REGISTRY_SCHEME
+from bigclip.weights.schemes import REGISTRY_SCHEME
 
 PUBLISHED = "published.json"
 FORMAT = "bigclip-published"

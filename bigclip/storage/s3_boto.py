@@ -127,9 +127,9 @@ class BotoS3Location:
 
     def dcp_reader(self, folder: str) -> Any:
         """Resuming reads through s3torchconnector, in the main thread (see the module docstring)."""
-        from bigclip.storage.s3_location import S3Location
+        from bigclip.storage.s3_dcp import s3_dcp_reader
 
-        return S3Location(self.uri, settings=self.settings).dcp_reader(folder)
+        return s3_dcp_reader(self.child_uri(folder), settings=self.settings)
 
 
 _BOTO_MESSAGE = re.compile(

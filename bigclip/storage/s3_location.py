@@ -3,7 +3,7 @@
 All S3 traffic of checkpoints goes through s3torchconnector: DCP's `S3StorageWriter` /
 `S3StorageReader` for sharded state, the same client for small objects; nothing is staged on
 local disk. The DCP classes take no endpoint argument, so their `.fs` is replaced by one built
-on our client (endpoint and path-style addressing from `bigclip.storage.s3.S3Settings`).
+on our client (s3_dcp.py; endpoint and path-style addressing from `bigclip.storage.s3.S3Settings`).
 Imported only when a location is on S3 (`open_location`), so local runs need no S3 library.
 """
 
@@ -12,21 +12,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from s3torchconnector import S3Exception, S3ReaderConstructor, S3Writer
-from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from bigclip.errors import StorageError
 from bigclip.storage.hashing import HashingFileSystem
 from bigclip.storage.s3 import S3Settings, join_s3_uri, s3torch_client, split_s3_uri
 from bigclip.storage.s3_boto import BotoS3Location
-from bigclip.storage.safe_metadata import SafeMetadataMixin
-
-
-class SafeS3StorageReader(SafeMetadataMixin, S3StorageReader):
-    """s3torchconnector's DCP reader, reading `.metadata` with a restricted unpickler."""
+from bigclip.storage.s3_dcp import s3_dcp_reader, s3_dcp_writer
 
 
 class S3Location:
@@ -113,16 +108,10 @@ class S3Location:
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(self.delete, keys))
 
-    def _file_system(self, **kwargs: Any) -> S3FileSystem:
-        return S3FileSystem(self.settings.region_name, s3_client=self.client, **kwargs)
-
     def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:
-        writer = S3StorageWriter(self.settings.region_name, self.child_uri(folder), thread_count=threads)
-        hashing = HashingFileSystem(self._file_system())
-        writer.fs = hashing
-        return writer, hashing
+        return s3_dcp_writer(
+            self.child_uri(folder), settings=self.settings, client=self.client, threads=threads
+        )
 
     def dcp_reader(self, folder: str) -> FileSystemReader:
-        reader = SafeS3StorageReader(self.settings.region_name, self.child_uri(folder))
-        reader.fs = self._file_system(reader_constructor=reader._reader_constructor)
-        return reader
+        return s3_dcp_reader(self.child_uri(folder), settings=self.settings, client=self.client)

@@ -194,7 +194,7 @@ def resume(
     """Load `which` (from `backup.resume_target`) in place; returns the train state and the data
     position (None: epoch start)."""
     if is_openclip_checkpoint(which):
-        return _resume_openclip(store, engine, cfg, runtime, global_batch), None
+        return _resume_openclip(store, engine, cfg, runtime), None
     contents = checkpoint_contents(engine, cfg, TrainState(), runtime, None)
     manifest = store.load(contents, which)
     train = contents["train"]
@@ -213,7 +213,7 @@ def resume(
 
 
 def _resume_openclip(
-    store: CheckpointStore, engine: Engine, cfg: TrainConfig, runtime: Runtime, global_batch: int
+    store: CheckpointStore, engine: Engine, cfg: TrainConfig, runtime: Runtime
 ) -> TrainState:
     """OpenCLIP's epoch_N.pt: weights, AdamW state and epoch (see weights/openclip_resume.py)."""
     if store.latest() is not None:
@@ -222,13 +222,24 @@ def _resume_openclip(
             f"has committed checkpoints ({store.latest()}); after a preemption, requeue with --resume latest"
         )
     plan = load_openclip_checkpoint(engine, cfg, runtime, cfg.checkpoint.resume, s3=store.s3)
-    state = TrainState(step=plan.step, epoch=plan.epoch, samples_seen=plan.step * global_batch)
     get_logger().info(
         f"resumed OpenCLIP checkpoint {cfg.checkpoint.resume}: {len(plan.weights)} weights, AdamW state of "
-        f"{len(plan.moments)}, step {plan.step}, continuing with epoch {plan.epoch}. Not carried over: "
-        + "; ".join(plan.notes)
+        f"{len(plan.moments)} (its step count {plan.adam_step}), continuing with epoch {plan.epoch}. Not "
+        "carried over: " + "; ".join(plan.notes)
     )
-    return state
+    # The step follows from the epoch once this run's batches per epoch are known (`at_epoch_start`).
+    return TrainState(epoch=plan.epoch)
+
+
+def at_epoch_start(state: TrainState, *, steps_per_epoch: int, global_batch: int) -> None:
+    """Place a run resumed from an OpenCLIP checkpoint at the start of its epoch, as OpenCLIP's
+    trainer does: step = epoch x optimizer steps per epoch under the current flags (its
+    `num_batches_per_epoch * epoch`), so the LR schedule and the step budget continue from the
+    right place at any global batch. AdamW's own step count, loaded with the moments, only
+    drives its bias correction: at another global batch it is not the run's step."""
+    state.step = state.epoch * steps_per_epoch
+    state.epoch_step = 0
+    state.samples_seen = state.step * global_batch
 
 
 def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int) -> None:

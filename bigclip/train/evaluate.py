@@ -28,16 +28,34 @@ def val_due(cfg: TrainConfig, epoch: int) -> bool:
     return bool(every) and (epoch % every == 0 or epoch == cfg.optim.epochs)
 
 
-def retrieval_top1(image_features: torch.Tensor, text_features: torch.Tensor) -> dict[str, float]:
-    """Top-1 accuracy both ways for L2-normalised, index-aligned features; chance is 1/N."""
-    logits = image_features.float() @ text_features.float().T
-    truth = torch.arange(logits.shape[0], device=logits.device)
+def retrieval_top1(
+    image_features: torch.Tensor, text_features: torch.Tensor, *, chunk_size: int = 4096, fp32: bool = True
+) -> dict[str, float]:
+    """Top-1 accuracy both ways for L2-normalised, index-aligned features; chance is 1/N.
+    OpenCLIP main's --val-retrieval-chunk-size: scores `chunk_size` rows at a time (0: the whole
+    N x N matrix at once), exact either way; --val-retrieval-precision: fp32 or the features' dtype."""
+    if fp32:
+        image_features, text_features = image_features.float(), text_features.float()
+    n = image_features.shape[0]
+    truth = torch.arange(n, device=image_features.device)
     return {
-        "image_to_text_R@1": (logits.argmax(dim=1) == truth).float().mean().item(),
-        "text_to_image_R@1": (logits.argmax(dim=0) == truth).float().mean().item(),
-        "num_samples": logits.shape[0],
-        "chance": 1.0 / logits.shape[0],
+        "image_to_text_R@1": (_best_match(image_features, text_features, chunk_size) == truth)
+        .float()
+        .mean()
+        .item(),
+        "text_to_image_R@1": (_best_match(text_features, image_features, chunk_size) == truth)
+        .float()
+        .mean()
+        .item(),
+        "num_samples": n,
+        "chance": 1.0 / n,
     }
+
+
+def _best_match(queries: torch.Tensor, keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """For each query row, the index of its highest-scoring key (the first one on a tie, as argmax)."""
+    step = chunk_size if chunk_size > 0 else max(1, queries.shape[0])
+    return torch.cat([(part @ keys.T).argmax(dim=1) for part in queries.split(step)])
 
 
 @torch.no_grad()
@@ -73,6 +91,8 @@ def evaluate_retrieval(
     *,
     normalize: ImageNormalizer,
     batch_size: int = 64,
+    chunk_size: int = 4096,
+    fp32: bool = True,
 ) -> dict[str, float]:
     """`my_samples`: this rank's share of the held-out set, indices rank, rank + world, ... in order
     (as `bigclip.data.iter_eval_samples(..., rank=, world_size=)` yields them); `normalize` puts
@@ -86,7 +106,7 @@ def evaluate_retrieval(
     engine.train(was_training)
     image = _gather_in_order(image_local, world=runtime.world_size, total=total)
     text = _gather_in_order(text_local, world=runtime.world_size, total=total)
-    return retrieval_top1(image, text)
+    return retrieval_top1(image, text, chunk_size=chunk_size, fp32=fp32)
 
 
 def held_out_retrieval(
@@ -104,8 +124,12 @@ def held_out_retrieval(
         cfg.val_data, image_size=engine.unwrapped().image_size, tokenizer=tokenizer, limit=cfg.val_num_samples,
         rank=runtime.rank, world_size=runtime.world_size, s3=s3,
         resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
+        keys=data.SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),
     )  # fmt: skip
-    return evaluate_retrieval(engine, list(mine), runtime, normalize=normalize, batch_size=cfg.batch_size)
+    return evaluate_retrieval(
+        engine, list(mine), runtime, normalize=normalize, batch_size=cfg.batch_size,
+        chunk_size=cfg.val_retrieval_chunk_size, fp32=cfg.val_retrieval_precision == "fp32",
+    )  # fmt: skip
 
 
 def _padded_share(mine: list[EvalSample], runtime: Runtime) -> tuple[list[EvalSample], int]:

@@ -12,26 +12,22 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from bigclip import data
-from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig
-from bigclip.distributed import Runtime, init_distributed
-from bigclip.engines import Engine, build_engine
+from bigclip.distributed import init_distributed
+from bigclip.engines import build_engine
 from bigclip.errors import NonFiniteLossError
 from bigclip.models.from_config import build_model, model_config
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
 from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import (
-    TrainState,
+    at_epoch_start,
     attach,
     checkpoint_contents,
     manifest_meta,
@@ -48,7 +44,7 @@ from bigclip.train.metrics import (
     get_logger,
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
-from bigclip.train.remote_sync import RemoteSync
+from bigclip.train.run import Run
 from bigclip.train.schedule import lr_at
 from bigclip.train.setup import (
     prepare_run_dir,
@@ -64,40 +60,6 @@ from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
 from bigclip.weights.named import apply_preprocess
 from bigclip.weights.openclip_resume import is_openclip_checkpoint
-
-if TYPE_CHECKING:
-    from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
-
-
-@dataclass
-class Run:
-    """What the loop carries around."""
-
-    cfg: TrainConfig
-    runtime: Runtime
-    run_dir: Path
-    engine: Engine
-    loss_fn: torch.nn.Module
-    tokenizer: Any
-    scalars: Scalars  # --report-to: TensorBoard, wandb
-    shards: data.ShardList
-    s3: S3Settings
-    store: CheckpointStore
-    state: TrainState = field(default_factory=TrainState)
-    data_position: dict | None = None  # where the data stream resumes in the current epoch
-    total_steps: int = 0
-    steps_per_epoch: int = 0  # planned optimizer steps per epoch (the LR schedule's cooldown uses it)
-    last_loss: float | None = None  # the global loss at the latest log step
-    last_saved_step: int = -1
-    preemption: PreemptionWatcher | None = None
-    remote_sync: RemoteSync | None = None
-    watchdog: StepWatchdog | None = None
-    pretrained_lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
-    zeroshot: ZeroShot = field(default_factory=ZeroShot)  # --imagenet-val / --imagenet-v2
-
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.data.batch_size * self.cfg.optim.accum_freq * self.runtime.world_size
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -139,7 +101,8 @@ def setup(cfg: TrainConfig) -> Run:
     if which:
         run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
         # Never saved again over the checkpoint just loaded (an OpenCLIP .pt is not in the store).
-        run.last_saved_step = -1 if is_openclip_checkpoint(which) else run.state.step
+        run.step_from_epoch = is_openclip_checkpoint(which)
+        run.last_saved_step = -1 if run.step_from_epoch else run.state.step
     run.watchdog = StepWatchdog.start_for(cfg, runtime, run_dir)
     return run
 
@@ -191,10 +154,11 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
         state.samples_seen += run.global_batch
         timer.step_done()
         run.watchdog.step_done(state.step)  # no sync: it only notes the time
-        if state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps:
+        console = state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps
+        if console or state.step % cfg.log.log_metric_every_n_steps == 0:  # as OpenCLIP main: both
             log_step(
                 run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
-                capacity=loader.stats.take_capacity(),
+                capacity=loader.stats.take_capacity(), console=console,
             )  # fmt: skip
         if state.step >= run.total_steps:  # a budget that ends with the epoch completes it (evaluated, saved)
             return state.epoch_step >= run.steps_per_epoch
@@ -283,6 +247,9 @@ def fit(run: Run) -> dict[str, Any]:
     steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
     run.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
     run.steps_per_epoch = steps_per_epoch
+    if run.step_from_epoch:  # an OpenCLIP checkpoint: its epoch, at this run's steps per epoch
+        at_epoch_start(state, steps_per_epoch=steps_per_epoch, global_batch=run.global_batch)
+        run.step_from_epoch = False
     metrics = None
     while state.step < run.total_steps and state.epoch < cfg.optim.epochs:
         run.engine.train()

@@ -17,13 +17,15 @@ from bigclip.train.metrics import Average, StepTimer, get_logger, peak_memory_gb
 from bigclip.train.step import StepOutput
 
 if TYPE_CHECKING:
-    from bigclip.train.loop import Run
+    from bigclip.train.run import Run
 
 
 def log_step(
     run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int,
-    capacity: float,
+    capacity: float, console: bool = True,
 ) -> None:  # fmt: skip
+    """Scalars to the metric sinks; with `console`, OpenCLIP's log line too. Collective (every rank
+    calls it on the same steps): the loss written is the global batch's."""
     loss = out.loss.clone()
     # The slowest rank's data-loader capacity (samples/s its workers could deliver) sets the pace.
     capacity_t = torch.tensor([capacity], dtype=torch.float64)
@@ -34,13 +36,14 @@ def log_step(
     loss_value = run.last_loss = loss.item()
     loss_avg.add(loss_value)
     scale = out.logit_scale.item()
-    get_logger().info(
-        train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
-                       samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
-                       global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
-                       logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
-        + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
-    )  # fmt: skip
+    if console:
+        get_logger().info(
+            train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
+                           samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
+                           global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
+                           logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
+            + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
+        )  # fmt: skip
     run.scalars.scalars(
         {
             "train/loss": loss_value,

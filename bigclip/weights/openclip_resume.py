@@ -10,7 +10,10 @@ OpenCLIP's trainer saves `{"epoch", "name", "state_dict", "optimizer", "scaler"}
               and biases (no weight decay) first, then the rest, trainable parameters only; the
               same rule applied to this run's model gives each position its name, and every
               moment's shape is checked against its parameter;
-  epoch       OpenCLIP's completed epochs: training continues with the next one.
+  epoch       OpenCLIP's completed epochs: training continues with the next one, from the step
+              OpenCLIP's trainer would take there (epoch x this run's optimizer steps per epoch,
+              set by the loop once the loader is built); AdamW's step count is only its bias
+              correction, so a run at another global batch starts the right epoch at the right LR.
 What does not: the data position (OpenCLIP records none; the epoch starts over in bigclip's
 order), the RNG states, the fp16 loss scale (it restarts), the optimizer hyperparameters
 (bigclip's flags apply; differences are listed). Rank 0 reads the file (memory-mapped) and every
@@ -52,8 +55,8 @@ class OpenClipPlan:
     weights: list[str]  # model parameter names, in load order
     moments: list[str]  # trained parameter names whose AdamW state is loaded
     positions: list[int]  # their keys in OpenCLIP's optimizer state
-    epoch: int
-    step: int
+    epoch: int  # OpenCLIP's completed epochs: the run continues with this one
+    adam_step: int  # AdamW's step count (its bias correction), not the run's step
     notes: list[str] = field(default_factory=list)  # what did not carry over
 
 
@@ -79,7 +82,7 @@ def load_openclip_checkpoint(
         raise (StorageError if error[0] == "StorageError" else ConfigError)(error[1])
     main = runtime.rank == 0
     engine.load_full_weights(_weights(source, plan) if main else None, plan.weights)
-    engine.load_full_moments(_moments(checkpoint, plan) if main else None, plan.moments, step=plan.step)
+    engine.load_full_moments(_moments(checkpoint, plan) if main else None, plan.moments, step=plan.adam_step)
     return plan
 
 

@@ -40,12 +40,12 @@ from bigclip.storage.redact import redact_text
 from bigclip.storage.s3 import S3Settings, is_s3
 from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, SafetensorsReader
+from bigclip.weights.schemes import REGISTRY_SCHEME
 
 if TYPE_CHECKING:
     from bigclip.registry.store import Published, Registry
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-REGISTRY_SCHEME = "registry:"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 
 

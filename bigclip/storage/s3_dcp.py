@@ -1,0 +1,46 @@
+"""DCP readers and writers for an S3 prefix, on s3torchconnector's CRT client.
+
+Both S3 locations read checkpoints this way: `S3Location` (s3_location.py) and the boto3 one
+(`BotoS3Location`, s3_boto.py, whose own transfers never use the CRT client). It lives below
+both, so neither imports the other for it (they once formed an import circle). The DCP classes
+take no endpoint argument, so their `.fs` is replaced by one built on our client (endpoint and
+path-style addressing from `S3Settings`). Imported only for S3 checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from bigclip.storage.hashing import HashingFileSystem
+from bigclip.storage.s3 import S3Settings, s3torch_client
+from bigclip.storage.safe_metadata import SafeMetadataMixin
+
+
+class SafeS3StorageReader(SafeMetadataMixin, S3StorageReader):
+    """s3torchconnector's DCP reader, reading `.metadata` with a restricted unpickler."""
+
+
+def _file_system(settings: S3Settings, client: Any, **kwargs: Any) -> S3FileSystem:
+    return S3FileSystem(settings.region_name, s3_client=client, **kwargs)
+
+
+def s3_dcp_reader(uri: str, *, settings: S3Settings, client: Any = None) -> FileSystemReader:
+    """A DCP reader of the checkpoint folder `uri` (s3://...); `client`: an s3torchconnector
+    client to share (default: a new one from `settings`)."""
+    client = client or s3torch_client(settings)
+    reader = SafeS3StorageReader(settings.region_name, uri)
+    reader.fs = _file_system(settings, client, reader_constructor=reader._reader_constructor)
+    return reader
+
+
+def s3_dcp_writer(
+    uri: str, *, settings: S3Settings, client: Any, threads: int
+) -> tuple[FileSystemWriter, HashingFileSystem]:
+    """A DCP writer into `uri` whose file system hashes every byte it writes."""
+    writer = S3StorageWriter(settings.region_name, uri, thread_count=threads)
+    hashing = HashingFileSystem(_file_system(settings, client))
+    writer.fs = hashing
+    return writer, hashing

@@ -1,0 +1,131 @@
+"""OpenCLIP main's options that bigclip implements, each doing what OpenCLIP means by it:
+--opt-kwargs, --torchcompile-mode/--torchcompile-backend, --log-metric-every-n-steps,
+--val-retrieval-chunk-size/--val-retrieval-precision, --fsdp/--fsdp-no-reshard-after-forward.
+(--image-key/--text-key: test_data_keys.py; that every option parses: test_openclip_flags.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from support.train_harness import demo_argv
+
+from bigclip.cli_args import parse_train_args
+from bigclip.distributed import spawn
+from bigclip.engines.optim import make_optimizer, param_groups
+from bigclip.errors import ConfigError
+from bigclip.train.evaluate import retrieval_top1
+
+RECORDER = "bigclip_test_recorder"
+
+
+def test_opt_kwargs_reach_the_optimizer():
+    cfg = parse_train_args(["--opt-kwargs", "amsgrad=True", "maximize=False"])
+    model = torch.nn.Linear(4, 4)
+    optimizer = make_optimizer(param_groups(model, weight_decay=0.1), cfg.optim)
+    assert optimizer.defaults["amsgrad"] is True and optimizer.defaults["lr"] == cfg.optim.lr
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    assert "max_exp_avg_sq" in optimizer.state[model.weight]  # AMSGrad's extra moment: it is in effect
+
+
+def test_opt_kwargs_that_have_flags_or_that_the_optimizer_lacks_are_refused():
+    with pytest.raises(ConfigError, match="--opt-kwargs lr: set these with their own flags"):
+        parse_train_args(["--opt-kwargs", "lr=0.1"])
+    cfg = parse_train_args(["--opt-kwargs", "momentum=0.9"])
+    with pytest.raises(ConfigError, match="--opt-kwargs .*momentum.*adamw does not take it"):
+        make_optimizer(param_groups(torch.nn.Linear(2, 2), weight_decay=0.1), cfg.optim)
+
+
+def test_opt_kwargs_with_a_deepspeed_optimizer_section_say_where_they_go():
+    from bigclip.engines.deepspeed_config import resolve_ds_config
+
+    cfg = parse_train_args(["--opt-kwargs", "amsgrad=True"])
+    raw = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}  # fmt: skip
+    with pytest.raises(ConfigError, match='put them in the section\'s "params"'):
+        resolve_ds_config(raw, cfg, world_size=1, model_width=64)
+
+
+def test_fsdp_switches_agree_with_the_engine_flags_or_are_refused():
+    cfg = parse_train_args(["--fsdp", "--fsdp-no-reshard-after-forward"])
+    assert (cfg.engine.engine, cfg.engine.reshard_after_forward) == ("fsdp", False)
+    with pytest.raises(ConfigError, match="--fsdp means --engine fsdp, which contradicts --engine deepspeed"):
+        parse_train_args(["--fsdp", "--engine", "deepspeed", "--deepspeed-config", "ds_configs/zero2.json"])
+
+
+def test_torchcompile_mode_and_backend_need_torchcompile_and_valid_names():
+    from bigclip.engines.compile import compile_blocks
+
+    with pytest.raises(ConfigError, match="need --torchcompile"):
+        parse_train_args(["--torchcompile-mode", "max-autotune"])
+    for flags, message in ((["--torchcompile-mode", "fastest"], "Unrecognized mode"),
+                           (["--torchcompile-backend", "nope"], "Invalid backend")):  # fmt: skip
+        cfg = parse_train_args(["--torchcompile", *flags])
+        with pytest.raises(ConfigError, match=f"{flags[0]} {flags[1]}: .*{message}"):
+            compile_blocks([torch.nn.Linear(2, 2)], cfg.model)
+
+
+def compiled_training(rank: int, world: int, argv: list[str], record: str) -> dict:
+    """Worker: register a torch.compile backend that records how it was called, then train."""
+    from torch._dynamo import register_backend
+
+    from bigclip.train.loop import run_training
+
+    @register_backend(name=RECORDER)
+    def recorder(gm, example_inputs, **kwargs):  # noqa: ANN001, ANN003
+        with open(record, "a") as f:
+            f.write(json.dumps(kwargs) + "\n")
+        return gm.forward
+
+    return run_training(parse_train_args(argv))
+
+
+@pytest.mark.slow
+def test_torchcompile_mode_and_backend_reach_torch_compile_in_training(demo_data, tmp_path):
+    record = tmp_path / "compiled.jsonl"
+    argv = demo_argv(demo_data, tmp_path, "--max-steps", "2", "--val-frequency", "0", "--torchcompile",
+                     "--torchcompile-backend", RECORDER, "--torchcompile-mode", "max-autotune")  # fmt: skip
+    summary = spawn(compiled_training, 1, argv, str(record))[0]
+    assert summary["step"] == 2
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert calls and all(c == {"mode": "max-autotune"} for c in calls)  # every block's graph, with the mode
+
+
+def test_scalars_every_metric_step_and_the_log_line_every_log_step(demo_data, tmp_path):
+    from support.train_harness import train_worker
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    argv = demo_argv(demo_data, tmp_path, "--max-steps", "7", "--val-frequency", "0",
+                     "--log-every-n-steps", "3", "--log-metric-every-n-steps", "2")  # fmt: skip
+    summary = spawn(train_worker, 1, argv)[0]
+    events = EventAccumulator(str(Path(summary["run_dir"]) / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [
+        2,
+        3,
+        4,
+        6,
+        7,
+    ]  # as OpenCLIP main: both, and the last
+    log = (Path(summary["run_dir"]) / "out.log").read_text()
+    done = [int(n) for n in re.findall(r"Train Epoch: 0 \[\s*(\d+)/", log)]
+    assert done == [3 * 32, 6 * 32, 7 * 32]  # samples done at steps 3, 6 and the last
+
+
+def test_chunked_retrieval_scores_equal_the_whole_matrix():
+    torch.manual_seed(0)
+    image = torch.nn.functional.normalize(torch.randn(50, 8), dim=1)
+    text = torch.nn.functional.normalize(image + 0.8 * torch.randn(50, 8), dim=1)
+    text[7] = text[3]  # a tie: argmax keeps the first, chunked or not
+    whole = retrieval_top1(image, text, chunk_size=0)
+    assert 0 < whole["image_to_text_R@1"] < 1
+    for chunk in (1, 7, 50, 4096):
+        assert retrieval_top1(image, text, chunk_size=chunk) == whole
+    half = retrieval_top1(image.bfloat16(), text.bfloat16(), chunk_size=7, fp32=False)  # 'model' precision
+    assert half["num_samples"] == 50
+    cfg = parse_train_args(["--val-retrieval-chunk-size", "0", "--val-retrieval-precision", "model"])
+    assert (cfg.data.val_retrieval_chunk_size, cfg.data.val_retrieval_precision) == (0, "model")
