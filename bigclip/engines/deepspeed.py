@@ -130,7 +130,9 @@ class DeepSpeedEngine(Engine):
         if self.cfg.model.torchcompile:
             self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile() does: no graph breaks
             for block in model.blocks():
-                block.compile()
+                # The forward only: ZeRO-3's gather/release hooks on the block stay eager (dynamo
+                # skips DeepSpeed's hook functions, so compiling them breaks every block's graph).
+                block.forward = torch.compile(block.forward)
 
     def _check_optimizer_wrapper(self) -> None:
         kind = type(self.ds_engine.optimizer).__name__
