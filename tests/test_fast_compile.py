@@ -67,17 +67,20 @@ def explain(fn: object, *args: object) -> object:
     return dynamo.explain(fn)(*args)
 
 
+# (tower, patch dropout): patch dropout shortens the vision blocks' sequence; the text tower has none.
+TOWERS = [("vision", 0.0), ("vision", 0.5), ("text", 0.0)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("int8", VARIANTS)
-@pytest.mark.parametrize("patch_dropout", [0.0, 0.5], ids=["no-dropout", "patch-dropout"])
-@pytest.mark.parametrize("tower", ["vision", "text"])
+@pytest.mark.parametrize(("tower", "patch_dropout"), TOWERS, ids=["vision", "vision-patch-dropout", "text"])
 def test_every_block_is_one_graph(tower, patch_dropout, int8, dtype):
     model = tiny_model(int8=int8, patch_dropout=patch_dropout, dtype=dtype)
     blocks, x, causal = block_inputs(model, tower)
-    for block in blocks:
-        result = explain(block, x.requires_grad_(), causal)
-        reasons = [str(b.reason) for b in result.break_reasons]
-        assert result.graph_break_count == 0 and result.graph_count == 1, reasons
+    assert all(type(b) is type(blocks[0]) for b in blocks)  # one class: its first block stands for all
+    result = explain(blocks[0], x.requires_grad_(), causal)
+    reasons = [str(b.reason) for b in result.break_reasons]
+    assert result.graph_break_count == 0 and result.graph_count == 1, reasons
 
 
 @pytest.mark.parametrize("int8", ["none", "switchback-vectorwise"])
