@@ -14,7 +14,10 @@ peak memory), one warm-up step, then --steps timed. Skipped without open_clip (O
 package, open_clip_torch, which imports torchvision).
 patch-dropout: the vision tower alone (forward + backward, bf16 autocast, no checkpointing) with
 --force-patch-dropout 0.5 vs 0, timed in turns in one process; issue 16's floor is 1.6x.
-Writes results/train_step_<row>_gpu.json.
+Each peers row records s/step, samples/s, peak memory, MFU against the datasheet and the
+measured bf16 peak (gpu_info) and the flags of the run it reproduces; bigclip's row says whether
+issue 24's floors are met (>= 1.2x OpenCLIP's samples/s, >= 40% MFU of the datasheet peak).
+Writes results/train_step_<row>_<model>_gpu.json.
 """
 
 from __future__ import annotations
@@ -92,10 +95,41 @@ def bigclip_step(model_name: str, batch: int) -> Callable[[], None]:
     return lambda: train_step(engine, loss_fn, micro, lr=cfg.optim.lr) and None
 
 
+# OpenCLIP's trainer flags that openclip_step reproduces.
+OPENCLIP_FLAGS = "--precision amp_bf16 --grad-checkpointing --local-loss --gather-with-grad (fused AdamW)"
+GOAL_SPEEDUP, GOAL_MFU = 1.2, 0.40  # issue 24's floors: samples/s vs OpenCLIP, MFU of the datasheet peak
+
+
+def bigclip_flags(model_name: str) -> str:
+    """The bigclip run bigclip_step measures, as `python -m bigclip.train` flags."""
+    from engines_gpu import config
+
+    cfg = config("fsdp", compiled=True, model=model_name)
+    flags = [f"--engine {cfg.engine.engine}", f"--precision {cfg.engine.precision}"]
+    flags += ["--grad-checkpointing"] * cfg.model.grad_checkpointing + [
+        "--torchcompile"
+    ] * cfg.model.torchcompile
+    flags += [f"--loss-chunk-size {cfg.loss.loss_chunk_size}", "--local-loss --gather-with-grad"]
+    return " ".join(flags + ([f"--int8 {cfg.model.int8}"] if cfg.model.int8 != "none" else []))
+
+
 def one_side(impl: str, model_name: str, batch: int, steps: int) -> dict:
     make = openclip_step if impl == "openclip" else bigclip_step
     step_s, peak = timed(make(model_name, batch), steps)
-    return {"step_s": step_s, "peak_GiB": peak}
+    flags = OPENCLIP_FLAGS if impl == "openclip" else bigclip_flags(model_name)
+    return {"step_s": step_s, "peak_GiB": peak, "flags": flags}
+
+
+def judge(rows: list[dict]) -> None:
+    """Side by side: bigclip's speed-up and memory against OpenCLIP's, and issue 24's floors."""
+    if not all("step_s" in r for r in rows):
+        return
+    ours = rows[1]
+    ours["speedup_vs_openclip"] = rows[0]["step_s"] / ours["step_s"]
+    ours["memory_vs_openclip"] = ours["peak_GiB"] / rows[0]["peak_GiB"]
+    ours["goal_speedup_1.2x_met"] = ours["speedup_vs_openclip"] >= GOAL_SPEEDUP
+    sheet = ours.get("mfu_vs_datasheet_peak")
+    ours["goal_mfu_40pct_datasheet_met"] = sheet >= GOAL_MFU if sheet is not None else None
 
 
 def peers(model_name: str, batch: int, steps: int) -> list[dict]:
@@ -113,9 +147,7 @@ def peers(model_name: str, batch: int, steps: int) -> list[dict]:
         rows.append(
             {**row, **side, "samples_per_s": batch / side["step_s"], **mfu(flops / side["step_s"], info)}
         )
-    if all("step_s" in r for r in rows):
-        rows[1]["speedup_vs_openclip"] = rows[0]["step_s"] / rows[1]["step_s"]
-        rows[1]["memory_vs_openclip"] = rows[1]["peak_GiB"] / rows[0]["peak_GiB"]
+    judge(rows)
     return rows
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from bigclip.config import ModelConfig
@@ -20,11 +21,16 @@ def compile_options(cfg: ModelConfig) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v}  # unset: torch's defaults (inductor, "default")
 
 
-def compile_blocks(blocks: list[nn.Module], cfg: ModelConfig) -> None:
+def compile_blocks(blocks: list[nn.Module], cfg: ModelConfig, *, forward_only: bool = False) -> None:
+    """`forward_only`: compile each block's forward, leaving the module's hooks eager (DeepSpeed's:
+    dynamo skips its hook functions, so compiling them would break every block's graph)."""
     options = compile_options(cfg)
     for block in blocks:
         try:
-            block.compile(**options)
+            if forward_only:
+                block.forward = torch.compile(block.forward, **options)
+            else:
+                block.compile(**options)
         except RuntimeError as e:  # torch's InvalidBackend, or "Unrecognized mode=..."
             flags = " ".join(f"--torchcompile-{k} {v}" for k, v in options.items())
             raise ConfigError(f"{flags}: {e}") from e

@@ -130,7 +130,8 @@ class DeepSpeedEngine(Engine):
             self.deepspeed.utils.set_z3_leaf_modules(model, list({type(b) for b in model.blocks()}))
         if self.cfg.model.torchcompile:
             self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile() does: no graph breaks
-            compile_blocks(list(model.blocks()), self.cfg.model)
+            # The forward only: ZeRO-3's gather/release hooks on the block stay eager.
+            compile_blocks(list(model.blocks()), self.cfg.model, forward_only=True)
 
     def _check_optimizer_wrapper(self) -> None:
         kind = type(self.ds_engine.optimizer).__name__

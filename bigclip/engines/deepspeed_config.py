@@ -177,6 +177,10 @@ def _resolve_precision(out: dict, precision: str, *, path: str) -> None:
         pure = precision == "pure_bf16"
         for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
             _settle(bf16, key, pure, flag=flag, path=path, where="bf16.")
+        # DeepSpeed's default (true) reads an overflow flag and the norm's validity on the host
+        # every step (ZeRO-1/2: 3 syncs). bf16 has fp32's range; like the FSDP2 engine, bigclip
+        # leaves non-finite values to the loss's checks at log steps. A config may still set it.
+        bf16.setdefault("check_grad_overflow", False)
     validate_with_deepspeed(fp16, "fp16", path=path)
     validate_with_deepspeed(bf16, "bf16", path=path)
 

@@ -53,7 +53,7 @@ from bigclip.train.setup import (
     start_logging,
     write_config,
 )
-from bigclip.train.step import train_step
+from bigclip.train.step import train_step, verify_inputs
 from bigclip.train.step_log import log_step
 from bigclip.train.watchdog import StepWatchdog, between_steps
 from bigclip.train.zeroshot import ZeroShot
@@ -199,6 +199,7 @@ def save_checkpoint(run: Run, *, data_position: dict | None, most_recent_only: b
     """Collective. Logs (and sends to TensorBoard) how long training was blocked."""
     if run.state.step == run.last_saved_step:
         return  # this step is saved (or was just loaded): never replace a committed checkpoint
+    verify_inputs(run.loss_fn, step=run.state.step)  # never save weights a non-finite step updated
     contents = checkpoint_contents(run.engine, run.cfg, run.state, run.runtime, data_position)
     meta = manifest_meta(run.cfg, run.runtime, run.global_batch, most_recent_only=most_recent_only)
     start = time.perf_counter()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from bigclip.engines.base import Engine, StepStats
+from bigclip.errors import NonFiniteLossError
 
 FEATURES = ("image_features", "text_features")
 
@@ -88,3 +89,16 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+
+
+def verify_inputs(loss_fn: nn.Module, *, step: int) -> None:
+    """Collective: raise the loss's deferred input errors (non-finite features, logit scale or
+    bias on any rank since the last call). One host read: call it where the loop reads the device
+    anyway (log steps) and before a checkpoint is written, never every step."""
+    verify = getattr(loss_fn, "verify", None)
+    if verify is None:
+        return
+    try:
+        verify()
+    except NonFiniteLossError as e:
+        raise NonFiniteLossError(f"by step {step}: {e}") from e

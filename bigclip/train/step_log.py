@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from bigclip.distributed import cpu_group
 from bigclip.train.metrics import Average, StepTimer, get_logger, peak_memory_gb, train_log_line
-from bigclip.train.step import StepOutput
+from bigclip.train.step import StepOutput, verify_inputs
 
 if TYPE_CHECKING:
     from bigclip.train.run import Run
@@ -26,6 +26,7 @@ def log_step(
 ) -> None:  # fmt: skip
     """Scalars to the metric sinks; with `console`, OpenCLIP's log line too. Collective (every rank
     calls it on the same steps): the loss written is the global batch's."""
+    verify_inputs(run.loss_fn, step=run.state.step)  # before anything is logged as a finite loss
     loss = out.loss.clone()
     # The slowest rank's data-loader capacity (samples/s its workers could deliver) sets the pace.
     capacity_t = torch.tensor([capacity], dtype=torch.float64)

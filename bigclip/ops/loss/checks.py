@@ -9,6 +9,14 @@ reduction over each feature tensor, one all-gather of world_size x 12 float64 an
 Non-finite logits are caught from the summary, before any tile is computed: z = s * I.T (+ b) is
 finite exactly when the features, s and b are, and |z| <= s * dim * max|I| * max|T| + |b| does not
 overflow float32.
+
+No host sync per training step (`InputChecks`): the whole check, with its host read, runs on the
+first call and again whenever this rank's shapes or dtypes change (a misconfigured run fails at
+its first step, before the loss's own collectives could mismatch). Between those, the per-step
+values (max |feature|, scale, bias) are folded into a device-side running maximum, which
+`InputChecks.verify` gathers and checks: the training loop calls it where it reads the device
+anyway (log steps) and before every checkpoint, so a checkpoint never holds weights a
+non-finite step updated.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ _FIELDS = (
     "scale",
     "bias",
 )
+_N_STATIC = 8  # shapes and dtypes; the rest are values that change every step
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -66,8 +75,16 @@ def summarize(
 ) -> torch.Tensor:
     """This rank's inputs as one float64 vector, in the order of _FIELDS."""
     static = _shape_fields(image) + _shape_fields(text) + [_dtype_code(image), _dtype_code(text)]
-    dynamic = torch.stack([_maxabs(image), _maxabs(text), _scalar(scale, image), _scalar(bias, image)])
-    return torch.cat([torch.tensor(static, device=image.device), dynamic.to(image.device)]).double()
+    dynamic = summarize_values(image, text, scale, bias)
+    return torch.cat([torch.tensor(static, device=image.device, dtype=torch.float64), dynamic])
+
+
+def summarize_values(
+    image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The fields that change every step (max |feature|, scale, bias), float64, on the device."""
+    values = [_maxabs(image), _maxabs(text), _scalar(scale, image), _scalar(bias, image)]
+    return torch.stack(values).to(image.device).double()
 
 
 def gather_summaries(summary: torch.Tensor, group: dist.ProcessGroup | None) -> list[dict[str, float]]:
@@ -81,16 +98,7 @@ def gather_summaries(summary: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return [dict(zip(_FIELDS, row)) for row in table.tolist()]
 
 
-def check_contrastive_inputs(
-    image: torch.Tensor,
-    text: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    group: dist.ProcessGroup | None,
-) -> None:
-    """Raise the same ConfigError / NonFiniteLossError on every rank if any rank's inputs are bad."""
-    rows = gather_summaries(summarize(image, text, scale, bias), group)
+def _check_rows(rows: list[dict[str, float]]) -> None:
     for rank, row in enumerate(rows):
         _check_local(rank, row)
     for rank, row in enumerate(rows):
@@ -158,3 +166,39 @@ def _check_overflow(rows: list[dict[str, float]]) -> None:
             f"non-finite logits: logit_scale {scale:.3g} x max |feature| ({image_max:.3g}, "
             f"{text_max:.3g}) overflows float32; the features should be L2-normalised"
         )
+
+
+def _signature(image: torch.Tensor, text: torch.Tensor) -> tuple:
+    """What the static checks depend on: known on the host, no device read."""
+    return (tuple(image.shape), tuple(text.shape), image.dtype, text.dtype)
+
+
+class InputChecks:
+    """Cross-rank input checks with the host read deferred to `verify` (see the module doc)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self._checked: tuple | None = None  # the signature of the last call that passed in full
+        self._static: torch.Tensor | None = None  # its summary's static fields
+        self._worst: torch.Tensor | None = None  # running max of the dynamic fields since `verify`
+
+    def __call__(
+        self, image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        signature = _signature(image, text)
+        if signature != self._checked:
+            self._checked = self._worst = None
+            summary = summarize(image, text, scale, bias)
+            _check_rows(gather_summaries(summary, self.group))  # one host read, then not again
+            self._checked, self._static = signature, summary[:_N_STATIC]
+            return
+        dynamic = summarize_values(image, text, scale, bias).abs()  # NaN and inf survive abs and max
+        self._worst = dynamic if self._worst is None else torch.maximum(self._worst, dynamic)
+
+    def verify(self) -> None:
+        """Collective: raise NonFiniteLossError on every rank if any step since the last call saw
+        non-finite or overflowing inputs on any rank (one host read)."""
+        if self._worst is None:
+            return
+        worst, self._worst = self._worst, None
+        _check_rows(gather_summaries(torch.cat([self._static, worst]), self.group))

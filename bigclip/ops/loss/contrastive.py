@@ -37,9 +37,10 @@ Unchunked (`--loss-chunk-size 0`): ClipLoss is OpenCLIP's ClipLoss, with its --l
 --gather-with-grad meanings; SigLipLoss is OpenCLIP's SigLipLoss computed from all-gathered
 (with gradient) text features, the same loss and gradients as its neighbour exchange.
 
-Every loss first checks its inputs across ranks (contrastive_checks.py): shape or dtype
-mismatches raise ConfigError naming the rank, non-finite logits raise NonFiniteLossError, on all
-ranks together.
+Every loss first checks its inputs across ranks (checks.py): shape or dtype mismatches raise
+ConfigError naming the rank, non-finite logits raise NonFiniteLossError, on all ranks together.
+Without a host sync per step: after the first call, non-finite inputs are found by `verify()`,
+which the training loop calls on log steps and before each checkpoint.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from torch import nn
 
 from bigclip.config import LossConfig
 from bigclip.errors import ConfigError
-from bigclip.ops.loss.checks import check_contrastive_inputs
+from bigclip.ops.loss.checks import InputChecks
 from bigclip.ops.loss.chunked import ChunkedContrastiveFunction, LossPlan
 from bigclip.ops.loss.collectives import all_gather_single, reduce_scatter_single
 from bigclip.ops.loss.exchange import EXCHANGES, world_of
@@ -111,6 +112,13 @@ class ContrastiveLoss(nn.Module):
         super().__init__()
         self.group = group
         self.check_inputs = check_inputs
+        self.checks = InputChecks(group)
+
+    def verify(self) -> None:
+        """Collective: raise the input errors of the steps since the last call (one host read;
+        see checks.InputChecks). The loop calls it on log steps and before saving."""
+        if self.check_inputs:
+            self.checks.verify()
 
     def forward(
         self,
@@ -125,7 +133,7 @@ class ContrastiveLoss(nn.Module):
             )
         bias = logit_bias if self.needs_bias else None
         if self.check_inputs:
-            check_contrastive_inputs(image_features, text_features, logit_scale, bias, group=self.group)
+            self.checks(image_features, text_features, logit_scale, bias)
         scale = logit_scale.float().reshape(())
         # Logits stay fp32 even when called inside the training step's autocast region.
         with torch.autocast(image_features.device.type, enabled=False):
