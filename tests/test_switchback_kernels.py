@@ -243,7 +243,7 @@ def test_kernels_compile_for_nvidia_gpus(arch):
     for per_column, transpose in [(False, False), (False, True), (True, True)]:
         flags = {"PER_COLUMN": per_column, "TRANSPOSE": transpose, "BLOCK_R": 64, "BLOCK_C": 64}
         _compile(kernels._quantize_tiles_kernel, _TILES_SIGNATURE, flags, arch)
-    config = kernels._GEMM_CONFIGS[0]
+    config = kernels.GEMM_CONFIGS[0]
     flags = {"DEQUANTIZE": True, "B_PER_ROW": False, "HAS_BIAS": True, "EVEN_K": True, **config.kwargs}
     gemm = _compile(
         kernels._int8_matmul_kernel, _GEMM_SIGNATURE, flags, arch,
