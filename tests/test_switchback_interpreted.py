@@ -164,8 +164,9 @@ def test_bf16_rounding_matches_torch():
     ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.3895314e38, 1e-45])
     x = torch.cat([x, ties, torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])])
     got = torch.from_numpy(bf16_round_to_nearest_even(x.numpy()).view(np.int16)).view(torch.bfloat16)
-    assert torch.equal(got.view(torch.int16)[:-1], x.bfloat16().view(torch.int16)[:-1])
-    assert got[-1].isnan()
+    want = x.bfloat16()
+    assert torch.equal(got.view(torch.int16)[:-1], want.view(torch.int16)[:-1])
+    assert got[-1].isnan()  # NaN's bits differ between torch's own code paths (0x7FC0, 0xFFFF)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])

@@ -181,7 +181,9 @@ def test_int8_matmul_dequantized_output(results, case):
     (out,), (expected,) = results[case]
     assert out[5:7].isnan().all()  # rows with NaN/inf input
     # bf16 too: bigclip.ops.int8.interpreter_compat makes the interpreter round to nearest even.
-    assert _same(out, expected)
+    # (NaN's bits are not compared: torch's own bf16 conversions disagree on them.)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert _same(out.nan_to_num(0.0), expected.nan_to_num(0.0))
 
 
 @pytest.mark.parametrize("case", _names("dequantize-"))

@@ -45,11 +45,10 @@ def needs_fix() -> bool:
 
 
 def bf16_round_to_nearest_even(x: np.ndarray) -> np.ndarray:
-    """fp32 -> bf16 bits (uint16), rounding to nearest even; NaN stays a quiet NaN."""
+    """fp32 -> bf16 bits (uint16), rounding to nearest even; NaN becomes 0x7FC0."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x40)
-    return np.where(np.isnan(x), quiet_nan, rounded).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
 def install() -> None:
