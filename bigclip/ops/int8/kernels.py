@@ -13,6 +13,7 @@ Both GEMM operands are K-major (out = a @ b^T with a [M, K] and b [N, K] row-maj
 layout int8 tensor cores take natively; the backward pass therefore quantises the weight
 straight into its transposed layout instead of transposing int8 data afterwards.
 Group absmaxes that span many rows (tensor-wise, column-wise) come from torch's reductions.
+Under the interpreter the GEMM runs one small tile; `launch_as_gpu` runs any of the GPU's.
 """
 
 from __future__ import annotations
