@@ -177,3 +177,14 @@ def test_cuda_row_padding_of_the_torch_path_is_exact(rows):
     b = torch.randint(-127, 128, (24, 48), dtype=torch.int8, generator=g)
     out = torch_path.int_mm_padded(a, b, min_rows=17)
     assert out.shape == (rows, 24) and torch.equal(out.long(), a.long() @ b.long().t())
+
+
+def test_launch_as_gpu_forces_one_tile_under_the_gpu_rules():
+    from bigclip.ops.int8 import kernels
+
+    config = kernels.GEMM_CONFIGS[4]  # BLOCK_K 64
+    with kernels.launch_as_gpu(config):
+        launch = kernels._launch()
+    assert launch.gemm is config and launch.weight_tile == 64
+    assert launch.even_k_blocks == (64, 128)  # masks dropped only where every GPU tile divides K
+    assert kernels._launch().gemm is not config
