@@ -38,8 +38,10 @@ _MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch
 def _ulps(got: Tensor, want: Tensor, dtype: torch.dtype) -> Tensor:
     """|got - want| in ulps of `dtype` at |want| (equal NaNs and infs: 0; unequal: inf)."""
     g, w = got.double(), want.double()
-    _, exponent = torch.frexp(w.abs().clamp_min(torch.finfo(dtype).tiny))
-    ulp = torch.ldexp(torch.ones_like(w), exponent - 1 - _MANTISSA_BITS[dtype])
+    exponent = (
+        w.abs().clamp_min(torch.finfo(dtype).tiny).log2().floor()
+    )  # right for fp32 values: float64 log2
+    ulp = 2.0 ** (exponent - _MANTISSA_BITS[dtype])
     diff = ((g - w).abs() / ulp).nan_to_num(nan=math.inf, posinf=math.inf)
     same = (g == w) | (g.isnan() & w.isnan())
     return torch.where(same, 0.0, diff)
@@ -123,7 +125,7 @@ def _grad(case: LayerCase, shape: tuple[int, ...], dtype: torch.dtype, g: torch.
 def layer_inputs(case: LayerCase, device: torch.device, *, seed: int = 0) -> tuple[nn.Linear, Tensor, Tensor]:
     """The nn.Linear both backends copy, x's leaf (before any view) and the output gradient."""
     g = torch.Generator().manual_seed(seed)
-    linear = nn.Linear(case.in_features, case.out_features, bias=case.bias)
+    linear = nn.Linear(case.in_features, case.out_features, case.bias)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) / math.sqrt(case.in_features))
         if case.bias:
@@ -240,14 +242,17 @@ def _swap(b: tuple[Tensor, Tensor], a_absmax: Tensor) -> tuple[Tensor, Tensor, T
     return b_q, a_absmax, b_absmax
 
 
+def _random_int8(rows: int, cols: int, g: torch.Generator) -> Tensor:
+    return (torch.randn(rows, cols, generator=g) * 64).round().clamp(-127, 127).to(torch.int8)
+
+
 def check_gemms(m: int, n: int, k: int, device: torch.device, *, label: str, seed: int = 0) -> list[dict]:
     """The int8 GEMM, bare (int32) and with each dequantising epilogue the layer uses, under the
     current launch (see kernels.launch_as_gpu); `label` names that launch in the rows."""
     from bigclip.ops.int8 import kernels, torch_path
 
     g = torch.Generator().manual_seed(seed)
-    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g).to(device)
-    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).to(device)
+    a, b = (_random_int8(rows, k, g).to(device) for rows in (m, n))
     a[0], b[0] = 127, -127  # the largest sums
     rows = [
         compare(f"gemm int32 {label}", kernels.int8_matmul_int32(a, b), torch_path.int8_matmul_int32(a, b))
