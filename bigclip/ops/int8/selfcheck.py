@@ -38,9 +38,8 @@ _MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch
 def _ulps(got: Tensor, want: Tensor, dtype: torch.dtype) -> Tensor:
     """|got - want| in ulps of `dtype` at |want| (equal NaNs and infs: 0; unequal: inf)."""
     g, w = got.double(), want.double()
-    exponent = (
-        w.abs().clamp_min(torch.finfo(dtype).tiny).log2().floor()
-    )  # right for fp32 values: float64 log2
+    # float64 log2 of an fp32 value never rounds across a power of two: floor is its exponent
+    exponent = w.abs().clamp_min(torch.finfo(dtype).tiny).log2().floor()
     ulp = 2.0 ** (exponent - _MANTISSA_BITS[dtype])
     diff = ((g - w).abs() / ulp).nan_to_num(nan=math.inf, posinf=math.inf)
     same = (g == w) | (g.isnan() & w.isnan())
