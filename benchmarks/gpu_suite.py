@@ -75,6 +75,7 @@ ROWS = [
     ),
     Row("switchback-layers", ("benchmarks/switchback.py", "--no-e2e"), 360, ("triton",)),
     Row("switchback-e2e", ("benchmarks/switchback.py", "--e2e-only"), 300, ("triton",)),
+    Row("switchback-diagnose", ("benchmarks/switchback_diagnose.py",), 480, ("triton",), ()),
     Row("loss-vs-infcl", ("benchmarks/loss_infcl_gpu.py",), 300, ("inf_cl", "triton")),
     Row("loss-memory", ("benchmarks/loss_memory.py",), 240, (), ("--quick",)),
     Row("plan-vs-measured", ("benchmarks/plan_vs_measured.py",), 480, (), ()),

@@ -10,6 +10,7 @@ path, for comparison); on CPU it is the PyTorch path (torch._int_mm; this CPU ha
 and VNNI), token counts are scaled down, and the figures are for the record, not a goal.
 
     python benchmarks/switchback.py [--quick] [--no-e2e | --e2e-only]
+    python benchmarks/switchback.py --diagnose [--small]   (benchmarks/switchback_diagnose.py)
 """
 
 from __future__ import annotations
@@ -196,10 +197,17 @@ def _token_counts(on_gpu: bool, quick: bool) -> list[int]:
 
 
 def main() -> None:
+    if "--diagnose" in sys.argv[1:]:  # Triton vs PyTorch, kernel by kernel: its own script
+        from switchback_diagnose import main as diagnose
+
+        sys.exit(diagnose([a for a in sys.argv[1:] if a != "--diagnose"]))
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer token counts and repetitions")
+    parser.add_argument(
+        "--diagnose", action="store_true", help="compare Triton with PyTorch instead (switchback_diagnose.py)"
+    )
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end ViT-H-14 step (GPU)")
     parser.add_argument("--e2e-only", action="store_true", help="only the end-to-end ViT-H-14 step (GPU)")
     parser.add_argument(

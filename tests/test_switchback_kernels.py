@@ -1,5 +1,5 @@
 """SwitchBack's Triton kernels under TRITON_INTERPRET=1 (CPU) against the PyTorch path: int8
-and int32 values bit for bit, dequantised floats exactly (bf16 to the interpreter's rounding).
+and int32 values bit for bit, dequantised floats too.
 
 The interpreter has to be switched on before triton is first imported (its own standard
 library is compiled at import), so every case runs once in a fresh Python process, `CASES`
@@ -180,11 +180,10 @@ def test_int8_matmul_int32_bit_identical(results, case):
 def test_int8_matmul_dequantized_output(results, case):
     (out,), (expected,) = results[case]
     assert out[5:7].isnan().all()  # rows with NaN/inf input
-    if out.dtype == torch.bfloat16:
-        # The interpreter truncates fp32 -> bf16 (GPUs round to nearest even): at most 1 ulp apart.
-        torch.testing.assert_close(out, expected, rtol=2**-7, atol=0, equal_nan=True)
-    else:
-        assert _same(out, expected)
+    # bf16 too: bigclip.ops.int8.interpreter_compat makes the interpreter round to nearest even.
+    # (NaN's bits are not compared: torch's own bf16 conversions disagree on them.)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert _same(out.nan_to_num(0.0), expected.nan_to_num(0.0))
 
 
 @pytest.mark.parametrize("case", _names("dequantize-"))
@@ -243,7 +242,7 @@ def test_kernels_compile_for_nvidia_gpus(arch):
     for per_column, transpose in [(False, False), (False, True), (True, True)]:
         flags = {"PER_COLUMN": per_column, "TRANSPOSE": transpose, "BLOCK_R": 64, "BLOCK_C": 64}
         _compile(kernels._quantize_tiles_kernel, _TILES_SIGNATURE, flags, arch)
-    config = kernels._GEMM_CONFIGS[0]
+    config = kernels.GEMM_CONFIGS[0]
     flags = {"DEQUANTIZE": True, "B_PER_ROW": False, "HAS_BIAS": True, "EVEN_K": True, **config.kwargs}
     gemm = _compile(
         kernels._int8_matmul_kernel, _GEMM_SIGNATURE, flags, arch,

@@ -13,16 +13,21 @@ Both GEMM operands are K-major (out = a @ b^T with a [M, K] and b [N, K] row-maj
 layout int8 tensor cores take natively; the backward pass therefore quantises the weight
 straight into its transposed layout instead of transposing int8 data afterwards.
 Group absmaxes that span many rows (tensor-wise, column-wise) come from torch's reductions.
+Under the interpreter the GEMM runs one small tile; `launch_as_gpu` runs any of the GPU's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from bigclip.ops.int8 import interpreter_compat
 from bigclip.ops.int8.torch_path import INV127, TINY, group_absmax
 
 _ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: fp32 adds round to integers here
@@ -35,6 +40,10 @@ _MAX_ROW = 65536  # one program holds a whole row in registers
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if interpreting():
+    interpreter_compat.install()  # Triton 3.6's interpreter under NumPy >= 2.4: see that module
 
 
 @triton.jit
@@ -172,7 +181,7 @@ def _gemm_config(block_m: int, block_n: int, block_k: int, stages: int, warps: i
 
 
 # Tile shapes for int8 GEMMs on Ampere/Hopper tensor cores, large-K first; tuned per (M, N, K).
-_GEMM_CONFIGS = [
+GEMM_CONFIGS = (
     _gemm_config(128, 256, 128, 3, 8),
     _gemm_config(256, 128, 128, 3, 8),
     _gemm_config(128, 128, 128, 4, 8),
@@ -182,12 +191,50 @@ _GEMM_CONFIGS = [
     _gemm_config(128, 128, 64, 4, 4),
     _gemm_config(64, 128, 128, 4, 4),
     _gemm_config(128, 64, 128, 4, 4),
-]
-_int8_matmul_tuned = triton.autotune(configs=_GEMM_CONFIGS, key=["M", "N", "K", "DEQUANTIZE"])(
+)
+_int8_matmul_tuned = triton.autotune(configs=list(GEMM_CONFIGS), key=["M", "N", "K", "DEQUANTIZE"])(
     _int8_matmul_kernel
 )
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How the GEMM and the weight quantiser launch."""
+
+    gemm: triton.Config | None  # one fixed tile, or None: autotune over GEMM_CONFIGS
+    even_k_blocks: tuple[int, ...]  # EVEN_K (no K masks) iff K is a multiple of all of these
+    weight_tile: int  # BLOCK_R = BLOCK_C of the weight quantiser
+
+
+_GPU_EVEN_K = tuple(sorted({c.kwargs["BLOCK_K"] for c in GEMM_CONFIGS}))
+_GPU_LAUNCH = _Launch(gemm=None, even_k_blocks=_GPU_EVEN_K, weight_tile=64)
 # The interpreter runs every program in Python: one small fixed tile, no autotuning.
-_INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
+_INTERPRETER_LAUNCH = _Launch(
+    gemm=triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}),
+    even_k_blocks=(32,),
+    weight_tile=32,
+)
+_forced: list[_Launch] = []
+
+
+def _launch() -> _Launch:
+    if _forced:
+        return _forced[-1]
+    return _INTERPRETER_LAUNCH if interpreting() else _GPU_LAUNCH
+
+
+@contextlib.contextmanager
+def launch_as_gpu(gemm_config: triton.Config | None) -> Iterator[None]:
+    """Launch the kernels as on a GPU (its weight tiles, its EVEN_K rule), with the GEMM fixed to
+    `gemm_config` (one of GEMM_CONFIGS) instead of autotuned, or autotuned if None (GPU only).
+    Lets the interpreter run every tile the GPU may pick, and a GPU check each one of them."""
+    if gemm_config is None and interpreting():
+        raise ValueError("the interpreter cannot autotune: pass one of GEMM_CONFIGS")
+    _forced.append(_Launch(gemm=gemm_config, even_k_blocks=_GPU_EVEN_K, weight_tile=64))
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def _launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -198,18 +245,18 @@ def _launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, **kwargs) 
         return out
     args = (a, b, out, kwargs.pop("a_absmax", a), kwargs.pop("b_absmax", b), kwargs.pop("bias", None))
     args += (m, n, k, a.stride(0), b.stride(0), out.stride(0))
-    if interpreting():
-        cfg = _INTERPRETER_CONFIG
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        even_k = k % cfg["BLOCK_K"] == 0
-        _int8_matmul_kernel[grid](*args, **kwargs, EVEN_K=even_k, **cfg, **_LAUNCH)
-        return out
-    even_k = all(k % c.kwargs["BLOCK_K"] == 0 for c in _GEMM_CONFIGS)
+    launch = _launch()
+    kwargs |= {"EVEN_K": all(k % block == 0 for block in launch.even_k_blocks), **_LAUNCH}
 
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _int8_matmul_tuned[grid](*args, **kwargs, EVEN_K=even_k, **_LAUNCH)
+    if launch.gemm is None:
+        _int8_matmul_tuned[grid](*args, **kwargs)
+        return out
+    cfg = launch.gemm
+    warps = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    _int8_matmul_kernel[grid(cfg.kwargs)](*args, **kwargs, **cfg.kwargs, **warps)
     return out
 
 
@@ -267,11 +314,11 @@ def _quantize_tiles(
     w = w.contiguous()
     rows, cols = w.shape
     q = torch.empty((cols, rows) if transpose else (rows, cols), dtype=torch.int8, device=w.device)
-    block_r, block_c = (32, 32) if interpreting() else (64, 64)
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+    tile = _launch().weight_tile
+    grid = (triton.cdiv(rows, tile), triton.cdiv(cols, tile))
     _quantize_tiles_kernel[grid](
         w, q, absmax, rows, cols, PER_COLUMN=per_column, TRANSPOSE=transpose,
-        BLOCK_R=block_r, BLOCK_C=block_c, **_LAUNCH,
+        BLOCK_R=tile, BLOCK_C=tile, **_LAUNCH,
     )  # fmt: skip
     return q
 

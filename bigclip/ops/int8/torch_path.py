@@ -72,10 +72,15 @@ def dequantize_rows(q: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -
 
 def int8_matmul_int32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b[N, K]^T in int8 with exact int32 accumulation."""
+    return int_mm_padded(a, b, min_rows=_CUDA_MIN_ROWS if a.is_cuda else 0)
+
+
+def int_mm_padded(a: torch.Tensor, b: torch.Tensor, *, min_rows: int) -> torch.Tensor:
+    """torch._int_mm(a, b^T) with `a` padded to at least `min_rows` rows (CUDA's minimum)."""
     rows = a.shape[0]
-    if a.is_cuda and rows < _CUDA_MIN_ROWS:
+    if rows < min_rows:
         # Zero rows contribute zero rows: padding is exact, and cheaper than a 16-bit detour.
-        a = torch.cat([a, a.new_zeros(_CUDA_MIN_ROWS - rows, a.shape[1])])
+        a = torch.cat([a, a.new_zeros(min_rows - rows, a.shape[1])])
     return torch._int_mm(a, b.t())[:rows]
 
 
