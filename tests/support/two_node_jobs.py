@@ -16,10 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from support.slurm_cluster import ClusterUnavailable, missing_reason
-from support.slurm_two_nodes import TwoNodeCluster
 
 from bigclip.launch.slurm import main as slurm_main
+from support.slurm_cluster import ClusterUnavailable, missing_reason
+from support.slurm_two_nodes import TwoNodeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
@@ -53,8 +53,12 @@ def _has_ip() -> bool:
     return any((Path(d) / "ip").exists() for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"))
 
 
-def render(root: Path, name: str, *, data: str, steps: int, job: list[str], train: list[str] = ()) -> Path:
-    """`bigclip slurm` for the tiny model on CPU ranks (fp32, gloo), one step per log line."""
+def render(
+    root: Path, name: str, *, data: str, steps: int, job: list[str], train: list[str] = (), run: str = ""
+) -> Path:
+    """`bigclip slurm` for the tiny model on CPU ranks (fp32, gloo), one step per log line; `run`:
+    train on as that run (its logs and name: it resumes that run's latest checkpoint)."""
+    run = run or name
     out = root / name / "job.sbatch"
     out.parent.mkdir(parents=True)
     wrapper = root / name / "python"
@@ -65,8 +69,8 @@ def render(root: Path, name: str, *, data: str, steps: int, job: list[str], trai
     train_args = ["--model", "tiny", "--train-data", data, "--precision", "fp32", "--batch-size", "16",
                   "--workers", "1", "--warmup", "2", "--epochs", "40", "--max-steps", str(steps),
                   "--save-every-n-steps", "4", "--save-frequency", "0", "--log-every-n-steps", "1",
-                  "--local-loss", "--gather-with-grad", "--report-to", "", "--logs", str(root / name / "logs"),
-                  "--name", name, "--batch-keys-file", str(keys_prefix(root, name)), *train]  # fmt: skip
+                  "--local-loss", "--gather-with-grad", "--report-to", "", "--logs", str(root / run / "logs"),
+                  "--name", run, "--batch-keys-file", str(keys_prefix(root, name)), *train]  # fmt: skip
     assert slurm_main([*job_args, *train_args, "-o", str(out)]) == 0
     return out
 
@@ -94,4 +98,6 @@ def starts(text: str) -> set[tuple[str, str]]:
 
 
 def wait_final(cluster: TwoNodeCluster, job_id: int, timeout_s: float) -> dict[str, str]:
-    return cluster.wait_for(job_id, lambda j: j.get("JobState") in FINAL, what="finishing", timeout_s=timeout_s)
+    return cluster.wait_for(
+        job_id, lambda j: j.get("JobState") in FINAL, what="finishing", timeout_s=timeout_s
+    )
