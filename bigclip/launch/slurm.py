@@ -36,7 +36,8 @@ from bigclip.launch.slurm_template import BODY, HEADER, SRUN_LAUNCH, TORCHRUN_LA
 
 LAUNCHERS = ("srun", "torchrun")
 NODE_UPLOAD_BYTES_PER_S = 500e6  # a conservative S3 upload rate for one node's checkpoint shards
-CHECKPOINT_FLOOR_S = 120  # process start-up noise, a slow step, a retried upload
+CHECKPOINT_FLOOR_S = 120
+LAUNCHER_GRACE_S = 30  # after the requeue marker, before the script stops waiting for the launcher  # process start-up noise, a slow step, a retried upload
 SBATCH_VALUE = re.compile(r"[^\s'\"\\$`]+")  # values that land unquoted on #SBATCH lines
 
 
@@ -200,7 +201,7 @@ def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") ->
         "EXTRA_SBATCH": "".join(line + "\n" for line in extra), "LOGS": cfg.log.logs, "NAME": cfg.log.name,
         "OMP_THREADS": str(max(1, job.cpus_per_gpu // 2)),
         "ENV_SETUP": job.setup + "\n" if job.setup else "", "WORLD": str(job.world),
-        "TRAIN_ARGS": train_args_lines(cfg), "PYTHON": job.python,
+        "TRAIN_ARGS": train_args_lines(cfg), "PYTHON": job.python, "LAUNCHER_GRACE": str(LAUNCHER_GRACE_S),
     }  # fmt: skip
     launch = fill(SRUN_LAUNCH if job.launcher == "srun" else TORCHRUN_LAUNCH, values)
     return fill(HEADER, values) + fill(BODY, {**values, "LAUNCH": launch})

@@ -111,10 +111,22 @@ if [[ -n "$EARLY_SIGNAL" ]]; then
 fi
 {{LAUNCH}} &
 LAUNCHER_PID=$! LAUNCHED=1
-# `wait` returns early whenever a trapped signal arrives: wait until the launcher is really gone.
-while kill -0 "$LAUNCHER_PID" 2>/dev/null; do wait "$LAUNCHER_PID"; done
-wait "$LAUNCHER_PID"
-status=$? LAUNCHER_PID=""
+# Wait until the launcher is really gone (`wait` returns early whenever a trapped signal arrives),
+# but not forever once a rank has written the requeue marker (its checkpoint is committed, or its
+# watchdog named hung ranks): srun waits for the tasks of a node that stopped answering until
+# SLURM declares it down (SlurmdTimeout, 300 s by default). {{LAUNCHER_GRACE}} s after the marker, requeue without it.
+MARKED_AT="" status=""
+while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
+    [[ -f "$REQUEUE_MARKER" ]] && MARKED_AT=${MARKED_AT:-$SECONDS}
+    if [[ -n "$MARKED_AT" ]] && (( SECONDS - MARKED_AT >= {{LAUNCHER_GRACE}} )); then
+        echo "bigclip sbatch: the launcher still runs {{LAUNCHER_GRACE}} s after the requeue marker (a node that stopped answering?); not waiting for it"
+        status=85
+        break
+    fi
+    sleep 1 & wait $!
+done
+if [[ -z "$status" ]]; then wait "$LAUNCHER_PID"; status=$?; fi
+LAUNCHER_PID=""
 
 # The marker, not the exit code, says "checkpoint committed, requeue me": torchrun exits 1 when its
 # ranks exit 85, and a rank ended by the step watchdog (a hung peer) writes it too.

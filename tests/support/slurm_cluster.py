@@ -61,10 +61,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(root: Path, host: str, ctld_port: int, slurmd_port: int) -> str:
+def config(
+    root: Path,
+    *,
+    ctld: str,
+    nodes: dict[str, str],
+    ctld_port: int,
+    slurmd_port: int,
+    slurmd_timeout_s: int = 300,
+) -> str:
+    """slurm.conf for `nodes` (name -> address), slurmctld on `ctld` ("NAME(ADDRESS)"). The slurmd
+    files are per node (%n) so several slurmds can share the folder (the two-node cluster)."""
+    names = ",".join(nodes)
+    node_lines = "".join(
+        f"NodeName={name} NodeAddr={addr} CPUs={CPUS} RealMemory=8000 Gres=gpu:{GPUS} State=UNKNOWN\n"
+        for name, addr in nodes.items()
+    )
     return f"""\
 ClusterName=bigclip-test
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={ctld}
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort={ctld_port}
@@ -73,13 +88,14 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={root}/munge/munge.socket,cred_expire={REQUEUE_DELAY_S}
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd.%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
+SlurmdTimeout={slurmd_timeout_s}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -94,11 +110,27 @@ MinJobAge=600
 GresTypes=gpu
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-NodeName={host} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory=8000 Gres=gpu:{GPUS} State=UNKNOWN
-PartitionName=low Nodes={host} Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=60 MaxTime=INFINITE State=UP
-PartitionName=high Nodes={host} PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE State=UP
-PartitionName=batch Nodes={host} PriorityTier=1 PreemptMode=OFF MaxTime=INFINITE State=UP
+{node_lines}\
+PartitionName=low Nodes={names} Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=60 MaxTime=INFINITE State=UP
+PartitionName=high Nodes={names} PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE State=UP
+PartitionName=batch Nodes={names} PriorityTier=1 PreemptMode=OFF MaxTime=INFINITE State=UP
 """
+
+
+def start_munged(folder: Path) -> int:
+    """munged with its own key, socket and files under `folder`; returns its PID."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    key = folder / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    subprocess.run(
+        [_daemon("munged"), f"--socket={folder}/munge.socket", f"--key-file={key}",
+         f"--pid-file={folder}/munged.pid", f"--log-file={folder}/munged.log",
+         f"--seed-file={folder}/munged.seed", "--force"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    return _read_pid(folder / "munged.pid")
 
 
 @dataclass
@@ -107,16 +139,17 @@ class SlurmCluster:
     host: str
     env: dict[str, str]
     pids: dict[str, int] = field(default_factory=dict)
+    prefix: list[str] = field(default_factory=list)  # how client commands reach slurmctld
 
     @classmethod
     def start(cls, root: Path, *, timeout_s: float = 60) -> SlurmCluster:
         root = Path(root).resolve()
         host = socket.gethostname().split(".")[0]
-        for sub in ("munge", "state", "spool"):
+        for sub in ("state", f"spool/{host}"):
             (root / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(root / "munge", 0o700)
         _make_fake_gpus()
-        (root / "slurm.conf").write_text(_config(root, host, _free_port(), _free_port()))
+        (root / "slurm.conf").write_text(config(root, ctld=f"{host}(127.0.0.1)", nodes={host: "127.0.0.1"},
+                                                ctld_port=_free_port(), slurmd_port=_free_port()))  # fmt: skip
         (root / "gres.conf").write_text(f"NodeName={host} Name=gpu File=/dev/fakegpu[0-{GPUS - 1}]\n")
         env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
         cluster = cls(root, host, env)
@@ -129,34 +162,20 @@ class SlurmCluster:
         return cluster
 
     def _start_daemons(self) -> None:
-        m = self.root / "munge"
-        key = m / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        subprocess.run(
-            [_daemon("munged"), f"--socket={m}/munge.socket", f"--key-file={key}", f"--pid-file={m}/munged.pid",
-             f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed", "--force"],
-            check=True, capture_output=True, timeout=30,
-        )  # fmt: skip
-        self.pids["munged"] = _read_pid(m / "munged.pid")
+        self.pids["munged"] = start_munged(self.root / "munge")
         conf = str(self.root / "slurm.conf")
-        subprocess.run(
-            [_daemon("slurmctld"), "-f", conf, "-i"],
-            env=self.env,
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
+        subprocess.run([_daemon("slurmctld"), "-f", conf, "-i"], env=self.env, check=True, capture_output=True,
+                       timeout=30)  # fmt: skip
         self.pids["slurmctld"] = _wait_pid(self.root / "slurmctld.pid")
         subprocess.run([_daemon("slurmd"), "-f", conf, "-N", self.host], env=self.env, check=True, capture_output=True,
                        timeout=30)  # fmt: skip
-        self.pids["slurmd"] = _wait_pid(self.root / "slurmd.pid")
+        self.pids["slurmd"] = _wait_pid(self.root / f"slurmd.{self.host}.pid")
 
     def _wait_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
-            if out.startswith("idle"):
+            states = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
+            if states and all(state == "idle" for state in states):
                 return
             time.sleep(0.5)
         raise RuntimeError(
@@ -164,10 +183,11 @@ class SlurmCluster:
         )
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check, timeout=timeout)
+        return subprocess.run([*self.prefix, *cmd], env=self.env, capture_output=True, text=True, check=check,
+                              timeout=timeout)  # fmt: skip
 
     def sbatch(self, script: Path, *options: str, cwd: Path | None = None) -> int:
-        done = subprocess.run(["sbatch", "--parsable", *options, str(script)], env=self.env, cwd=cwd,
+        done = subprocess.run([*self.prefix, "sbatch", "--parsable", *options, str(script)], env=self.env, cwd=cwd,
                               capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
         return int(done.stdout.strip().split(";")[0])
 
@@ -189,7 +209,11 @@ class SlurmCluster:
     def logs(self) -> str:
         return "\n".join(
             f"--- {name} (tail)\n" + "".join(_tail(self.root / name))
-            for name in ("slurmctld.log", "slurmd.log", "munge/munged.log")
+            for name in (
+                "slurmctld.log",
+                *(p.name for p in sorted(self.root.glob("slurmd.*.log"))),
+                "munge/munged.log",
+            )
         )
 
     def stop(self) -> None:
