@@ -23,7 +23,7 @@ BENCH_PYTHON ?= $(PYTHON)
 ROWS ?=
 QUICK ?=
 
-.PHONY: install demo test lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
+.PHONY: install demo test test-main test-low ref-venv lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
 
 install: $(STAMP)
 
@@ -50,12 +50,48 @@ demo: install
 # local index; created once, reused after (tests/support/reference_venv.py).
 REF_VENV ?= .venv-ref
 REF_TORCH ?= torch==2.14.1 torchvision==0.29.1
-test: install slurm-deps
-	@$(REF_VENV)/bin/python -c "import open_clip, torchvision, braceexpand, pandas, webdataset" 2>/dev/null || ( \
+REF_PY := $(abspath $(REF_VENV))/bin/python
+ref-venv:
+	@$(REF_PY) -c "import open_clip, torchvision, braceexpand, pandas, webdataset" 2>/dev/null || ( \
 	    $(PYTHON) -m venv $(REF_VENV) && \
 	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir $(REF_TORCH) ftfy regex tqdm safetensors braceexpand pandas webdataset && \
 	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps "$(OPEN_CLIP)" )
-	BIGCLIP_REFERENCE_PYTHON=$(CURDIR)/$(REF_VENV)/bin/python $(VPY) -m pytest -q tests
+
+# Both stacks: the whole suite on the main one, then the low stack's subset, whatever the first gave
+# (one run reports both; the exit status fails if either did).
+test: install slurm-deps ref-venv
+	@status=0; $(MAKE) --no-print-directory test-main || status=1; \
+	$(MAKE) --no-print-directory test-low || status=1; exit $$status
+
+test-main: install slurm-deps ref-venv
+	BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q tests
+
+# The low stack (.venv-low): torch 2.11.0 with the Triton it pins (3.6.0), the GPU machines' stack,
+# and every other direct dependency at the lower bound pyproject.toml declares, so the bounds are
+# what a test ran on. tests/support/stacks.py writes the constraints and lists the subset that runs
+# here (engines, training loop, loss, int8, data on the device, checkpoints, and the tests of the
+# dependencies installed at their bound). torch 2.11.0 is the registry's CUDA build (4.6 GB with
+# its NVIDIA libraries), which runs on CPU.
+LOW_VENV ?= .venv-low
+LOW_PY := $(LOW_VENV)/bin/python
+LOW_STAMP := $(LOW_VENV)/.bigclip-installed
+LOW_CONSTRAINTS := $(LOW_VENV)/constraints.txt
+STACKS := tests/support/stacks.py
+
+$(LOW_STAMP): pyproject.toml $(STACKS)
+	@test -x $(LOW_PY) || { $(PYTHON) -m venv $(LOW_VENV) && $(LOW_PY) -m pip install -q --upgrade pip setuptools wheel; }
+	$(PYTHON) $(STACKS) constraints > $(LOW_CONSTRAINTS)
+	$(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) torch
+	DS_BUILD_OPS=0 $(LOW_PY) -m pip install -q --no-build-isolation -c $(LOW_CONSTRAINTS) deepspeed
+	$(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) -e ".[dev]"
+	$(LOW_PY) -m pip install -q --no-deps "$(OPEN_CLIP)"
+	@touch $(LOW_STAMP)
+
+test-low: $(LOW_STAMP) ref-venv
+	@# Its own torch extensions folder: DeepSpeed's JIT-built ops (shm_comm) are per torch build, and
+	@# the default folder (~/.cache/torch_extensions/py311_cpu) is shared with the main stack's.
+	TORCH_EXTENSIONS_DIR=$(abspath $(LOW_VENV))/torch_extensions BIGCLIP_STACK=low \
+	    BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(LOW_PY) -m pytest -q $$($(PYTHON) $(STACKS) tests)
 
 # A real one-node Slurm for tests/test_slurm_cluster.py: Debian's slurm-wlm and munge, installed with
 # apt when missing, as root (the tests start their own daemons in a temporary folder). Elsewhere it
@@ -113,4 +149,4 @@ gpu-wheels: install
 	    --platform $(PLATFORM) --out gpu-wheels
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(LOW_VENV) runs .pytest_cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from bigclip import __version__
 from bigclip.errors import BigclipError
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -31,7 +32,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: bigclip COMMAND [options]", "", "commands:"]
+    lines = [
+        "usage: bigclip COMMAND [options]    (bigclip --version: the installed version)",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:<16}{text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -40,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"bigclip {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

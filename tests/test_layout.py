@@ -37,6 +37,7 @@ LAYER = {
     "bigclip.launch": 5,
     "bigclip.demo": 5,
     "bigclip.cli": 6,
+    "bigclip.__main__": 6,  # `python -m bigclip`: the console script's entry
 }
 # Upward imports that are allowed, each inside a function (so importing the lower module does
 # not load the higher one), with the reason.

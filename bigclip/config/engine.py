@@ -21,7 +21,11 @@ class EngineConfig:
         "amp_bf16", "Numerics: bf16/fp16 mixed, fp32, or bf16 everywhere.", choices=PRECISIONS
     )
     deepspeed_config: str = opt(
-        "", "DeepSpeed JSON config (see ds_configs/); needed with --engine deepspeed."
+        "",
+        "DeepSpeed JSON config: a path, or the name of one bigclip ships (zero1, zero2, zero3, "
+        "zero3_offload, zero3_vit_bigg: ds_configs/); needed with --engine deepspeed.",
+        aliases=("--deepspeed_config",),  # DeepSpeed's own spelling (deepspeed.add_config_arguments)
+        convert=str,
     )
     reshard_after_forward: bool = opt(
         True, "FSDP2: free gathered parameters after forward (ZeRO-3-like).",
@@ -51,7 +55,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.engine == "deepspeed" and not self.deepspeed_config:
-            raise ConfigError("--engine deepspeed needs --deepspeed-config, e.g. ds_configs/zero3.json")
+            raise ConfigError("--engine deepspeed needs --deepspeed-config, e.g. --deepspeed-config zero3")
         if self.dist_timeout < 1:
             raise ConfigError(f"--dist-timeout must be at least 1 second, got {self.dist_timeout}")
         if self.dist_url not in ("", "env://"):

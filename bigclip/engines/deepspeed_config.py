@@ -38,6 +38,7 @@ from bigclip.engines.deepspeed_keys import check_placement, validate_with_deepsp
 from bigclip.errors import ConfigError
 
 DS_INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
+SHIPPED = Path(__file__).with_name("ds_configs")  # package data; the checkout's ds_configs/ links here
 AUTO = "auto"
 
 # zero_optimization keys whose "auto" is filled from the model width (the Hugging Face convention).
@@ -78,14 +79,31 @@ def import_deepspeed() -> ModuleType:
     return deepspeed
 
 
+def shipped_ds_configs() -> list[str]:
+    """The names of the configs bigclip ships (package data, also the checkout's ds_configs/)."""
+    return sorted(p.stem for p in SHIPPED.glob("*.json"))
+
+
+def find_ds_config(value: str) -> Path:
+    """A path to a JSON file, or the name of a shipped config: `zero3`, `zero3.json`, or
+    `ds_configs/zero3.json` from any working directory (the README's spelling, outside a checkout)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    if not path.is_absolute() and path.parent in (Path("."), Path("ds_configs")):
+        shipped = SHIPPED / (path.name if path.suffix == ".json" else f"{path.name}.json")
+        if shipped.is_file():
+            return shipped
+    raise ConfigError(
+        f"--deepspeed-config {value}: file not found; give a path to a DeepSpeed JSON config or the "
+        f"name of one bigclip ships: {', '.join(shipped_ds_configs())}"
+    )
+
+
 def load_ds_config(path: str) -> dict[str, Any]:
+    found = find_ds_config(path)
     try:
-        raw = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(
-            f"--deepspeed-config {path}: file not found (bigclip ships ds_configs/zero1.json, "
-            "zero2.json, zero3.json, zero3_offload.json)"
-        ) from None
+        raw = json.loads(found.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed-config {path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
