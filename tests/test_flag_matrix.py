@@ -27,13 +27,19 @@ STANDARD = {"engine.precision": "amp_bf16", "model.grad_checkpointing": True}
 ROWS: dict[str, dict[str, object]] = {
     "standard": {},
     "no-checkpointing": {"model.grad_checkpointing": False},
-    "selective-checkpointing": {"model.grad_checkpointing_policy": "ops", "model.grad_checkpointing_every": 2},
+    "selective-checkpointing": {
+        "model.grad_checkpointing_policy": "ops",
+        "model.grad_checkpointing_every": 2,
+    },
     "fp16": {"engine.precision": "amp"},
     "pure-bf16": {"engine.precision": "pure_bf16"},
     "patch-dropout": {"model.force_patch_dropout": 0.5},
     "switchback-global": {"model.int8": "switchback-global"},
     "switchback-vectorwise": {"model.int8": "switchback-vectorwise"},
-    "switchback-memefficient-attention": {"model.int8": "switchback-memefficient", "model.int8_attention": True},
+    "switchback-memefficient-attention": {
+        "model.int8": "switchback-memefficient",
+        "model.int8_attention": True,
+    },
     "adamw8bit": {"optim.optimizer": "adamw8bit"},
     "accum-freq": {"optim.accum_freq": 2},
     "chunked-loss": {"loss.loss_chunk_size": 4},
