@@ -111,7 +111,8 @@ lint: install
 
 # CPU benchmarks, each a script that prints its table and writes benchmarks/results/NAME.json
 # (about an hour on 2 cores; each runs alone too: python benchmarks/NAME.py --help). Run by hand:
-# benchmarks/faults.py (root, a real Slurm) and checkpoint_io.py --endpoint (a second S3 server).
+# benchmarks/faults.py (root, a real Slurm), loss_exchange_link.py (root, network namespaces) and
+# checkpoint_io.py --endpoint (a second S3 server).
 bench: install
 	$(VPY) benchmarks/loss_memory.py
 	$(VPY) benchmarks/loss_time_gloo.py
@@ -124,6 +125,8 @@ bench: install
 	$(VPY) benchmarks/tokenizer.py
 	$(VPY) benchmarks/remote_sync.py
 	$(VPY) benchmarks/optimizer_step.py
+	$(VPY) benchmarks/precision_vs_autocast.py
+	$(VPY) benchmarks/normalize_cpu.py
 
 # Every GPU row in its own process under a timeout; results in benchmarks/results/*_gpu.json.
 bench-gpu:
