@@ -171,14 +171,38 @@ def test_loading_never_runs_code_planted_in_a_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(StorageError, match="train.payload.*not plain data"):
         store.load({"model": {"w": torch.zeros(2)}, "train": {"payload": None}}, "latest")
     # A classic pickle exploit as DCP's metadata, with the manifest forged to match it.
-    exploit = b"cos\nsystem\n(S'touch ran-code-from-checkpoint'\ntR."
-    folder = tmp_path / "ckpt" / "step_00000001"
-    (folder / ".metadata").write_bytes(exploit)
-    manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    manifest["objects"][".metadata"] = {"size": len(exploit), "sha256": hashlib.sha256(exploit).hexdigest()}
-    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
-    with pytest.raises(StorageError, match="refers to os.system"):
+    forge_metadata(tmp_path / "ckpt" / "step_00000001", EXPLOIT)
+    # The unpickler's own error, not DCP's "metadata is None" (torch 2.11 drops the cause).
+    with pytest.raises(StorageError, match="^checkpoint metadata refers to os.system"):
         store.load({"model": {"w": torch.zeros(2)}}, "latest")
+    assert not (tmp_path / "ran-code-from-checkpoint").exists()
+
+
+EXPLOIT = b"cos\nsystem\n(S'touch ran-code-from-checkpoint'\ntR."
+
+
+def forge_metadata(folder, content: bytes) -> None:
+    """Replace a checkpoint's `.metadata`, with its manifest forged to match."""
+    (folder / ".metadata").write_bytes(content)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest["objects"][".metadata"] = {"size": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_a_refused_metadata_is_not_replaced_by_a_planted_rank_local_one(tmp_path, monkeypatch):
+    # DCP falls back to `__0.metadata` when `.metadata` cannot be read; a tampered checkpoint
+    # must be refused, not loaded from a file the attacker planted next to it.
+    monkeypatch.chdir(tmp_path)
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store.save({"w": torch.ones(2)}, step=1)
+    folder = tmp_path / "ckpt" / "step_00000001"
+    (folder / "__0.metadata").write_bytes((folder / ".metadata").read_bytes())
+    forge_metadata(folder, EXPLOIT)
+    with pytest.raises(StorageError, match="^checkpoint metadata refers to os.system"):
+        store.load({"w": torch.zeros(2)}, "latest")
+    forge_metadata(folder, b"\x80\x05not a pickle at all")
+    with pytest.raises(StorageError, match="^checkpoint .metadata is not readable DCP metadata.*damaged"):
+        store.load({"w": torch.zeros(2)}, "latest")
     assert not (tmp_path / "ran-code-from-checkpoint").exists()
 
 

@@ -7,7 +7,9 @@ check made before writing cannot catch a writer that arrives after it. So each t
 competing object appear after bigclip's own checks and asserts that the first writer's bytes
 survive. This is what pins the declared lower bounds: boto3 1.35.2 is the first release that
 sends `IfNoneMatch` (1.35.1 refuses the parameter), and moto 5.0.23 the first server that honours
-it on both calls (5.0.14 accepts and ignores it on PutObject; 5.0.22 on multipart uploads).
+it on both calls (5.0.14 accepts and ignores it on PutObject; 5.0.22 on multipart uploads). The
+bound is 5.0.24: 5.0.23 never replaces an object that a multipart upload wrote (getmoto/moto#8417),
+and every s3torchconnector PUT is one, so overwrites in the checkpoint tests silently did nothing.
 """
 
 from __future__ import annotations

@@ -10,17 +10,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from bigclip.checkpoint.safe_load import unwrap_checkpoint_exception
 from bigclip.errors import StorageError
 from bigclip.storage.preflight import explain_error
+from bigclip.storage.safe_metadata import metadata_failure_of
 
 
 @contextmanager
-def dcp_errors(action: str, *, saving: bool = True) -> Iterator[None]:
-    """Turn DCP's CheckpointException (a BaseException) and I/O errors into a StorageError."""
+def dcp_errors(action: str, *, saving: bool = True, reader: object = None) -> Iterator[None]:
+    """Turn DCP's CheckpointException (a BaseException) and I/O errors into a StorageError.
+
+    `reader`: the load's storage reader. DCP swallows why `.metadata` could not be read (see
+    `SafeMetadataMixin`) and fails later with "metadata is None"; that cause is reported instead.
+    """
     try:
         yield
     except StorageError:
         raise
     except (Exception, CheckpointException) as e:
-        inner = unwrap_checkpoint_exception(e)
+        inner = metadata_failure_of(reader) or unwrap_checkpoint_exception(e)
         if isinstance(inner, StorageError):
             raise inner from e
         consequence = (

@@ -227,7 +227,7 @@ class CheckpointStore:
         self.wait()
         root_uri, folder, manifest = self.group.on_rank0(lambda: self._find_for_load(which))
         reader = open_location(root_uri, s3=self.s3, any_scheme=True).dcp_reader(folder)
-        with dcp_errors(f"loading {manifest.uri}", saving=False):
+        with dcp_errors(f"loading {manifest.uri}", saving=False, reader=reader):
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group.group)
         log.info(
             "loaded checkpoint step %d (saved at world size %d) from %s",
@@ -303,6 +303,9 @@ class CheckpointStore:
 
     def _get_stager(self) -> DefaultStager:
         # One stager per store: it reuses its CPU (pinned, on GPU) buffers from save to save.
+        if self._stager is not None and _is_spent(self._stager):
+            self._stager.close()
+            self._stager = None
         if self._stager is None:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(
@@ -314,6 +317,14 @@ class CheckpointStore:
                 )
             )
         return self._stager
+
+
+def _is_spent(stager: DefaultStager) -> bool:
+    """torch 2.11's DefaultStager closes its copier at the end of every stage (it clears the copy
+    dispatch table and the storage cache), so staging with it again fails with "KeyError: <class
+    'type'>": there a stager serves one save (it kept no buffers anyway); 2.13's is reusable."""
+    copier = getattr(stager, "_state_dict_stager", None)
+    return copier is not None and not getattr(copier, "_deepcopy_dispatch", True)
 
 
 def keep_last_for(cfg: CheckpointConfig, root: str) -> int:

@@ -41,20 +41,53 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(data: bytes) -> Metadata:
-    metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except StorageError:
+        raise
+    except Exception as e:  # garbage unpickles into any error: truncated, wrong opcodes...
+        raise StorageError(
+            f"checkpoint .metadata is not readable DCP metadata ({type(e).__name__}: {e}); "
+            "the checkpoint is damaged: load another one"
+        ) from e
     if not isinstance(metadata, Metadata):
         raise StorageError("checkpoint .metadata does not hold DCP metadata")
     return metadata
 
 
 class SafeMetadataMixin:
-    """For DCP FileSystemReader subclasses: read `.metadata` with the restricted unpickler."""
+    """For DCP FileSystemReader subclasses: read `.metadata` with the restricted unpickler.
+
+    DCP's loader catches what `read_metadata` raises, tries a rank-local `__R.metadata` instead,
+    then fails with "metadata is None" (torch 2.11 drops the cause; 2.13 appends its text). So
+    the failure is kept in `metadata_failure` for the caller to raise (`metadata_failure_of`),
+    and once `.metadata` is refused, every later read is refused too: a planted rank-local file
+    must not stand in for a tampered global one.
+    """
+
+    metadata_failure: BaseException | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        if isinstance(self.metadata_failure, StorageError):
+            raise self.metadata_failure
+        try:
+            metadata = self._read_safely(self._get_metadata_path(kwargs.get("rank")))
+        except Exception as e:
+            self.metadata_failure = self.metadata_failure or e  # the global file's, not the fallback's
+            raise
+        self.metadata_failure = None
+        return metadata
+
+    def _read_safely(self, path: Any) -> Metadata:
         with self.fs.create_stream(path, "rb") as stream:
             metadata = load_metadata(stream.read())
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def metadata_failure_of(reader: object) -> BaseException | None:
+    """Why `reader` could not read its checkpoint's metadata (the unpickler's refusal, or the
+    I/O error), if it could not; None once a read succeeded."""
+    return reader.metadata_failure if isinstance(reader, SafeMetadataMixin) else None
