@@ -14,7 +14,7 @@ DeepSpeed; bitsandbytes; webdataset; tensorboard; wandb). The rest (layout, Slur
 CLI wording, OpenCLIP's reference environment) does not depend on those versions.
 
     python tests/support/stacks.py constraints   # name==lower-bound lines for pip -c
-    python tests/support/stacks.py tests         # the subset's files that exist, one a line
+    python tests/support/stacks.py tests         # the subset's files, one a line
 
 Runs with the standard library only (the Makefile calls it before any venv exists).
 """
@@ -121,8 +121,11 @@ def constraints() -> str:
 
 
 def existing_tests() -> list[str]:
-    """LOW_STACK_TESTS that exist in this tree (two are being written alongside this file)."""
-    return [path for path in LOW_STACK_TESTS if (ROOT / path).is_file()]
+    """LOW_STACK_TESTS; a missing file is an error (a renamed test must not drop out silently)."""
+    missing = [path for path in LOW_STACK_TESTS if not (ROOT / path).is_file()]
+    if missing:
+        raise FileNotFoundError(f"tests/support/stacks.py names tests that do not exist: {missing}")
+    return list(LOW_STACK_TESTS)
 
 
 def main(argv: list[str]) -> int:
