@@ -54,6 +54,7 @@ from bigclip.engines.optim import (
 )
 from bigclip.errors import ConfigError
 from bigclip.models import CLIP, MAX_LOGIT_SCALE, get_model_config, param_generator, param_initializers
+from bigclip.models.checkpointing import skip_recompute_check
 
 
 def _check_torch_linear() -> None:
@@ -140,6 +141,8 @@ class DeepSpeedEngine(Engine):
             # gradients from its backward hook, which fires before they exist when the block's
             # input needs no gradient (the first trainable block after frozen ones).
             self.deepspeed.utils.set_z3_leaf_modules(model, list({type(b) for b in model.blocks()}))
+        if self.plan.stage == 3 and frozen:
+            skip_recompute_check(model.blocks())  # why: see there
         if self.cfg.model.torchcompile:
             _check_torch_linear()
             self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile() does: no graph breaks
