@@ -108,6 +108,18 @@ def test_optimizer_section_is_filled_from_flags_and_8bit_needs_none():
     assert resolve(with_zero(), **{"optim.optimizer": "adamw8bit"})["zero_allow_untested_optimizer"]
 
 
+def test_torchcompile_turns_off_zero3s_linear_replacement():
+    """ZeRO-3's memory_efficient_linear trains compiled blocks wrong on torch 2.11 (zero block
+    gradients, see test_torchcompile_under_both_engines): off under --torchcompile, on otherwise."""
+    zero3 = {"zero_optimization": {"stage": 3}}
+    compiled = {"model.torchcompile": True}
+    assert resolve(zero3, **compiled)["zero_optimization"]["memory_efficient_linear"] is False
+    assert "memory_efficient_linear" not in resolve(zero3)["zero_optimization"]  # DeepSpeed's default
+    explicit = {"zero_optimization": {"stage": 3, "memory_efficient_linear": True}}
+    with pytest.raises(ConfigError, match="memory_efficient_linear.*--torchcompile"):
+        resolve(explicit, **compiled)
+
+
 def test_bad_config_fails_when_the_engine_is_made_before_any_model(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(with_zero(train_micro_batch_size_per_gpu=3)))

@@ -54,6 +54,19 @@ from bigclip.engines.optim import (
 )
 from bigclip.errors import ConfigError
 from bigclip.models import CLIP, MAX_LOGIT_SCALE, get_model_config, param_generator, param_initializers
+from bigclip.models.checkpointing import skip_recompute_check
+
+
+def _check_torch_linear() -> None:
+    """Compiled blocks must trace torch's own F.linear: the config turns off ZeRO-3's replacement
+    (see deepspeed_config._resolve_linear), but one an earlier ZeRO-3 engine made in this process
+    stays (DeepSpeed never puts torch's back)."""
+    if torch.nn.functional.linear is not torch._C._nn.linear:
+        raise ConfigError(
+            "--torchcompile: torch.nn.functional.linear was replaced earlier in this process (by a "
+            'DeepSpeed ZeRO-3 engine with "memory_efficient_linear"); build the compiled engine in '
+            "a fresh process"
+        )
 
 
 class DeepSpeedEngine(Engine):
@@ -128,7 +141,10 @@ class DeepSpeedEngine(Engine):
             # gradients from its backward hook, which fires before they exist when the block's
             # input needs no gradient (the first trainable block after frozen ones).
             self.deepspeed.utils.set_z3_leaf_modules(model, list({type(b) for b in model.blocks()}))
+        if self.plan.stage == 3 and frozen:
+            skip_recompute_check(model.blocks())  # why: see there
         if self.cfg.model.torchcompile:
+            _check_torch_linear()
             self.deepspeed.utils.nvtx.enable_nvtx = False  # as engine.compile() does: no graph breaks
             # The forward only: ZeRO-3's gather/release hooks on the block stay eager.
             compile_blocks(list(model.blocks()), self.cfg.model, forward_only=True)

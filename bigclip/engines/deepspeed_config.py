@@ -123,6 +123,7 @@ def resolve_ds_config(
     _resolve_precision(out, cfg.engine.precision, path=path)
     _settle(out, "gradient_clipping", cfg.optim.grad_clip_norm, flag="--grad-clip-norm", path=path)
     zero = _resolve_zero(out, model_width=model_width, path=path)
+    _resolve_linear(out["zero_optimization"], torchcompile=cfg.model.torchcompile, path=path)
     ds_optimizer = _resolve_optimizer(out, cfg, offload=zero.offload_optimizer is not None, path=path)
     if "scheduler" in out:
         raise ConfigError(
@@ -228,6 +229,27 @@ def _resolve_zero(out: dict, *, model_width: int, path: str) -> _Zero:
     }
     validate_with_deepspeed(zero, "zero_optimization", path=path)
     return _Zero(stage, offloads["offload_optimizer"], offloads["offload_param"])
+
+
+def _resolve_linear(zero: dict, *, torchcompile: bool, path: str) -> None:
+    """--torchcompile turns off ZeRO-3's "memory_efficient_linear" (DeepSpeed's default: on).
+
+    That option makes `zero.Init` replace torch.nn.functional.linear, process-wide and for good,
+    with an autograd.Function whose forward adds the bias in place (`output += bias`). torch
+    2.11's dynamo traces such a Function wrongly (pytorch/pytorch#180642): the compiled block's
+    backward routes the gradient to the wrong output, so every block parameter gets a zero
+    gradient and the input only its residual path's; the run trains, silently wrong. Under
+    compile the option buys nothing anyway: AOTAutograd, not the Function, picks what backward saves.
+    """
+    if not torchcompile:
+        return
+    if zero.get("memory_efficient_linear", False) is not False:
+        raise ConfigError(
+            f'{path}: "zero_optimization.memory_efficient_linear": true cannot be combined with '
+            "--torchcompile (its linear trains wrong once compiled with torch 2.11); remove the key "
+            "(bigclip sets it to false) or drop --torchcompile"
+        )
+    zero["memory_efficient_linear"] = False
 
 
 def _offload(zero: dict, name: str, *, stage: int, path: str) -> dict | None:

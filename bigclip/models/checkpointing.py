@@ -19,10 +19,13 @@ Two knobs, both cheap to reason about (`bigclip plan` prices each):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 POLICIES = ("full", "ops")
@@ -45,13 +48,20 @@ class BlockCheckpointing:
     """How one block is checkpointed (None on a block means: not checkpointed)."""
 
     policy: str = "full"
+    # torch compares each recomputed saved tensor's shape and dtype with the forward's. An engine
+    # that swaps a frozen parameter's storage during the recompute turns this off: see
+    # `skip_recompute_check`.
+    check_recompute: bool = True
 
     def checkpoint_kwargs(self) -> dict:
         """Extra arguments of `torch.utils.checkpoint.checkpoint` for this policy. `full` passes
-        none: torch 2.11's dynamo refuses any context_fn it cannot inline (even the no-op default)."""
+        no context_fn: torch 2.11's dynamo refuses any it cannot inline (even the no-op default)."""
+        kwargs = {} if self.check_recompute else {"determinism_check": "none"}
         if self.policy == "full":
-            return {}
-        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_ops_policy())}
+            return kwargs
+        return kwargs | {
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, _save_ops_policy())
+        }
 
 
 def _save_ops_policy():  # noqa: ANN202
@@ -73,6 +83,22 @@ def _save_ops_policy():  # noqa: ANN202
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+def skip_recompute_check(blocks: Iterable[nn.Module]) -> None:
+    """Turn off torch's recompute metadata check on each checkpointed block of `blocks`.
+
+    For ZeRO-3 with frozen parameters (--lock-image/--lock-text): the checkpoint keeps a frozen
+    parameter by reference (only tensors that require grad are detached), and DeepSpeed 0.18.3
+    releases it again (0 elements) when each submodule's recomputed forward ends, so torch reads
+    a 0-element "recomputed" shape and raises (0.19.8 keeps it gathered until the backward). The
+    values backward uses are right: DeepSpeed
+    gathers a submodule's parameters again before that submodule's backward runs.
+    """
+    for block in blocks:
+        ckpt = getattr(block, "checkpointing", None)
+        if ckpt is not None:
+            block.checkpointing = dataclasses.replace(ckpt, check_recompute=False)
 
 
 def block_plan(layers: int, *, every: int, policy: str) -> list[BlockCheckpointing | None]:
