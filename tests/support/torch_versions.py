@@ -30,7 +30,14 @@ _STAGER = (
     "DefaultStager/StagingOptions: `.. versionadded:: 2.9` (pytorch/tutorials#3711, async checkpoint recipe)"
 )
 
+_SAC = "selective activation checkpointing public in torch.utils.checkpoint (torch 2.4 release notes, pytorch#125795)"
+
 SINCE: dict[str, tuple[str, str]] = {
+    # -- activation checkpointing
+    "torch.utils.checkpoint.CheckpointPolicy": ("2.4", _SAC),
+    "torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE": ("2.4", _SAC),
+    "torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE": ("2.4", _SAC),
+    "torch.utils.checkpoint.create_selective_checkpoint_contexts": ("2.4", _SAC),
     # -- collectives and process groups
     f"{_D}.P2POp(group_peer=)": ("2.6", f"pytorch#141054 'Support group ranks in P2POp', {_CUT_2_6}"),
     f"{_D}.broadcast_object_list(group_src=)": ("2.6", f"pytorch#140843/#140847 group_src, {_CUT_2_6}"),
