@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.engine_harness import make_engine, run_steps, tiny_config
+from support.stacks import LOW_STACK_ENV
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
@@ -102,6 +103,11 @@ def test_documented_flag_combinations_train(engine: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get(LOW_STACK_ENV) != "low",
+    reason="the compiled rows run on the low stack (torch 2.11, the GPU machines'), where compile bugs showed;"
+    " on the main stack test_engine_deepspeed's and test_fast_compile's compiled steps cover compile",
+)
 @pytest.mark.parametrize("engine", ("fsdp", "zero3"))
 def test_documented_flag_combinations_train_compiled(engine: str) -> None:
     check_rows(spawn(train_rows, 1, engine, COMPILED_ROWS)[0], engine)
