@@ -16,7 +16,6 @@ Without root or Slurm the tests skip with the reason; with CI set they fail inst
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from support.launch_harness import read_keys
-from support.slurm_cluster import ClusterUnavailable, SlurmCluster, missing_reason
+from support.slurm_cluster import SlurmCluster, missing_reason, start_for_tests
 
 from bigclip.launch.slurm import main as slurm_main
 
@@ -144,17 +143,9 @@ def _stop_reference(cluster: SlurmCluster, root: Path, deadline: float) -> None:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, demo_data):
     root = tmp_path_factory.mktemp("slurm")
-    try:
-        reason = missing_reason()
-        cluster = None if reason else SlurmCluster.start(root / "cluster")
-    except ClusterUnavailable as e:
-        reason = str(e)
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the Slurm tests: {reason} (make slurm-deps installs Slurm)")
-        pytest.skip(f"no real Slurm here: {reason}")
-    cluster.env["PYTHONPATH"] = os.pathsep.join([str(ROOT), cluster.env.get("PYTHONPATH", "")])
-    cluster.env["PYTHONWARNINGS"] = "ignore"
+    cluster = start_for_tests(
+        lambda: SlurmCluster.start(root / "cluster"), reason=missing_reason(), what="the Slurm tests"
+    )
     stop = threading.Event()
     try:
         for s in SCENARIOS:

@@ -28,8 +28,10 @@ import socket
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CPUS = 16  # declared (config_overrides): room for several 2-rank jobs at once on a 2-core box
@@ -279,3 +281,25 @@ def _tail(path: Path, lines: int = 30) -> list[str]:
     if not path.exists():
         return [f"({path} missing)\n"]
     return path.read_text(errors="replace").splitlines(keepends=True)[-lines:]
+
+
+Cluster = TypeVar("Cluster")
+
+
+def start_for_tests(start: Callable[[], Cluster], *, reason: str, what: str) -> Cluster:
+    """`start()` unless `reason` says it cannot run here; then skip saying why, or fail under CI
+    (which must run `what`). The jobs the cluster runs import this checkout's bigclip."""
+    try:
+        cluster = None if reason else start()
+    except ClusterUnavailable as e:
+        reason = str(e)
+    if reason:
+        import pytest  # only the tests call this; benchmarks use the cluster without pytest
+
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run {what}: {reason} (make slurm-deps installs Slurm)")
+        pytest.skip(f"cannot run {what} here: {reason}")
+    root = Path(__file__).resolve().parents[2]
+    cluster.env["PYTHONPATH"] = os.pathsep.join([str(root), cluster.env.get("PYTHONPATH", "")])
+    cluster.env["PYTHONWARNINGS"] = "ignore"
+    return cluster

@@ -8,17 +8,14 @@ output shows which host ran which rank.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from bigclip.launch.slurm import main as slurm_main
-from support.slurm_cluster import ClusterUnavailable, missing_reason
+from support.slurm_cluster import missing_reason, start_for_tests
 from support.slurm_two_nodes import TwoNodeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,17 +29,10 @@ exec %s "$@"
 @contextmanager
 def two_node_cluster(root: Path) -> Iterator[TwoNodeCluster]:
     """The cluster, or a skip saying why not (a failure under CI, which must run these tests)."""
-    try:
-        reason = missing_reason() or ("" if _has_ip() else "iproute2 (`ip`) is missing")
-        cluster = None if reason else TwoNodeCluster.start(root / "cluster")
-    except ClusterUnavailable as e:
-        reason = str(e)
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the two-node Slurm tests: {reason} (make slurm-deps installs Slurm)")
-        pytest.skip(f"no two-node Slurm here: {reason}")
-    cluster.env["PYTHONPATH"] = os.pathsep.join([str(ROOT), cluster.env.get("PYTHONPATH", "")])
-    cluster.env["PYTHONWARNINGS"] = "ignore"
+    reason = missing_reason() or ("" if _has_ip() else "iproute2 (`ip`) is missing")
+    cluster = start_for_tests(
+        lambda: TwoNodeCluster.start(root / "cluster"), reason=reason, what="the two-node Slurm tests"
+    )
     try:
         yield cluster
     finally:
