@@ -110,6 +110,10 @@ JobRequeue=1
 KillWait=30
 MinJobAge=600
 GresTypes=gpu
+# A job that is not the queue's top priority when it is submitted (e.g. a preemptor while a
+# requeued job waits) is scheduled by the periodic passes: 60 s and 30 s by default, long enough
+# for a short job to finish before its preemptor is even considered.
+SchedulerParameters=sched_interval=2,bf_interval=2
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 {node_lines}\
