@@ -48,8 +48,8 @@ class Scenario:
     job_args: list[str]
     steps: int
     fault: Callable[[SlurmCluster, int], None] | None = None  # injected once the job is at TRIGGER_STEP
-    cancel_rerun: bool = False  # the test cancels the rerun AFTER_RESUME steps after its resume
     train_args: list[str] = field(default_factory=list)
+    cancel_rerun: bool = False  # the test cancels the rerun AFTER_RESUME steps after its resume
     job_id: int = 0
     fault_at: float = 0.0
 
