@@ -110,9 +110,9 @@ JobRequeue=1
 KillWait=30
 MinJobAge=600
 GresTypes=gpu
-# A job that is not the queue's top priority when it is submitted (e.g. a preemptor while a
-# requeued job waits) is scheduled by the periodic passes: 60 s and 30 s by default, long enough
-# for a short job to finish before its preemptor is even considered.
+# Pending jobs that were not started on submission (a requeued job once its begin time passes)
+# wait for the periodic passes: 60 s and 30 s by default, 2 s here so the tests do not idle.
+# (A preemptor still takes ~20 s to signal its victim here: the tests must not race it.)
 SchedulerParameters=sched_interval=2,bf_interval=2
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
