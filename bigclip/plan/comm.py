@@ -18,7 +18,9 @@ and accumulators (bigclip/ops/loss/chunked.py, exchange.py):
                 reduce-scatter of W n d floats.
 With --accum-freq K the loss runs K times per step, each over the K x b cached rows. The ring
 sends each chunk before its tiles are computed, so on GPUs this time overlaps compute; the
-all-gather's collectives do not. OpenCLIP's unchunked loss (--loss-chunk-size 0) is not priced.
+all-gather's collectives do not. Not priced: OpenCLIP's unchunked loss (--loss-chunk-size 0), and
+latency (the ring takes ceil(n / chunk) x W hops per pass, each paying one). Checked against a
+tc-limited link between two network namespaces by benchmarks/plan_vs_measured.py --link.
 """
 
 from __future__ import annotations
