@@ -13,7 +13,8 @@ not model work, so it is not in the model FLOPs that MFU divides. Checkpoints ho
 the master weight and two Adam moments (4 + 8 bytes; 2 + 4 with pure_bf16). S3 requests follow what
 a save does (measured against a loopback endpoint, tests/test_plan.py): per rank one HEAD of
 .metadata and `io_threads` multipart uploads of (2 + parts) requests each; rank 0 adds 12 (clear
-the step folder, write and rename .metadata, write the manifest).
+the step folder, write and rename .metadata, write the manifest). The chunked loss's exchange is
+priced in bytes sent per GPU and seconds at --link-gbps (plan/comm.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from bigclip.cli_args import parse_train_args
 from bigclip.errors import ConfigError
 from bigclip.models import get_model_config
 from bigclip.models.flops import forward_flops as model_forward_flops
+from bigclip.plan.comm import loss_exchange_bytes, transfer_seconds
 from bigclip.plan.memory import MemoryPlan, plan_memory, recomputed_flops
 from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
 from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes, from_train_config, model_params
@@ -45,6 +47,7 @@ class Hardware:
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     mfu: float = 0.40
     part_size_mib: float = 8.0  # s3torchconnector's multipart part size
+    link_gbps: float = 400.0  # network per GPU between nodes: one 400 Gbit/s NIC per H100 (DGX H100)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Plan:
     checkpoint_total_bytes: int
     checkpoint_rank0_bytes: int
     s3_requests_per_save: int
+    loss_exchange_bytes: int | None  # sent per rank per step by the chunked loss (plan/comm.py)
 
     @property
     def fits(self) -> bool:
@@ -75,6 +79,13 @@ class Plan:
     def step_time_s(self) -> float:
         per_gpu = self.model_flops_per_step / self.spec.gpus
         return per_gpu / (self.hardware.mfu * self.hardware.peak_tflops * 1e12)
+
+    @property
+    def loss_exchange_s(self) -> float | None:
+        """The loss exchange's time per step at --link-gbps (not in step_time_s: the ring overlaps it)."""
+        if self.loss_exchange_bytes is None:
+            return None
+        return transfer_seconds(self.loss_exchange_bytes, link_gbps=self.hardware.link_gbps)
 
 
 def forward_flops(spec: PlanSpec) -> float:
@@ -110,6 +121,7 @@ def build_plan(spec: PlanSpec, hardware: Hardware) -> Plan:
         checkpoint_total_bytes=sum(p.numel for p in params) * per_element,
         checkpoint_rank0_bytes=rank0,
         s3_requests_per_save=spec.gpus * s3_requests(files, part_size=part) + RANK0_EXTRA_REQUESTS,
+        loss_exchange_bytes=loss_exchange_bytes(spec),
     )
 
 
@@ -153,7 +165,15 @@ def _throughput_rows(plan: Plan) -> list[tuple[str, str]]:
         ),
         (f"step time at {hw.mfu:.0%} MFU", f"{plan.step_time_s:.2f} s ({hw.peak_tflops:g} TFLOP/s peak)"),
         ("samples per second", f"{plan.spec.global_batch / plan.step_time_s:,.0f}"),
+        ("loss exchange per step", _exchange_text(plan)),
     ]
+
+
+def _exchange_text(plan: Plan) -> str:
+    if plan.loss_exchange_s is None:
+        return "not priced (unchunked loss)"
+    sent = human_bytes(plan.loss_exchange_bytes or 0)
+    return f"{sent} sent per GPU, {plan.loss_exchange_s:.3f} s at {plan.hardware.link_gbps:g} Gbit/s"
 
 
 def _checkpoint_rows(plan: Plan) -> list[tuple[str, str]]:
@@ -200,6 +220,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "checkpoint_total_bytes": plan.checkpoint_total_bytes,
         "checkpoint_rank0_bytes": plan.checkpoint_rank0_bytes,
         "s3_requests_per_save": plan.s3_requests_per_save,
+        "loss_exchange_bytes": plan.loss_exchange_bytes,
+        "loss_exchange_s": plan.loss_exchange_s,
     }
 
 
@@ -217,6 +239,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--part-size-mib", type=float, default=Hardware.part_size_mib, help="S3 multipart part size."
     )
+    p.add_argument("--link-gbps", type=float, default=Hardware.link_gbps,
+                   help="Network bandwidth per GPU between nodes, Gbit/s (prices the loss exchange).")  # fmt: skip
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     p.add_argument("--markdown", action="store_true", help="Print the table as Markdown.")
     p.add_argument("--dry-run", action="store_true",
@@ -225,9 +249,12 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def hardware_from(args: argparse.Namespace) -> Hardware:
-    if not 0 < args.mfu <= 1 or not 0 <= args.headroom < 1:
-        raise ConfigError("--mfu must be in (0, 1] and --headroom in [0, 1)")
-    return Hardware(args.gpu_memory_gib, args.headroom, args.peak_tflops, args.mfu, args.part_size_mib)
+    if not 0 < args.mfu <= 1 or not 0 <= args.headroom < 1 or args.link_gbps <= 0:
+        raise ConfigError("--mfu must be in (0, 1], --headroom in [0, 1) and --link-gbps above 0")
+    return Hardware(
+        gpu_memory_gib=args.gpu_memory_gib, headroom=args.headroom, peak_tflops=args.peak_tflops,
+        mfu=args.mfu, part_size_mib=args.part_size_mib, link_gbps=args.link_gbps,
+    )  # fmt: skip
 
 
 def dry_run_rows(plan: Plan, train_argv: list[str]) -> list[tuple[str, str]]:

@@ -67,6 +67,7 @@ class PlanSpec:
     reshard_after_forward: bool = True
     zero: ZeroSettings = field(default_factory=ZeroSettings)
     io_threads: int = 4  # checkpoint files per rank (CheckpointStore's default)
+    dist_backend: str = "nccl"  # prices the collectives (comm.py); --dist-backend, nccl on GPUs
 
     @property
     def dtypes(self) -> Precision:
@@ -99,6 +100,7 @@ def from_train_config(cfg: TrainConfig, *, gpus: int) -> PlanSpec:
         loss_chunk_size=cfg.loss.loss_chunk_size, loss_exchange=cfg.loss.loss_exchange,
         local_loss=cfg.loss.local_loss, gather_with_grad=cfg.loss.gather_with_grad,
         reshard_after_forward=cfg.engine.reshard_after_forward, zero=zero,
+        dist_backend=cfg.engine.dist_backend or "nccl",
     ).validate()  # fmt: skip
 
 
