@@ -9,13 +9,15 @@ with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* set.
 
 Why not just `deepspeed` under srun: Slurm signals every process of a job step (SIGTERM on
 preemption, SIGUSR1 before the time limit), the launchers included. SIGUSR1 kills both DeepSpeed
-processes (no handler), and deepspeed.launcher.launch answers SIGTERM by terminating every rank
-and SIGKILLing them 30 s later, whatever their checkpoint needs. Either way the ranks die inside
-their preemption checkpoint. So both signals are blocked here, before exec: the launchers inherit
-the mask and never act on them, and the ranks, which get the signals from Slurm directly, unblock
-them first thing (bigclip/train/signals.py), checkpoint, and exit 85; the launchers then exit
-with that code. SIGINT (Ctrl-C on srun) is left to DeepSpeed. Standard library only: it runs
-before anything heavy is imported.
+processes (no handler), so does SIGTERM the runner (it traps it only for pdsh), and
+deepspeed.launcher.launch answers SIGTERM by terminating every rank and SIGKILLing them 30 s
+later, whatever their checkpoint needs (DeepSpeed 0.18.3 to 0.19.8 alike). Either way the ranks
+die inside their preemption checkpoint: srun ends the step once its task, the runner, is gone.
+So both signals are blocked here, before exec: the launchers inherit the mask and never act on
+them, and the ranks, which get the signals from Slurm directly, unblock them first thing
+(bigclip/train/signals.py), checkpoint, and exit 85; the launchers then exit with that code.
+SIGINT (Ctrl-C on srun) is left to DeepSpeed. Standard library only: it runs before anything
+heavy is imported.
 """
 
 from __future__ import annotations
