@@ -44,7 +44,7 @@ def train_args_of(script: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("nodes", [1, 32, 128])
-@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+@pytest.mark.parametrize("launcher", ["srun", "torchrun", "deepspeed"])
 def test_rendered_script_passes_shellcheck_and_its_command_parses(
     tmp_path: Path, nodes: int, launcher: str
 ) -> None:

@@ -1,21 +1,37 @@
 """The rendered sbatch scripts across two nodes of a real Slurm (two network namespaces on this box,
 tests/support/slurm_two_nodes.py): `bigclip slurm --nodes 2 --gpus-per-node 2` with `--launcher srun`
-and `--launcher torchrun` (FSDP2, and torchrun with DeepSpeed ZeRO-3), 4 CPU ranks of the tiny
-model over gloo, each submitted with sbatch on node0 as a user would. What crosses nodes is exercised for real: MASTER_ADDR from the
+and `--launcher torchrun` (FSDP2, and torchrun with DeepSpeed ZeRO-3) and `--launcher deepspeed`
+(DeepSpeed's own launcher on each node, ZeRO-3), 4 CPU ranks of the tiny model over gloo, each
+submitted with sbatch on node0 as a user would. What crosses nodes is exercised for real: MASTER_ADDR from the
 first host of SLURM_JOB_NODELIST (resolved through node0's /etc/hosts to its veth address), the
 torchrun c10d rendezvous there, per-node SLURM_NODEID / local ranks, gloo between namespaces.
 The losses must equal, step for step, the same script rendered for one node with 4 ranks (ZeRO-3's
 to float rounding), and so must every rank's batches.
-The four jobs run side by side. Without root, Slurm or `ip` the tests skip, saying why; under CI they fail.
+A second `--launcher deepspeed` job is preempted as Slurm does it (`scancel --signal=TERM`: SIGTERM
+to every process of the steps, DeepSpeed's launchers included) once it has trained: it must
+checkpoint that step, requeue once and resume there, with the batches and losses of the one-node run.
+The six jobs run side by side. Without root, Slurm or `ip` the tests skip, saying why; under CI they fail.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import time
 
 import pytest
 from support.launch_harness import read_keys
-from support.two_node_jobs import ROOT, losses, output, render, starts, submit, two_node_cluster, wait_final
+from support.two_node_jobs import (
+    FINAL,
+    ROOT,
+    keys_prefix,
+    losses,
+    output,
+    render,
+    starts,
+    submit,
+    two_node_cluster,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 STEPS = 6
@@ -25,8 +41,26 @@ JOBS = {
     "srun": [*TWO_NODES, "--launcher", "srun"],
     "torchrun": [*TWO_NODES, "--launcher", "torchrun"],
     "zero3": [*TWO_NODES, "--launcher", "torchrun"],
+    "deepspeed": [*TWO_NODES, "--launcher", "deepspeed"],
+    "ds_preempted": [*TWO_NODES, "--launcher", "deepspeed"],
 }
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3.json")]
+ENGINE = {"zero3": "deepspeed", "deepspeed": "deepspeed", "ds_preempted": "deepspeed"}  # else fsdp
+DEADLINE_S = 600  # for all six jobs, side by side
+
+
+def _run_all(cluster, root, ids: dict[str, int]) -> dict[str, dict[str, str]]:
+    """Wait for every job; SIGTERM the steps of ds_preempted once its rank 0 has trained step 1."""
+    deadline, preempted = time.monotonic() + DEADLINE_S, False
+    while True:
+        if not preempted and max(read_keys(keys_prefix(root, "ds_preempted"), 0), default=-1) >= 1:
+            cluster.run("scancel", "--signal=TERM", str(ids["ds_preempted"]))
+            preempted = True
+        states = {name: cluster.job(job_id) for name, job_id in ids.items()}
+        if all(s.get("JobState") in FINAL for s in states.values()):
+            return states
+        assert time.monotonic() < deadline, {name: s.get("JobState") for name, s in states.items()}
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +69,19 @@ def finished(tmp_path_factory, demo_data):
     with two_node_cluster(root) as cluster:
         ids = {}
         for name, job in JOBS.items():
-            train = ZERO3 if name == "zero3" else []
+            train = ZERO3 if name in ENGINE else []
             script = render(root, name, data=demo_data.train_pattern, steps=STEPS, job=job, train=train)
             ids[name] = submit(cluster, script)
-        states = {name: wait_final(cluster, job_id, timeout_s=420) for name, job_id in ids.items()}
-        yield root, states
+        yield root, _run_all(cluster, root, ids)
 
 
-@pytest.mark.parametrize("name", ["srun", "torchrun", "zero3"])
+@pytest.mark.parametrize("name", ["srun", "torchrun", "zero3", "deepspeed"])
 def test_two_node_script_trains_4_ranks_on_2_hosts_with_the_one_node_losses(finished, name: str) -> None:
     root, states = finished
     out = output(root, name)
     assert states[name]["JobState"] == "COMPLETED", f"{states[name]}\n{out[-4000:]}"
     assert states[name]["NodeList"] == "node[0-1]", states[name]
-    engine = "deepspeed" if name == "zero3" else "fsdp"
+    engine = ENGINE.get(name, "fsdp")
     assert "4 ranks on 2 nodes" in out, out[-4000:]
     assert re.search(rf"run \S+: 4 rank\(s\), engine {engine}", out), out[-4000:]
     expected = {("node0", "0"), ("node1", "1")}
@@ -57,9 +90,17 @@ def test_two_node_script_trains_4_ranks_on_2_hosts_with_the_one_node_losses(fini
         assert sorted(re.findall(r"start on (node\d) node \d procid (\d)", out)) == [
             ("node0", "0"), ("node0", "1"), ("node1", "2"), ("node1", "3")
         ]  # fmt: skip
+    if name == "deepspeed":  # one DeepSpeed launcher per node, each with its node rank and 2 ranks
+        per_node = re.findall(r"nnodes=2, num_local_procs=2, node_rank=(\d)", out)
+        assert sorted(per_node) == ["0", "1"], out[-4000:]
     reference = losses(output(root, "one_node"))
     assert states["one_node"]["JobState"] == "COMPLETED" and len(reference) == STEPS, reference
-    if name == "zero3":  # another engine: the same losses up to float rounding (4 decimals printed)
+    _same_losses_and_batches_as_one_node(root, name, out, zero3=name in ENGINE)
+
+
+def _same_losses_and_batches_as_one_node(root, name: str, out: str, *, zero3: bool) -> None:
+    reference = losses(output(root, "one_node"))
+    if zero3:  # another engine: the same losses up to float rounding (4 decimals printed)
         assert len(losses(out)) == STEPS
         assert all(abs(float(a) - float(b)) <= 2e-3 for a, b in zip(losses(out), reference)), (
             losses(out),
@@ -70,3 +111,22 @@ def test_two_node_script_trains_4_ranks_on_2_hosts_with_the_one_node_losses(fini
     for rank in range(4):  # every rank trained every step, on the one-node run's batches
         keys = read_keys(root / name / "keys", rank)
         assert sorted(keys) == list(range(STEPS)) and keys == read_keys(root / "one_node" / "keys", rank)
+
+
+def test_deepspeed_launcher_preempted_across_nodes_checkpoints_that_step_and_resumes_exactly(
+    finished,
+) -> None:
+    root, states = finished
+    out, state = output(root, "ds_preempted"), states["ds_preempted"]
+    tail = out[-4000:]
+    assert (state["JobState"], state["Restarts"]) == ("COMPLETED", "1"), f"{state}\n{tail}"
+    stops = [
+        json.loads(m) for m in re.findall(r"the ranks stopped and asked for a requeue \((\{.*\})\)", out)
+    ]
+    assert len(stops) == 1 and (stops[0]["signal"], stops[0]["reason"]) == ("SIGTERM", "preempted"), tail
+    assert re.findall(r"bigclip sbatch: (requeued job|SLURM has requeued)", out) == ["requeued job"], tail
+    # the stopped step itself, no earlier periodic save: the launchers let the ranks finish it
+    assert re.findall(r"resumed \S+ at step (\d+)", out) == [str(stops[0]["step"])], tail
+    # DeepSpeed's launchers never acted on the SIGTERM (they log this when they do), no worker died
+    assert "Main process received SIGTERM" not in out and "DataLoader worker" not in out, tail
+    _same_losses_and_batches_as_one_node(root, "ds_preempted", out, zero3=True)

@@ -1,7 +1,7 @@
 """`bigclip slurm`: render an sbatch script for a multi-node run from training flags.
 
     bigclip slurm --nodes 128 --gpus-per-node 8 --model ViT-bigG-14 --engine fsdp [training flags] \\
-        [--launcher srun|torchrun] [--time 24:00:00] [--partition P] [--account A] [--qos Q] \\
+        [--launcher srun|torchrun|deepspeed] [--time 24:00:00] [--partition P] [--account A] [--qos Q] \\
         [--constraint C] [--gres none|SPEC] [-o job.sbatch]
 
 The training flags are parsed (and so checked) by bigclip's own parser, then written back in
@@ -10,6 +10,9 @@ find the same checkpoints, so the script always trains with `--resume latest` an
 `--name` (the job name unless given) under a fixed `--logs`. Launch layouts:
   srun      one task per rank; bigclip reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
   torchrun  one task per node running torchrun with the c10d rendezvous on the first node.
+  deepspeed one task per node running DeepSpeed's launcher (`deepspeed --no_ssh`, node rank
+            SLURM_NODEID) with a hostfile the script writes; launch/deepspeed_node.py says why
+            it holds back SIGTERM/SIGUSR1 from the launchers.
 Resources: one rank per GPU, requested as `--gpus-per-node` unless `--gres` says otherwise
 (`--gres none` for clusters without GPU GRES, or a GRES spec such as gpu:a100:8);
 `--gpus-per-node 0 --ranks-per-node N` for CPU partitions.
@@ -32,9 +35,9 @@ from pathlib import Path
 from bigclip.cli_args import parse_train_args, to_argv
 from bigclip.config import TrainConfig
 from bigclip.errors import ConfigError
-from bigclip.launch.slurm_template import BODY, HEADER, SRUN_LAUNCH, TORCHRUN_LAUNCH, fill
+from bigclip.launch.slurm_template import BODY, DEEPSPEED_LAUNCH, HEADER, SRUN_LAUNCH, TORCHRUN_LAUNCH, fill
 
-LAUNCHERS = ("srun", "torchrun")
+LAUNCHERS = {"srun": SRUN_LAUNCH, "torchrun": TORCHRUN_LAUNCH, "deepspeed": DEEPSPEED_LAUNCH}
 NODE_UPLOAD_BYTES_PER_S = 500e6  # a conservative S3 upload rate for one node's checkpoint shards
 CHECKPOINT_FLOOR_S = 120
 LAUNCHER_GRACE_S = 30  # after the requeue marker, before the script stops waiting for the launcher  # process start-up noise, a slow step, a retried upload
@@ -108,6 +111,8 @@ def validate_job(job: Job) -> Job:
         raise ConfigError(
             "--nodes and --cpus-per-gpu must be at least 1, --gpus-per-node and --ranks-per-node 0 or more"
         )
+    if job.launcher not in LAUNCHERS:
+        raise ConfigError(f"--launcher {job.launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     if job.ranks < 1:
         raise ConfigError("--gpus-per-node 0 (a CPU partition) needs --ranks-per-node N")
     if job.signal_seconds < 60:
@@ -176,7 +181,7 @@ def resource_lines(job: Job) -> str:
     lines = []
     if job.gpus_per_node and job.gres != "none":
         lines.append(f"--gres={job.gres}" if job.gres else f"--gpus-per-node={job.gpus_per_node}")
-    lines.append(f"--cpus-per-task={job.cpus_per_gpu * (job.ranks if job.launcher == 'torchrun' else 1)}")
+    lines.append(f"--cpus-per-task={job.cpus_per_gpu * (1 if job.launcher == 'srun' else job.ranks)}")
     return "".join(f"#SBATCH {line}\n" for line in lines)
 
 
@@ -203,7 +208,7 @@ def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") ->
         "ENV_SETUP": job.setup + "\n" if job.setup else "", "WORLD": str(job.world),
         "TRAIN_ARGS": train_args_lines(cfg), "PYTHON": job.python, "LAUNCHER_GRACE": str(LAUNCHER_GRACE_S),
     }  # fmt: skip
-    launch = fill(SRUN_LAUNCH if job.launcher == "srun" else TORCHRUN_LAUNCH, values)
+    launch = fill(LAUNCHERS[job.launcher], values)
     return fill(HEADER, values) + fill(BODY, {**values, "LAUNCH": launch})
 
 

@@ -158,6 +158,21 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 {{PYTHON}} -m torch.distributed.ru
     -m bigclip.train -- "${TRAIN_ARGS[@]}\""""
 
 
+DEEPSPEED_LAUNCH = """\
+# One DeepSpeed launcher per node in its no-ssh form (`deepspeed --no_ssh --node_rank=$SLURM_NODEID`,
+# which bigclip.launch.deepspeed_node adds), each starting {{RANKS_PER_NODE}} ranks. Not `deepspeed
+# --launcher slurm`: it runs `srun ... python -u SCRIPT` and drops --module, so bigclip.train would
+# be taken for a file. deepspeed_node blocks SIGTERM and SIGUSR1 in the launchers (their own
+# handling kills the ranks mid-checkpoint: see that module); the ranks get them from Slurm and stop
+# as under srun. Every node's launcher reads the hostfile (`HOST slots=N` per node, in node-rank
+# order), so it lives in the run directory.
+HOSTFILE="$RUN_DIR/hostfile"
+scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/\\$/ slots={{RANKS_PER_NODE}}/" > "$HOSTFILE"
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 {{PYTHON}} -m bigclip.launch.deepspeed_node \\
+    --no_ssh --hostfile="$HOSTFILE" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \\
+    --module bigclip.train "${TRAIN_ARGS[@]}\""""
+
+
 def fill(text: str, values: dict[str, str]) -> str:
     for key, value in values.items():
         text = text.replace("{{" + key + "}}", value)

@@ -36,6 +36,9 @@ class SignalFlag:
         if not self._previous and threading.current_thread() is threading.main_thread():
             for sig in PREEMPTION_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            # A launcher may start us with them blocked (bigclip/launch/deepspeed_node.py keeps
+            # DeepSpeed's launchers from acting on them): one that came meanwhile is delivered now.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
