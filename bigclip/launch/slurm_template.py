@@ -120,6 +120,9 @@ while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
     [[ -f "$REQUEUE_MARKER" ]] && MARKED_AT=${MARKED_AT:-$SECONDS}
     if [[ -n "$MARKED_AT" ]] && (( SECONDS - MARKED_AT >= {{LAUNCHER_GRACE}} )); then
         echo "bigclip sbatch: the launcher still runs {{LAUNCHER_GRACE}} s after the requeue marker (a node that stopped answering?); not waiting for it"
+        # Stop it for good: left behind, srun gives up on the lost node's tasks later and then
+        # cancels its step by id, which the rerun of this job reuses (it would kill the rerun).
+        kill -s KILL "$LAUNCHER_PID" 2>/dev/null || true
         status=85
         break
     fi

@@ -22,15 +22,22 @@ watches the one thing every engine has in common, the training loop finishing st
   that waits for the failed one, alive but past the error, would see nothing until that process
   exits (and the store with it, under srun) or the group times out: its watchdog reads the
   announcement at its next beat, names the silent ranks too, and ends the process with 1.
+- Unless every silent rank is on a node none of whose ranks answers (each rank publishes its
+  host in the store at start): then the node is lost (its processes killed, its kernel gone),
+  not a rank's own failure; the survivors write the requeue marker and exit with
+  REQUEUE_EXIT_CODE, as for a hang, and the job resumes from its last committed checkpoint
+  once Slurm has a node for it.
 While a preemption signal is being handled the watchdog stands aside: the checkpoint may take
 longer than a step, and the scheduler's grace time bounds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -58,6 +65,7 @@ AUTO_FACTOR = 10.0
 AUTO_FLOOR_S = 300.0
 AUTO_MIN_STEPS = 10
 DEPART_INTERVALS = 3  # how long a reporting rank waits for the others' reports before it exits
+HOST_KEY = "host"  # HOST_KEY/RANK: the host the rank runs on
 MAX_BEAT_INTERVAL_S = 5.0  # two store requests per rank per interval: 410/s on 1024 ranks
 RESUBMIT = ("Resubmit the job to resume from its last committed checkpoint once the cause (out of memory, "
             "a lost node) is dealt with.")  # fmt: skip
@@ -104,6 +112,8 @@ class StepWatchdog:
             store = side_store(prefix=f"bigclip/heartbeats/{attempt}", timeout_s=max(10.0, 2 * interval))
             beats = Heartbeats(store, rank=runtime.rank, world_size=runtime.world_size, interval_s=interval)
             beats.beat(0)  # present from the start, so a roll call never waits for a missing key
+            with contextlib.suppress(Exception):  # no host known: a failure is then never a lost node
+                store.set(f"{HOST_KEY}/{runtime.rank}", socket.gethostname())
         watchdog = cls(timeout_s=timeout_s, rank=runtime.rank, run_dir=run_dir, heartbeats=beats)
         if timeout_s >= 0:
             watchdog._thread.start()
@@ -175,13 +185,43 @@ class StepWatchdog:
         where = main_thread_location()
         self.heartbeats.activity = f"its report on rank {failure['rank']}'s error, waiting before in {where}"
         call = self.heartbeats.roll_call(step=self.step)
-        get_logger().error(
+        what = (
             f"rank {self.rank}: rank {failure['rank']} stopped on an error after step {failure['step']} "
             f"({failure['error']}) while this rank, after step {self.step}, waited in {where}; roll call of "
-            f"the ranks:\n{call.describe()}\n{RESUBMIT}"
+            f"the ranks:\n{call.describe()}"
         )
+        self._requeue_if_nodes_lost(call, what=what, error=failure["error"])
+        get_logger().error(f"{what}\n{RESUBMIT}")
         self._depart(call)
         _exit_now(1)
+
+    def _lost_nodes(self, call: RollCall) -> list[str]:
+        """The hosts none of whose ranks answered, if every silent rank is on one of them."""
+        if call.store_error or not call.silent or self.heartbeats is None:
+            return []
+        try:
+            keys = [f"{HOST_KEY}/{r}" for r in range(call.world_size)]
+            hosts = [bytes(h).decode() for h in self.heartbeats.store.multi_get(keys)]
+        except Exception:
+            return []
+        silent = set(call.silent)
+        lost = {h for h in hosts if all(r in silent for r, other in enumerate(hosts) if other == h)}
+        return sorted(lost) if all(hosts[r] in lost for r in silent) else []
+
+    def _requeue_if_nodes_lost(self, call: RollCall, *, what: str, error: str) -> None:
+        """A whole node gone is no fault of the run: requeue (exit REQUEUE_EXIT_CODE), as for a hang."""
+        lost = self._lost_nodes(call)
+        if not lost:
+            return
+        record = {"reason": "lost_node", "step": self.step, "by_rank": self.rank, "silent_ranks": call.silent,
+                  "lost_nodes": lost, "error": error, "signal": None}  # fmt: skip
+        self._write_marker(record)
+        get_logger().error(
+            f"{what}\nno rank on {', '.join(lost)} answers: the node is lost, not a rank's own failure; "
+            f"exiting with {REQUEUE_EXIT_CODE}: the job is requeued and resumes from its last committed checkpoint"
+        )
+        self._depart(call)
+        _exit_now(REQUEUE_EXIT_CODE)
 
     def _depart(self, call: RollCall | None) -> None:
         if call is not None and self.heartbeats is not None:
@@ -209,10 +249,12 @@ class StepWatchdog:
         self.heartbeats.announce_failure(step=self.step, error=describe_error(error))
         self.heartbeats.activity = f"the {type(error).__name__} of a failed collective"
         call = self.heartbeats.roll_call(step=self.step)
-        get_logger().error(
+        what = (
             f"rank {self.rank}: a collective failed after step {self.step} ({describe_error(error)}); "
-            f"roll call of the ranks:\n{call.describe()}\n{RESUBMIT}"
+            f"roll call of the ranks:\n{call.describe()}"
         )
+        self._requeue_if_nodes_lost(call, what=what, error=describe_error(error))
+        get_logger().error(f"{what}\n{RESUBMIT}")
         self._depart(call)
         return call
 

@@ -3,6 +3,7 @@
     nodes = make_nodes()              # node0 10.213.0.1 in bc<pid>n0, node1 10.213.0.2 in bc<pid>n1
     create_network(nodes)
     limit_link(nodes[1], rate="200mbit")   # tc tbf on what node1 sends (this kernel has no netem)
+    set_link(nodes[1], up=False)      # a cut cable (then up=True: back)
     remove_network(nodes)             # SIGKILLs what is left in them, deletes them by name
 
 The addresses exist only on the veth pair, which lives entirely inside the two namespaces: the
@@ -74,6 +75,12 @@ def limit_link(node: Node, *, rate: str, burst: str = "64kb", latency: str = "10
     """A slow link: a token bucket (tc tbf) on what `node` sends."""
     subprocess.run([*node.exec, "tc", "qdisc", "replace", "dev", IFACE, "root", "tbf", "rate", rate, "burst", burst,
                     "latency", latency], check=True, capture_output=True, timeout=30)  # fmt: skip
+
+
+def set_link(node: Node, *, up: bool) -> None:
+    """Take the node's end of the veth pair down (a cut cable: its sockets go silent, no reset is
+    sent) or bring it back up."""
+    _ip("-n", node.netns, "link", "set", IFACE, "up" if up else "down")
 
 
 def unlimit_link(node: Node) -> None:

@@ -4,6 +4,8 @@
         job = cluster.sbatch(script, "-p", "batch")      # submitted on node0, as a user would
         cluster.limit_link(1, rate="20mbit")              # tc tbf inside node1's namespace
         cluster.kill_node(1)                              # SIGKILL every process of node1's namespace
+        cluster.start_slurmd(1)                           # ... and the node is back
+        cluster.set_link(1, up=False)                     # a cut cable
 
 The network is support/netns_pair.py's (NAME = bc<pid>: two clusters never share a namespace name):
   NAMEn0  node0  10.213.0.1  slurmctld + slurmd   veth `bc0` <-> `bc0`   NAMEn1  node1  10.213.0.2  slurmd
@@ -31,6 +33,7 @@ from support.netns_pair import (
     make_nodes,
     netns_pids,
     remove_network,
+    set_link,
     unlimit_link,
 )
 from support.slurm_cluster import (
@@ -108,6 +111,9 @@ class TwoNodeCluster(SlurmCluster):
 
     def limit_link(self, i: int, *, rate: str) -> None:
         limit_link(self.nodes[i], rate=rate)
+
+    def set_link(self, i: int, *, up: bool) -> None:
+        set_link(self.nodes[i], up=up)
 
     def unlimit_link(self, i: int) -> None:
         unlimit_link(self.nodes[i])

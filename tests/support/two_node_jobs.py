@@ -87,7 +87,14 @@ def starts(text: str) -> set[tuple[str, str]]:
     return set(re.findall(r"bigclip test: start on (\S+) node (\S+)", text))
 
 
-def wait_final(cluster: TwoNodeCluster, job_id: int, timeout_s: float) -> dict[str, str]:
-    return cluster.wait_for(
-        job_id, lambda j: j.get("JobState") in FINAL, what="finishing", timeout_s=timeout_s
-    )
+def wait_final(
+    cluster: TwoNodeCluster, job_id: int, timeout_s: float, errors: list[BaseException] = ()
+) -> dict[str, str]:
+    """The job's final state; `errors` (of a fault driver) end the wait at once, raised."""
+
+    def final(job: dict[str, str]) -> bool:
+        if errors:
+            raise errors[0]
+        return job.get("JobState") in FINAL
+
+    return cluster.wait_for(job_id, final, what="finishing", timeout_s=timeout_s)

@@ -1,0 +1,165 @@
+"""The fault driver of the two-node Slurm tests: one thread per phase watches every job's batch keys
+and Slurm's Restarts count, injects each job's fault once the job has trained to its step, undoes
+it once the ranks have asked for a requeue (the node comes back), and cancels the reruns that train until
+stopped once they are a few steps past their resume. The reference run trains until every other
+run of its phase is over and it is ahead of them all: it never lost time to a requeue.
+
+Jobs that train until stopped cannot finish before their fault lands, however fast the box and
+however late the scheduler acts (a preemptor, a time-limit warning): their steps are compared with
+the reference's wherever both have one.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bigclip.train.preemption import REQUEUE_MARKER
+from support.launch_harness import read_keys
+from support.slurm_two_nodes import TwoNodeCluster
+from support.two_node_jobs import keys_prefix, output, wait_final
+
+Action = Callable[[TwoNodeCluster, int], None]  # (cluster, job id)
+
+
+@dataclass
+class Fault:
+    inject: Action
+    at_step: int
+    # The node comes back once the ranks have written the requeue marker (their verdict), before
+    # the script requeues: Slurm's kill of the job's first run must reach the node before its rerun
+    # starts there (a kill still queued for an unreachable node is delivered when it answers again,
+    # and the rerun has the same job id: it would be killed).
+    recover: Action | None = None  # None: the fault needs no requeue
+
+
+@dataclass
+class Job:
+    name: str
+    job_id: int
+    fault: Fault | None = None
+    cancel_after: int = 0  # steps after its resume at which the rerun is cancelled (0: it ends itself)
+    fault_at: float = 0.0  # monotonic
+    requeue_s: float | None = None  # seconds from the fault to Slurm's Restarts=1
+    recovered: bool = False
+    cancelled: bool = False
+
+
+def last_step(root: Path, name: str) -> int:
+    return max(read_keys(keys_prefix(root, name), 0), default=-1)
+
+
+def resumed_at(root: Path, name: str) -> list[int]:
+    return [int(s) for s in re.findall(r"resumed \S+ at step (\d+)", output(root, name))]
+
+
+def _marked(root: Path, name: str) -> bool:
+    return (root / name / "logs" / name / REQUEUE_MARKER).exists()
+
+
+def _tend(cluster: TwoNodeCluster, root: Path, job: Job) -> None:
+    fault, step = job.fault, last_step(root, job.name)
+    if fault and not job.fault_at and step >= fault.at_step:
+        fault.inject(cluster, job.job_id)
+        job.fault_at = time.monotonic()
+    if fault and fault.recover and job.fault_at and not job.recovered and _marked(root, job.name):
+        fault.recover(cluster, job.job_id)
+        job.recovered = True
+    pending = fault and fault.recover and job.fault_at and job.requeue_s is None
+    if pending and int(cluster.job(job.job_id).get("Restarts", "0")) >= 1:
+        job.requeue_s = round(time.monotonic() - job.fault_at, 1)
+    resumed = resumed_at(root, job.name) if job.cancel_after and not job.cancelled else []
+    if resumed and step >= resumed[0] + job.cancel_after:
+        cluster.run("scancel", str(job.job_id))  # SIGTERM to every process: a checkpoint, no requeue
+        job.cancelled = True
+
+
+def _drive(
+    cluster: TwoNodeCluster, root: Path, jobs: list[Job], stop: threading.Event, errors: list[BaseException]
+) -> None:
+    try:
+        while not stop.wait(0.5):
+            for job in jobs:
+                _tend(cluster, root, job)
+    except BaseException as e:  # the phase fails with it, instead of waiting for faults that never come
+        errors.append(e)
+
+
+def _stop_when_ahead(cluster: TwoNodeCluster, root: Path, ref: Job, *, needed: int, deadline: float) -> None:
+    while last_step(root, ref.name) < needed and cluster.job(ref.job_id).get("JobState") == "RUNNING":
+        assert time.monotonic() < deadline, f"the reference run fell behind (step {needed} needed)"
+        time.sleep(1)
+    cluster.run("scancel", str(ref.job_id), check=False)
+
+
+def run_phase(
+    cluster: TwoNodeCluster,
+    root: Path,
+    jobs: list[Job],
+    *,
+    timeout_s: float,
+    reference: Job | None = None,
+    reference_steps: int = 0,
+) -> dict[str, dict[str, str]]:
+    """Drive `jobs` (and `reference`) until every one is over; their final `scontrol show job`.
+    The reference is stopped once it has `reference_steps` steps and is ahead of the others."""
+    stop, deadline, errors = threading.Event(), time.monotonic() + timeout_s, []
+    everyone = jobs + [reference] * (reference is not None)
+    threading.Thread(target=_drive, args=(cluster, root, everyone, stop, errors), daemon=True).start()
+    try:
+        states = {}
+        for j in jobs:
+            states[j.name] = wait_final(
+                cluster, j.job_id, timeout_s=deadline - time.monotonic(), errors=errors
+            )
+        if reference is not None:
+            needed = max([reference_steps - 1, *(last_step(root, j.name) for j in jobs)])
+            _stop_when_ahead(cluster, root, reference, needed=needed, deadline=deadline)
+            states[reference.name] = wait_final(cluster, reference.job_id, timeout_s=90)
+        return states
+    finally:
+        stop.set()
+
+
+def flap_link(i: int, *, down_s: float) -> Action:
+    """A stall: node i's link down for `down_s` seconds, then up again (a timer brings it back).
+    Enough without netem or a userspace relay: while the link is down the kernel drops every packet
+    on it and the sockets stay open, so gloo's TCP connections stop dead exactly as behind a relay
+    that stops forwarding; once it is up, TCP's retransmissions (exponential backoff: resumed
+    within about twice a few-second outage) carry them on. What a relay would add, a fixed delay
+    per packet, is not what the watchdog judges: it judges how long a step takes."""
+
+    def flap(cluster: TwoNodeCluster, job_id: int) -> None:
+        cluster.set_link(i, up=False)
+        timer = threading.Timer(down_s, cluster.set_link, args=(i,), kwargs={"up": True})
+        timer.daemon = True
+        timer.start()
+
+    return flap
+
+
+def near_time_limit(*, minutes_left: int) -> Action:
+    """Lower the job's time limit to `minutes_left` whole minutes past its run time so far: Slurm's
+    next time-limit pass sends the `#SBATCH --signal=USR1@N` warning (N above the time left)."""
+
+    def lower(cluster: TwoNodeCluster, job_id: int) -> None:
+        run_s = _seconds(cluster.job(job_id)["RunTime"])
+        cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={run_s // 60 + minutes_left}")
+
+    return lower
+
+
+def set_time_limit(minutes: int) -> Action:
+    return lambda cluster, job_id: cluster.run(
+        "scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"
+    )
+
+
+def _seconds(run_time: str) -> int:
+    days, _, hms = run_time.rpartition("-")
+    h, m, s = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
