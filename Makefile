@@ -25,6 +25,10 @@ QUICK ?=
 
 .PHONY: install demo test test-main test-low ref-venv lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
 
+# A wheel fetched from a network index can break off mid-download (seen here: a 423 MB NVIDIA
+# wheel, six resumes stuck at one byte count); a later attempt gets it. Three tries, 30 s apart.
+RETRY = for try in 1 2 3; do $(1) && break; [ $$try = 3 ] && exit 1; echo "make: attempt $$try of 3 failed; retrying in 30 s"; sleep 30; done
+
 install: $(STAMP)
 
 $(VPY):
@@ -32,9 +36,9 @@ $(VPY):
 	$(PIP) install -q --upgrade pip setuptools wheel
 
 $(STAMP): $(VPY) pyproject.toml
-	@$(VPY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
-	@$(VPY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "$(DEEPSPEED)"
-	$(PIP) install -e ".[dev]"
+	@$(VPY) -c "import torch" 2>/dev/null || { $(call RETRY,$(PIP) install "$(TORCH)"); }
+	@$(VPY) -c "import deepspeed" 2>/dev/null || { $(call RETRY,DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "$(DEEPSPEED)"); }
+	$(call RETRY,$(PIP) install -e ".[dev]")
 	@# OpenCLIP's own model code is the tests' reference; its torchvision dependency has no CPU
 	@# build here and is not needed for ViT models, hence --no-deps.
 	$(PIP) install --no-deps "$(OPEN_CLIP)"
@@ -54,7 +58,7 @@ REF_PY := $(abspath $(REF_VENV))/bin/python
 ref-venv:
 	@$(REF_PY) -c "import open_clip, torchvision, braceexpand, pandas, webdataset" 2>/dev/null || ( \
 	    $(PYTHON) -m venv $(REF_VENV) && \
-	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir $(REF_TORCH) ftfy regex tqdm safetensors braceexpand pandas webdataset && \
+	    { $(call RETRY,$(REF_VENV)/bin/python -m pip install -q --no-cache-dir $(REF_TORCH) ftfy regex tqdm safetensors braceexpand pandas webdataset); } && \
 	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps "$(OPEN_CLIP)" )
 
 # Both stacks: the whole suite on the main one, then the low stack's subset, whatever the first gave
@@ -81,9 +85,9 @@ STACKS := tests/support/stacks.py
 $(LOW_STAMP): pyproject.toml $(STACKS)
 	@test -x $(LOW_PY) || { $(PYTHON) -m venv $(LOW_VENV) && $(LOW_PY) -m pip install -q --upgrade pip setuptools wheel; }
 	$(PYTHON) $(STACKS) constraints > $(LOW_CONSTRAINTS)
-	$(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) torch
-	DS_BUILD_OPS=0 $(LOW_PY) -m pip install -q --no-build-isolation -c $(LOW_CONSTRAINTS) deepspeed
-	$(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) -e ".[dev]"
+	$(call RETRY,$(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) torch)
+	$(call RETRY,DS_BUILD_OPS=0 $(LOW_PY) -m pip install -q --no-build-isolation -c $(LOW_CONSTRAINTS) deepspeed)
+	$(call RETRY,$(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) -e ".[dev]")
 	$(LOW_PY) -m pip install -q --no-deps "$(OPEN_CLIP)"
 	@touch $(LOW_STAMP)
 
