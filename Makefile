@@ -25,8 +25,8 @@ QUICK ?=
 
 .PHONY: install demo test test-main test-low ref-venv lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
 
-# A wheel fetched from a network index can break off mid-download (seen here: a 423 MB NVIDIA
-# wheel, six resumes stuck at one byte count); a later attempt gets it. Three tries, 30 s apart.
+# A wheel fetched from a network index can break off mid-download (seen on the development box:
+# pip's six resumes stuck at one byte count): three tries, 30 s apart, for a transient failure.
 RETRY = for try in 1 2 3; do $(1) && break; [ $$try = 3 ] && exit 1; echo "make: attempt $$try of 3 failed; retrying in 30 s"; sleep 30; done
 
 install: $(STAMP)
