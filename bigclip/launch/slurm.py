@@ -40,7 +40,9 @@ from bigclip.launch.slurm_template import BODY, DEEPSPEED_LAUNCH, HEADER, SRUN_L
 LAUNCHERS = {"srun": SRUN_LAUNCH, "torchrun": TORCHRUN_LAUNCH, "deepspeed": DEEPSPEED_LAUNCH}
 NODE_UPLOAD_BYTES_PER_S = 500e6  # a conservative S3 upload rate for one node's checkpoint shards
 CHECKPOINT_FLOOR_S = 120
-LAUNCHER_GRACE_S = 30  # after the requeue marker, before the script stops waiting for the launcher  # process start-up noise, a slow step, a retried upload
+# After the requeue marker, how long the script waits for the launcher before it stops waiting (a
+# lost node's tasks never end): room for start-up noise, a slow step, a retried upload.
+LAUNCHER_GRACE_S = 30
 SBATCH_VALUE = re.compile(r"[^\s'\"\\$`]+")  # values that land unquoted on #SBATCH lines
 
 
