@@ -40,7 +40,15 @@ _ATTENTION_OPS = {
     )
     if hasattr(torch.ops.aten, name)  # the set of SDPA backends differs between torch versions
 }
-_MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+# `_scaled_mm`: the fp8 linears' GEMM. `max`: an fp8 cast's absolute maximum, a reduction over a
+# whole tensor kept for the price of a scalar (torchtitan keeps it too).
+_MATMUL_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_mm.default,
+}
+_SCALE_OPS = {torch.ops.aten.max.default}
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,7 @@ def _save_ops_policy():  # noqa: ANN202
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
-        if op in _ATTENTION_OPS:
+        if op in _ATTENTION_OPS or op in _SCALE_OPS:
             return CheckpointPolicy.MUST_SAVE
         if op in _MATMUL_OPS:
             key = "recompute" if ctx.is_recompute else "forward"

@@ -1,0 +1,112 @@
+"""fp8 linears through torchao's float8 training (`torchao.float8`), the recipe torchtitan uses.
+
+Each residual block's MLP linears (`mlp.c_fc`, `mlp.c_proj`) and attention projections
+(`attn.out_proj`, and the fused QKV `attn.in_proj`) compute their three matmuls (output, input
+gradient, weight gradient) in float8 with dynamic scales, from the 16-bit weights and activations
+the engine hands them; masters, optimizer state, norms, attention itself and the loss are
+untouched. Two recipes (torchao's names):
+  - tensorwise: one scale per tensor, cuBLAS's fp8 GEMM; the fastest.
+  - rowwise: one scale per row (power-of-two scales), CUTLASS's rowwise GEMM; closer to bf16.
+The swap keeps every parameter's name, shape and identity (`Float8Linear` is an `nn.Linear`;
+the QKV stays `in_proj_weight`/`in_proj_bias`), so FSDP2 shards, DCP saves and consolidation
+writes plain weights as for any run. Works on meta-device models: call it before sharding.
+
+The GEMM needs sizes in multiples of 16 and, on the device, an fp8-capable GPU (compute
+capability 8.9+); elsewhere torchao's emulation runs the same casts with a high-precision matmul,
+which is how the CPU tests check the numerics.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from bigclip.errors import ConfigError
+
+RECIPES = ("tensorwise", "rowwise")
+_ALIGNMENT = 16  # torch._scaled_mm needs both sizes in multiples of 16
+Model = TypeVar("Model", bound=nn.Module)
+
+
+def fp8_shape_supported(in_features: int, out_features: int) -> bool:
+    return in_features % _ALIGNMENT == 0 and out_features % _ALIGNMENT == 0
+
+
+def float8_config(recipe: str, *, emulate: bool = False) -> Any:
+    """torchao's `Float8LinearConfig` for one of RECIPES (`emulate`: no fp8 GEMM, for CPUs)."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"fp8 recipe {recipe!r} is unknown; use one of {', '.join(RECIPES)}")
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        config = _replace(config, emulate=True)
+    return config
+
+
+def _replace(config: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+class Float8Projection:
+    """The fused QKV projection (`attn.in_proj(x, weight, bias)`) in float8, as `Float8Linear`
+    computes it: the parameters stay the attention's own (`in_proj_weight`, `in_proj_bias`)."""
+
+    def __init__(self, config: Any) -> None:
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+        self.config = config
+        gemm = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
+        self.mm_config = LinearMMConfig(
+            *(ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemm)
+        )
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+        out = matmul_with_hp_or_float8_args.apply(x, weight.t(), self.mm_config, self.config)
+        return out if bias is None else out + bias.to(out.dtype)
+
+
+def _swap_linear(parent: nn.Module, attr: str, config: Any, name: str, skipped: list[str]) -> None:
+    from torchao.float8.float8_linear import Float8Linear
+
+    linear = getattr(parent, attr)
+    if isinstance(linear, Float8Linear):
+        return
+    if not fp8_shape_supported(linear.in_features, linear.out_features):
+        skipped.append(f"{name} ({linear.in_features}->{linear.out_features})")
+        return
+    setattr(parent, attr, Float8Linear.from_float(linear, config=config))
+
+
+def apply_fp8(model: Model, recipe: str, *, emulate: bool = False) -> Model:
+    """Swap every residual block's MLP and attention linears (`model.blocks()`) for torchao's
+    float8 ones. In place; returns the model. Linears whose sizes are not multiples of 16 stay
+    16-bit (one warning)."""
+    config = float8_config(recipe, emulate=emulate)
+    names = {id(module): name for name, module in model.named_modules()}
+    skipped: list[str] = []
+    for block in model.blocks():
+        prefix = names[id(block)]
+        _swap_linear(block.mlp, "c_fc", config, f"{prefix}.mlp.c_fc", skipped)
+        _swap_linear(block.mlp, "c_proj", config, f"{prefix}.mlp.c_proj", skipped)
+        _swap_linear(block.attn, "out_proj", config, f"{prefix}.attn.out_proj", skipped)
+        width = block.attn.out_proj.in_features  # not in_proj_weight.shape: it may be partitioned
+        if fp8_shape_supported(width, 3 * width):
+            block.attn.in_proj = Float8Projection(config)
+        else:
+            skipped.append(f"{prefix}.attn.in_proj ({width}->{3 * width})")
+    if skipped:
+        warnings.warn(
+            f"fp8: {len(skipped)} linear(s) stay 16-bit (sizes not multiples of {_ALIGNMENT}): "
+            + ", ".join(skipped[:4])
+            + (" ..." if len(skipped) > 4 else ""),
+            stacklevel=2,
+        )
+    return model
