@@ -1,0 +1,88 @@
+"""The bad-input suite's harness: run one bad input as a user would and judge the answer.
+
+A case is a real command line (`python -m bigclip ...`, or any argv) against files a fixture made.
+It passes when the command exits non-zero (2: bigclip's user error) within `max_s` seconds, prints
+no traceback, ends its stderr with one line that contains every fragment of `says` (what is wrong
+and what to do), and leaves every protected folder byte for byte as it was. Each area's rows live
+in tests/test_bad_input_<area>.py, each a table of `Case`s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTLED_BEFORE_WORK_S = 5.0  # the issue's bound for anything flags or a manifest can settle
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input. `argv` follows `python`; `says`: fragments the last stderr line must hold."""
+
+    name: str
+    argv: tuple[str, ...]
+    says: tuple[str, ...]
+    code: int = 2
+    max_s: float = SETTLED_BEFORE_WORK_S
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def last_line(self) -> str:
+        lines = [x for x in self.stderr.splitlines() if x.strip()]
+        return lines[-1] if lines else ""
+
+
+def bigclip(*args: str) -> tuple[str, ...]:
+    return ("-m", "bigclip", *args)
+
+
+def run(case: Case, *, cwd: Path, timeout_s: float = 300) -> Outcome:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **case.env}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, *case.argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+    return Outcome(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+def tree_digest(paths: Iterable[Path]) -> dict[str, str]:
+    """sha256 of every file under `paths` (a missing path digests as missing)."""
+    digest: dict[str, str] = {}
+    for root in paths:
+        if not root.exists():
+            digest[str(root)] = "missing"
+            continue
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for f in files:
+            digest[str(f)] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return digest
+
+
+def check(case: Case, *, cwd: Path, protect: Iterable[Path] = ()) -> Outcome:
+    """Run `case` and assert the suite's four promises; returns the outcome for extra checks."""
+    protect = list(protect)
+    before = tree_digest(protect)
+    out = run(case, cwd=cwd)
+    context = f"[{case.name}] exit {out.code} in {out.seconds:.1f}s\nstderr:\n{out.stderr[-3000:]}"
+    assert out.code == case.code, context
+    assert "Traceback" not in out.stderr + out.stdout, context
+    missing = [s for s in case.says if s not in out.last_line]
+    assert not missing, f"{context}\nlast line lacks {missing}: {out.last_line!r}"
+    assert out.seconds <= case.max_s, f"{context}\ntook {out.seconds:.1f}s > {case.max_s}s"
+    assert tree_digest(protect) == before, f"{context}\na protected file changed"
+    return out
