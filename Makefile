@@ -143,11 +143,12 @@ wheelhouse: install
 	    --extras $(EXTRAS) --deepspeed "$(DEEPSPEED)" --out $(OUT)
 
 # The project's GPU machines (torch, Triton, torchvision, pytest, pyyaml, pillow, tensorboard, timm,
-# huggingface-hub... and no package index) lack bigclip's braceexpand and ftfy, and the peer rows'
-# open_clip_torch and inf-cl. `make gpu-wheels` puts them (2.3 MB) into gpu-wheels/ to carry there,
+# huggingface-hub... and no package index) lack bigclip's braceexpand and ftfy, the fp8 kinds' torchao
+# (0.17.0: the release for their torch 2.11), and the peer rows'
+# open_clip_torch and inf-cl. `make gpu-wheels` puts them (5.5 MB) into gpu-wheels/ to carry there,
 # where `python3 -m pip install -q --no-index --no-deps gpu-wheels/*.whl` installs them.
 # tests/test_gpu_image.py checks that the first list is enough.
-GPU_IMAGE_LACKS ?= braceexpand ftfy
+GPU_IMAGE_LACKS ?= braceexpand ftfy torchao==0.17.0
 GPU_PEER_WHEELS ?= $(OPEN_CLIP) inf-cl
 gpu-wheels: install
 	$(VPY) -m bigclip.launch.wheelhouse --only "$(GPU_IMAGE_LACKS)" --python-version $(PY) \

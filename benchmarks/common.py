@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from bigclip.train.throughput import datasheet_bf16_tflops
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -74,21 +76,8 @@ def write_results(name: str, rows: list[dict[str, Any]], **extra: Any) -> Path:
 
 # -- GPU rows ---------------------------------------------------------------------------------
 
-# Dense bf16 tensor-core peak from NVIDIA's datasheets, TFLOP/s, matched against the device name
-# in order (the first key contained in the name wins; PCIe and NVL parts clock lower than SXM).
-DATASHEET_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM5: "NVIDIA H100 80GB HBM3"
-    ("H200 NVL", 835.0),
-    ("H200", 989.0),
-    ("A100", 312.0),
-)
+# The datasheet peaks are the training log's (bigclip/train/throughput.py): one table.
 PEAK_ENV = "BIGCLIP_BF16_PEAK_TFLOPS"  # set by gpu_suite.py so each row does not re-measure
-
-
-def datasheet_bf16_tflops(device_name: str) -> float | None:
-    return next((v for k, v in DATASHEET_BF16_TFLOPS if k in device_name), None)
 
 
 def measured_bf16_tflops(n: int = 8192, reps: int = 20) -> float:

@@ -38,7 +38,13 @@ from bigclip.models import get_model_config  # noqa: E402
 from bigclip.models.flops import forward_flops  # noqa: E402
 
 SIDES = ("openclip", "bigclip", "fp8-tensorwise", "fp8-rowwise")
-DEFAULT_VARIANTS = ("openclip:full", "bigclip:full", "bigclip:ops", "fp8-tensorwise:full", "fp8-tensorwise:ops")
+DEFAULT_VARIANTS = (
+    "openclip:full",
+    "bigclip:full",
+    "bigclip:ops",
+    "fp8-tensorwise:full",
+    "fp8-tensorwise:ops",
+)
 
 
 def parse_variant(text: str) -> tuple[str, str, int]:
@@ -114,7 +120,9 @@ def compare(rows: list[dict]) -> None:
     """Speed-ups against OpenCLIP's first row and against bigclip's best bf16 row."""
     done = [r for r in rows if "step_s" in r]
     base = next((r for r in done if r["variant"].startswith("openclip")), None)
-    bf16 = min((r for r in done if r["variant"].startswith("bigclip")), key=lambda r: r["step_s"], default=None)
+    bf16 = min(
+        (r for r in done if r["variant"].startswith("bigclip")), key=lambda r: r["step_s"], default=None
+    )
     for r in done:
         if base:
             r["speedup_vs_openclip"] = base["step_s"] / r["step_s"]

@@ -110,7 +110,8 @@ def bigclip_flags(model_name: str) -> str:
         "--torchcompile"
     ] * cfg.model.torchcompile
     flags += [f"--loss-chunk-size {cfg.loss.loss_chunk_size}", "--local-loss --gather-with-grad"]
-    return " ".join(flags + ([f"--int8 {cfg.model.int8}"] if cfg.model.int8 != "none" else []))
+    kind = cfg.model.linear_kind
+    return " ".join(flags + ([f"--linear-kind {kind}"] if kind != "none" else []))
 
 
 def one_side(impl: str, model_name: str, batch: int, steps: int) -> dict:

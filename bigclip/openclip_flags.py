@@ -223,7 +223,7 @@ def refusal(flag: str) -> str:
     return f"{flag} is an OpenCLIP option bigclip does not take: {REFUSED[flag]}"
 
 
-# OpenCLIP's `--use-bnb-linear` class names, mapped onto `--int8` modes.
+# OpenCLIP's `--use-bnb-linear` class names, mapped onto SwitchBack `--linear-kind`s.
 _BNB_LINEAR_ALIASES = {
     "SwitchBackLinearGlobal": "switchback-global",
     "SwitchBackLinearGlobalMemEfficient": "switchback-memefficient",
@@ -235,7 +235,8 @@ def bnb_linear_to_int8(value: str) -> str:
     if value not in _BNB_LINEAR_ALIASES:
         raise ConfigError(
             f"--use-bnb-linear {value!r} is not supported; use one of {sorted(_BNB_LINEAR_ALIASES)} "
-            "or --int8 {switchback-global,switchback-vectorwise,switchback-memefficient}"
+            "or --int8 {switchback-global,switchback-vectorwise,switchback-memefficient}, "
+            "or --linear-kind for the other kinds"
         )
     return _BNB_LINEAR_ALIASES[value]
 

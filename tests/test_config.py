@@ -39,8 +39,11 @@ def test_every_field_has_a_flag():
 
 
 def test_use_bnb_linear_alias_maps_to_int8():
-    assert parse_train_args(["--use-bnb-linear", "SwitchBackLinearGlobal"]).model.int8 == "switchback-global"
-    assert parse_train_args(["--int8", "switchback-vectorwise"]).model.int8 == "switchback-vectorwise"
+    assert (
+        parse_train_args(["--use-bnb-linear", "SwitchBackLinearGlobal"]).model.linear_kind
+        == "switchback-global"
+    )
+    assert parse_train_args(["--int8", "switchback-vectorwise"]).model.linear_kind == "switchback-vectorwise"
     with pytest.raises(ConfigError, match="SwitchBackLinearGlobal"):
         parse_train_args(["--use-bnb-linear", "Linear8bitLt"])
 

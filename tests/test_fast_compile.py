@@ -125,7 +125,7 @@ def test_compiled_training_step_has_no_graph_breaks(engine, int8):
             "engine.precision": "amp_bf16",
             "model.torchcompile": True,
             "model.force_patch_dropout": 0.5,
-            "model.int8": int8,
+            "model.linear_kind": int8,
             "model.int8_attention": int8 != "none",
         },
     )

@@ -3,8 +3,8 @@
 One table, not one test per bug: each row starts from the standard large-run flags (amp_bf16 and
 activation checkpointing) and adds what a user combines with them. Each row trains 2 steps of the
 tiny model with the real engine (world of one over gloo) and must give finite, decreasing-capable
-losses; rows the README documents as refused must be refused before anything is built, with a
-message that says what to do. A failure names the row, so a crash like torch 2.11's amp_bf16 +
+losses; rows refused where the machine lacks what they need (fp16 on ZeRO without oneDNN fp16:
+support/machine.py) must be refused before anything is built, with a message that says what to do. A failure names the row, so a crash like torch 2.11's amp_bf16 +
 checkpointing one shows up as one red row here rather than on a GPU.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.engine_harness import make_engine, run_steps, tiny_config
+from support.machine import WITHHOLD_FP16_ENV, ZERO_FP16_REFUSAL, expected_refusal
 from support.stacks import LOW_STACK_ENV
 
 from bigclip.config import TrainConfig
@@ -35,12 +36,14 @@ ROWS: dict[str, dict[str, object]] = {
     "fp16": {"engine.precision": "amp"},
     "pure-bf16": {"engine.precision": "pure_bf16"},
     "patch-dropout": {"model.force_patch_dropout": 0.5},
-    "switchback-global": {"model.int8": "switchback-global"},
-    "switchback-vectorwise": {"model.int8": "switchback-vectorwise"},
+    "switchback-global": {"model.linear_kind": "switchback-global"},
+    "switchback-vectorwise": {"model.linear_kind": "switchback-vectorwise"},
     "switchback-memefficient-attention": {
-        "model.int8": "switchback-memefficient",
+        "model.linear_kind": "switchback-memefficient",
         "model.int8_attention": True,
     },
+    "fp8-tensorwise": {"model.linear_kind": "fp8-tensorwise"},
+    "fp8-rowwise-selective": {"model.linear_kind": "fp8-rowwise", "model.grad_checkpointing_policy": "ops"},
     "adamw8bit": {"optim.optimizer": "adamw8bit"},
     "accum-freq": {"optim.accum_freq": 2},
     "chunked-loss": {"loss.loss_chunk_size": 4},
@@ -49,7 +52,7 @@ ROWS: dict[str, dict[str, object]] = {
     "lock-text": {"model.lock_text": True},
     "all-at-once": {
         "model.force_patch_dropout": 0.5,
-        "model.int8": "switchback-memefficient",
+        "model.linear_kind": "switchback-memefficient",
         "model.grad_checkpointing_policy": "ops",
         "optim.accum_freq": 2,
         "loss.loss_chunk_size": 4,
@@ -62,6 +65,7 @@ COMPILED_ROWS = {
     "compiled": {"model.torchcompile": True},
     "compiled-all": {**ROWS["all-at-once"], "model.torchcompile": True, "optim.optimizer": "adamw"},
 }
+ALL_ROWS = {**ROWS, **COMPILED_ROWS}
 STEPS, BATCH = 2, 8
 
 pytestmark = pytest.mark.dist
@@ -89,17 +93,39 @@ def train_rows(rank: int, world: int, engine: str, rows: dict[str, dict]) -> dic
     return results
 
 
-def check_rows(results: dict[str, object], engine: str) -> None:
+def row_refusal(engine: str, row: dict[str, object]) -> str | None:
+    """The refusal this machine must answer `row` with (support/machine.py), or None: it trains."""
+    return expected_refusal(engine, str({**STANDARD, **row}["engine.precision"]))
+
+
+def check_rows(
+    results: dict[str, object], engine: str, *, refusals: dict[str, str | None] | None = None
+) -> None:
+    """Each row trained (finite losses), or was refused with the one line the machine calls for."""
     bad = {}
     for name, result in results.items():
-        if not (isinstance(result, list) and len(result) == STEPS and all(math.isfinite(x) for x in result)):
-            bad[name] = result
-    assert not bad, f"{engine}: rows that did not train: " + "; ".join(f"{k}: {v}" for k, v in bad.items())
+        refusal = refusals[name] if refusals is not None else row_refusal(engine, ALL_ROWS.get(name, {}))
+        if refusal is not None:
+            ok = isinstance(result, str) and result.startswith("ConfigError") and refusal in result
+        else:
+            ok = isinstance(result, list) and len(result) == STEPS and all(math.isfinite(x) for x in result)
+        if not ok:
+            bad[name] = f"expected the refusal ({refusal}), got {result}" if refusal else result
+    assert not bad, f"{engine}: rows not as expected: " + "; ".join(f"{k}: {v}" for k, v in bad.items())
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_documented_flag_combinations_train(engine: str) -> None:
     check_rows(spawn(train_rows, 1, engine, ROWS)[0], engine)
+
+
+def test_fp16_row_as_on_a_cpu_without_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fp16 withheld (as on an AMD EPYC), ZeRO's fp16 row is refused with the one line and
+    the rows beside it still train, whatever this CPU offers."""
+    monkeypatch.setenv(WITHHOLD_FP16_ENV, "1")
+    rows = {name: ROWS[name] for name in ("fp16", "standard")}
+    results = spawn(train_rows, 1, "zero2", rows)[0]
+    check_rows(results, "zero2", refusals={"fp16": ZERO_FP16_REFUSAL, "standard": None})
 
 
 @pytest.mark.slow

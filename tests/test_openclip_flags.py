@@ -52,7 +52,7 @@ SAMPLES: dict[str, list[str]] = {
 # OpenCLIP options whose bigclip field has another name or value: flag -> (field, value meant).
 MEANS: dict[str, tuple[str, Any]] = {
     "--opt": ("optimizer", "adamw"),
-    "--use-bnb-linear": ("int8", "switchback-global"),
+    "--use-bnb-linear": ("linear_kind", "switchback-global"),
     "--loss-dist-impl": ("loss_exchange", "allgather"),
     "--siglip": ("loss", "siglip"),
     "--no-set-device-rank": ("set_device_rank", False),

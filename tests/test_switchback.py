@@ -205,10 +205,10 @@ def test_apply_int8_skips_unsupported_layers_with_one_warning():
 
 
 def test_config_modes_and_openclip_names_match_the_layers():
-    from bigclip.config import INT8_MODES as CONFIG_MODES
+    from bigclip.config.linear_kinds import INT8_KINDS
     from bigclip.openclip_flags import _BNB_LINEAR_ALIASES
 
-    assert set(CONFIG_MODES) - {"none"} == set(INT8_MODES)
+    assert set(INT8_KINDS) == set(INT8_MODES)
     for openclip_name, mode in _BNB_LINEAR_ALIASES.items():  # --use-bnb-linear SwitchBackLinearGlobal
         assert LINEAR_CLASSES[INT8_MODES[mode]].__name__ == openclip_name
 

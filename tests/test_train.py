@@ -24,11 +24,18 @@ def test_two_ranks_learn_and_log(demo_data, tmp_path):
     log = (run_dir / "out.log").read_text()
     assert "Train Epoch: 0 [" in log and "/s/gpu LR:" in log and "Contrastive_loss:" in log
     assert "Data (t): " in log and "Loader capacity: " in log
+    assert (
+        "Model TFLOP/s/gpu: " in log and " ETA: " in log and "MFU" not in log
+    )  # a CPU has no datasheet peak
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/logit_scale", "train/samples_per_second", "train/data_time",
-            "train/peak_memory_gb", "train/data_capacity_per_gpu", "val/image_to_text_R@1"} <= tags  # fmt: skip
+            "train/peak_memory_gb", "train/data_capacity_per_gpu", "val/image_to_text_R@1",
+            "train/tflops_per_gpu", "train/eta_hours"} <= tags  # fmt: skip
+    assert "train/mfu" not in tags
+    eta = [e.value for e in events.Scalars("train/eta_hours")]
+    assert eta[0] > 0 and eta[-1] == 0  # counts down to the last step
     losses = [e.value for e in events.Scalars("train/loss")]
     assert losses[-1] < losses[0]
     assert (run_dir / "config.yaml").exists() and (run_dir / "results.jsonl").exists()

@@ -9,7 +9,7 @@ command lines keep working. A YAML file (`--config run.yaml`) may set any field,
 Field metadata understood by `bigclip.cli_args`:
   help     the flag's help text
   choices  allowed values
-  aliases  extra flag names (e.g. OpenCLIP's `--use-bnb-linear` for `--int8`)
+  aliases  extra flag names (e.g. `--int8` and OpenCLIP's `--use-bnb-linear` for `--linear-kind`)
   convert  callable applied to a value given through an alias
   switches OpenCLIP flags without a value that set one value of the field: {flag: value}
 OpenCLIP options bigclip refuses, and OpenCLIP's other spellings of values, are in
@@ -23,7 +23,6 @@ from bigclip.config.data import DataConfig
 from bigclip.config.engine import EngineConfig
 from bigclip.config.fields import (
     ENGINES,
-    INT8_MODES,
     LOSS_EXCHANGES,
     LOSSES,
     LR_SCHEDULERS,
@@ -32,6 +31,7 @@ from bigclip.config.fields import (
     PRECISIONS,
     TOKENIZERS,
 )
+from bigclip.config.linear_kinds import LINEAR_KINDS
 from bigclip.config.log import LogConfig
 from bigclip.config.loss import LossConfig
 from bigclip.config.model import ModelConfig
@@ -43,7 +43,7 @@ __all__ = [
     "DataConfig",
     "ENGINES",
     "EngineConfig",
-    "INT8_MODES",
+    "LINEAR_KINDS",
     "LOSSES",
     "LOSS_EXCHANGES",
     "LR_SCHEDULERS",

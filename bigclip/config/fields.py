@@ -10,7 +10,6 @@ PRECISIONS = ("amp_bf16", "amp", "fp32", "pure_bf16")
 ENGINES = ("fsdp", "deepspeed")
 LOSSES = ("clip", "siglip")
 LOSS_EXCHANGES = ("ring", "allgather")
-INT8_MODES = ("none", "switchback-global", "switchback-vectorwise", "switchback-memefficient")
 OPTIMIZERS = ("adamw", "adamw8bit")
 LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
 TOKENIZERS = ("open_clip", "hashing")  # bigclip.data.tokenizer builds them

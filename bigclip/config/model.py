@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bigclip.config.fields import INT8_MODES, opt
+from bigclip.config.fields import installed, opt
+from bigclip.config.linear_kinds import LINEAR_KINDS, int8_alias_to_kind, linear_kind
 from bigclip.errors import ConfigError
-from bigclip.openclip_flags import bnb_linear_to_int8
 
 
 @dataclass
@@ -39,14 +39,15 @@ class ModelConfig:
     torchcompile_backend: str = opt(
         "", "With --torchcompile: torch.compile's backend, e.g. inductor or eager (default: inductor)."
     )
-    int8: str = opt(
+    linear_kind: str = opt(
         "none",
-        "Run MLP linears as int8 SwitchBack layers.",
-        choices=INT8_MODES,
-        aliases=("--use-bnb-linear",),
-        convert=bnb_linear_to_int8,
+        "The residual blocks' linears: 16-bit (none), SwitchBack int8 (switchback-*: MLP linears), or"
+        " torchao float8 (fp8-*: MLP and attention linears; an fp8 GPU, emulated on CPU).",
+        choices=tuple(LINEAR_KINDS),
+        aliases=("--int8", "--use-bnb-linear"),
+        convert=int8_alias_to_kind,
     )
-    int8_attention: bool = opt(False, "With --int8, also swap the attention projections.")
+    int8_attention: bool = opt(False, "With a SwitchBack --linear-kind, also swap the attention projections.")
     force_quick_gelu: bool = opt(
         False, "QuickGELU activations, as OpenAI's weights need (= a -quickgelu model)."
     )
@@ -88,8 +89,7 @@ class ModelConfig:
             raise ConfigError(f"--grad-checkpointing-every must be >= 1, got {self.grad_checkpointing_every}")
         if (self.torchcompile_mode or self.torchcompile_backend) and not self.torchcompile:
             raise ConfigError("--torchcompile-mode and --torchcompile-backend need --torchcompile; add it")
-        if self.int8_attention and self.int8 == "none":
-            raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
+        self._check_linear_kind()
         from bigclip.models.pretrained_tags import check_pretrained
         from bigclip.models.registry import get_model_config  # raises, listing valid names
 
@@ -99,6 +99,19 @@ class ModelConfig:
         if size and size[0] < vision.patch_size:
             raise ConfigError(
                 f"--force-image-size {size[0]} is below {self.model}'s patch size {vision.patch_size}"
+            )
+
+    def _check_linear_kind(self) -> None:
+        kind = linear_kind(self.linear_kind)
+        if self.int8_attention and kind.attention != "optional":
+            raise ConfigError(
+                f"--int8-attention adds attention projections to a SwitchBack --linear-kind, not to "
+                f"{kind.name!r} (fp8 kinds always include them): use e.g. --linear-kind switchback-global"
+            )
+        if kind.package and not installed(kind.package):
+            raise ConfigError(
+                f"--linear-kind {kind.name} needs {kind.package}, which is not installed: "
+                f"pip install 'bigclip[{kind.family}]'"
             )
 
     def _check_locks(self) -> None:

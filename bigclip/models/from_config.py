@@ -1,7 +1,7 @@
 """The model a run's configuration describes, with its model-level options applied, and a
 synthetic batch of the shapes it takes.
 
-Kept apart from the model code: it reads `TrainConfig` and swaps in int8 linears from `ops`,
+Kept apart from the model code: it reads `TrainConfig` and swaps in int8/fp8 linears from `ops`,
 while `clip.py` and friends stay plain modules that know neither.
 """
 
@@ -12,6 +12,7 @@ import math
 import torch
 
 from bigclip.config import TrainConfig
+from bigclip.config.linear_kinds import linear_kind
 from bigclip.models.clip import CLIP, CLIPConfig
 from bigclip.models.lock import apply_locks
 from bigclip.models.registry import create_model, get_model_config
@@ -55,12 +56,29 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLI
         every=cfg.model.grad_checkpointing_every,
         policy=cfg.model.grad_checkpointing_policy,
     )
-    if cfg.model.int8 != "none":
-        from bigclip.ops.int8.switchback import apply_int8
-
-        apply_int8(model, cfg.model.int8, include_attention=cfg.model.int8_attention)
+    apply_linear_kind(model, cfg)
     apply_locks(model, cfg.model)
     return model
+
+
+def run_device_type(cfg: TrainConfig) -> str:
+    """Where this run's ranks compute, "cuda" or "cpu" (`--device`, else CUDA when present)."""
+    if cfg.engine.device:
+        return torch.device(cfg.engine.device).type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def apply_linear_kind(model: CLIP, cfg: TrainConfig) -> None:
+    """Swap the blocks' linears for the run's --linear-kind (config/linear_kinds.py)."""
+    kind = linear_kind(cfg.model.linear_kind)
+    if kind.family == "switchback":
+        from bigclip.ops.int8.switchback import apply_int8
+
+        apply_int8(model, kind.name, include_attention=cfg.model.int8_attention)
+    elif kind.family == "fp8":
+        from bigclip.ops.fp8.float8 import apply_fp8, needs_emulation
+
+        apply_fp8(model, kind.variant, emulate=needs_emulation(run_device_type(cfg)))
 
 
 def synthetic_batch(

@@ -93,7 +93,7 @@ def block_saved_per_token(tower: Tower, spec: PlanSpec) -> int:
     a = dtype_bytes(spec.dtypes.compute_dtype)
     w, m = tower.width, tower.mlp
     saved = a * (8 * w + 2 * m) + 4 * (4 + tower.heads)
-    if spec.int8 == "switchback-memefficient":
+    if spec.linear_kind == "switchback-memefficient":
         saved -= (a - 1) * (w + m) - 2 * 4  # c_fc and c_proj inputs as int8 + absmax
         if spec.int8_attention:
             saved -= (a - 1) * w - 4  # QKV input as int8

@@ -57,7 +57,7 @@ class PlanSpec:
     checkpoint_every: int = 1  # --grad-checkpointing-every
     checkpoint_policy: str = "full"  # --grad-checkpointing-policy
     patch_dropout: float = 0.0
-    int8: str = "none"
+    linear_kind: str = "none"
     int8_attention: bool = False
     loss: str = "clip"
     loss_chunk_size: int = 0
@@ -96,7 +96,7 @@ def from_train_config(cfg: TrainConfig, *, gpus: int) -> PlanSpec:
         precision=cfg.engine.precision, optimizer=cfg.optim.optimizer, accum_freq=cfg.optim.accum_freq,
         grad_checkpointing=cfg.model.grad_checkpointing, checkpoint_every=cfg.model.grad_checkpointing_every,
         checkpoint_policy=cfg.model.grad_checkpointing_policy, patch_dropout=cfg.model.force_patch_dropout,
-        int8=cfg.model.int8, int8_attention=cfg.model.int8_attention, loss=cfg.loss.loss,
+        linear_kind=cfg.model.linear_kind, int8_attention=cfg.model.int8_attention, loss=cfg.loss.loss,
         loss_chunk_size=cfg.loss.loss_chunk_size, loss_exchange=cfg.loss.loss_exchange,
         local_loss=cfg.loss.local_loss, gather_with_grad=cfg.loss.gather_with_grad,
         reshard_after_forward=cfg.engine.reshard_after_forward, zero=zero,

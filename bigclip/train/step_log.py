@@ -1,4 +1,5 @@
-"""What the loop reports every `--log-every-n-steps`: OpenCLIP's log line and the scalars.
+"""What the loop reports every `--log-every-n-steps`: OpenCLIP's log line (with the loader's
+capacity, model TFLOP/s per GPU, MFU and the ETA appended) and the scalars.
 
 Values are tensors until a log step: reading a device tensor (`.item()`) waits for the GPU, so
 this runs only on log steps. The loss logged is the global one (averaged over ranks) and the
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from bigclip.distributed import cpu_group
+from bigclip.train import throughput
 from bigclip.train.metrics import Average, StepTimer, get_logger, peak_memory_gb, train_log_line
 from bigclip.train.step import StepOutput, verify_inputs
 
@@ -37,6 +39,12 @@ def log_step(
     loss_value = run.last_loss = loss.item()
     loss_avg.add(loss_value)
     scale = out.logit_scale.item()
+    samples_per_s = run.global_batch / max(timer.batch.avg, 1e-9)
+    pace = throughput.measure(
+        flops_per_sample=throughput.train_flops_per_sample(run.cfg), samples_per_s=samples_per_s,
+        world_size=run.runtime.world_size, peak_tflops=throughput.device_peak_tflops(run.runtime.device),
+        steps_left=run.total_steps - run.state.step, step_s=timer.batch.avg,
+    )  # fmt: skip
     if console:
         get_logger().info(
             train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
@@ -44,6 +52,7 @@ def log_step(
                            global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
                            logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
             + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
+            + throughput.log_fields(pace)
         )  # fmt: skip
     run.scalars.scalars(
         {
@@ -51,12 +60,13 @@ def log_step(
             "train/lr": lr,
             "train/logit_scale": scale,
             "train/grad_norm": out.stats.grad_norm.item(),
-            "train/samples_per_second": run.global_batch / max(timer.batch.avg, 1e-9),
+            "train/samples_per_second": samples_per_s,
             "train/data_time": timer.data.avg,
             "train/data_capacity_per_gpu": capacity,  # < samples_per_second / world size: data-bound
             "train/batch_time": timer.batch.avg,
             "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
-        },
+        }
+        | throughput.scalars(pace),
         step=run.state.step,
     )
     timer.reset()

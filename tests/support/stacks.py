@@ -55,6 +55,8 @@ LOW_STACK_TESTS = (
     "tests/test_switchback_zero3.py",
     "tests/test_switchback_interpreted.py",  # every GPU tile, bit-exact, under Triton 3.6's interpreter
     "tests/test_switchback_diagnose.py",
+    # fp8: torchao's float8 training at its lower bound (0.17.0, torch 2.11's release)
+    "tests/test_fp8.py",
     # fast by construction: graph breaks, host syncs and dtypes differ between torch releases
     "tests/test_fast_compile.py",
     "tests/test_fast_sync.py",

@@ -35,6 +35,24 @@ def fp8_shape_supported(in_features: int, out_features: int) -> bool:
     return in_features % _ALIGNMENT == 0 and out_features % _ALIGNMENT == 0
 
 
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with fp8 tensor cores
+
+
+def needs_emulation(device_type: str) -> bool:
+    """True on a CPU (torchao emulates the GEMMs); False on an fp8 GPU; a ConfigError on a GPU
+    without fp8, where emulation would only be slower than 16-bit linears."""
+    if device_type != "cuda":
+        return True
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_CAPABILITY:
+        raise ConfigError(
+            f"fp8 linear kinds need a GPU of compute capability 8.9 or more (Ada, Hopper); "
+            f"{torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}: use --linear-kind "
+            "switchback-global or none"
+        )
+    return False
+
+
 def float8_config(recipe: str, *, emulate: bool = False) -> Any:
     """torchao's `Float8LinearConfig` for one of RECIPES (`emulate`: no fp8 GEMM, for CPUs)."""
     if recipe not in RECIPES:

@@ -34,11 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bigclip.config.linear_kinds import INT8_KINDS, LINEAR_KINDS
 from bigclip.errors import ConfigError
 from bigclip.ops.int8 import custom_ops as ops
 
 QUANTIZATIONS = ("global", "vectorwise", "memefficient")
-INT8_MODES = {f"switchback-{q}": q for q in QUANTIZATIONS}
+INT8_MODES = {name: LINEAR_KINDS[name].variant for name in INT8_KINDS}  # --linear-kind -> quantisation
 _ALIGNMENT = 16  # kernel tiles and cuBLASLt int8 need sizes in multiples of 16 (resp. 8)
 _MAX_FEATURES = 65536  # the row-wise quantiser holds one row per program
 Model = TypeVar("Model", bound=nn.Module)
