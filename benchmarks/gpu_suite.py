@@ -69,6 +69,21 @@ ROWS = [
         ("open_clip",),
     ),  # fmt: skip
     Row(
+        "step-variants-bigg",  # issue 30 goals 1-2: OpenCLIP vs bigclip per checkpointing and linear kind
+        ("benchmarks/step_variants_gpu.py", "--budget-s", "420"),
+        540,
+        (),
+        ("--steps", "3", "--variants", "openclip:full", "bigclip:ops", "fp8-tensorwise:ops"),
+    ),  # fmt: skip
+    Row(
+        "step-variants-bigg-zero3",
+        ("benchmarks/step_variants_gpu.py", "--engine", "zero3", "--variants", "bigclip:full", "bigclip:ops"),
+        540,
+        ("deepspeed",),
+        ("--steps", "3"),
+    ),  # fmt: skip
+    Row("fp8-loss-curve", ("benchmarks/fp8_loss_curve_gpu.py",), 540, ("torchao",)),
+    Row(
         "patch-dropout",
         ("benchmarks/train_step_gpu.py", "--row", "patch-dropout", "--model", "ViT-bigG-14"),
         240,
