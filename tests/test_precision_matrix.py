@@ -23,13 +23,12 @@ import pytest
 from support.engine_harness import global_batch, make_engine, run_steps, tiny_config
 from support.machine import WITHHOLD_FP16_ENV, ZERO_FP16_REFUSAL, expected_refusal
 
-from bigclip.config import TrainConfig
+from bigclip.config import PRECISIONS, TrainConfig
 from bigclip.distributed import spawn
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # spawned ranks inherit it before importing DeepSpeed
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 ENGINES = ("fsdp", "zero1", "zero2", "zero3")
-PRECISIONS = ("fp32", "amp_bf16", "amp", "pure_bf16")
 # (label, model overrides): no checkpointing, then the checkpointing settings that must not change a loss.
 CHECKPOINTING = {
     "off": {},

@@ -28,7 +28,6 @@ from bigclip.config.fields import (
     LR_SCHEDULERS,
     METRIC_SINKS,
     OPTIMIZERS,
-    PRECISIONS,
     TOKENIZERS,
 )
 from bigclip.config.linear_kinds import LINEAR_KINDS
@@ -36,6 +35,7 @@ from bigclip.config.log import LogConfig
 from bigclip.config.loss import LossConfig
 from bigclip.config.model import ModelConfig
 from bigclip.config.optim import OptimConfig
+from bigclip.config.precisions import PRECISION_KINDS, PRECISIONS
 from bigclip.config.train import TrainConfig, section_of
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "OPTIMIZERS",
     "OptimConfig",
     "PRECISIONS",
+    "PRECISION_KINDS",
     "TOKENIZERS",
     "TrainConfig",
     "section_of",

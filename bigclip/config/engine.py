@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bigclip.config.fields import ENGINES, PRECISIONS, opt
+from bigclip.config.fields import ENGINES, opt
+from bigclip.config.precisions import PRECISIONS
 from bigclip.errors import ConfigError
 
 

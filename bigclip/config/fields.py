@@ -6,7 +6,6 @@ import importlib.util
 from dataclasses import field
 from typing import Any
 
-PRECISIONS = ("amp_bf16", "amp", "fp32", "pure_bf16")
 ENGINES = ("fsdp", "deepspeed")
 LOSSES = ("clip", "siglip")
 LOSS_EXCHANGES = ("ring", "allgather")

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bigclip.config import TrainConfig
+from bigclip.config import PRECISION_KINDS, TrainConfig
 from bigclip.engines.deepspeed_keys import check_placement, validate_with_deepspeed
 from bigclip.errors import ConfigError
 
@@ -186,14 +186,15 @@ def _resolve_precision(out: dict, precision: str, *, path: str) -> None:
     flag = f"--precision {precision}"
     if out.get("torch_autocast", {}).get("enabled", False):
         raise ConfigError(f'{path}: "torch_autocast" is set by {flag}; remove it')
+    kind = PRECISION_KINDS[precision]
     fp16, bf16 = out.setdefault("fp16", {}), out.setdefault("bf16", {})
-    _settle(fp16, "enabled", precision == "amp", flag=flag, path=path, where="fp16.")
-    _settle(bf16, "enabled", precision in ("amp_bf16", "pure_bf16"), flag=flag, path=path, where="bf16.")
-    if precision == "amp":
+    _settle(fp16, "enabled", kind.deepspeed == "fp16", flag=flag, path=path, where="fp16.")
+    _settle(bf16, "enabled", kind.deepspeed == "bf16", flag=flag, path=path, where="bf16.")
+    if fp16["enabled"]:
         for key, value in FP16_DEFAULTS.items():
             fp16.setdefault(key, value)
     if bf16["enabled"]:
-        pure = precision == "pure_bf16"
+        pure = kind.params == "bfloat16"  # bf16 masters and optimizer state
         for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
             _settle(bf16, key, pure, flag=flag, path=path, where="bf16.")
         # DeepSpeed's default (true) reads an overflow flag and the norm's validity on the host

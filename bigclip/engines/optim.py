@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from bigclip.config import OptimConfig
+from bigclip.config import PRECISION_KINDS, OptimConfig
 from bigclip.errors import ConfigError
 
 
@@ -28,15 +28,12 @@ class Precision:
 
     @classmethod
     def from_name(cls, name: str) -> Precision:
-        table = {
-            "fp32": cls(name, torch.float32, torch.float32, torch.float32, False),
-            "amp_bf16": cls(name, torch.bfloat16, torch.float32, torch.float32, False),
-            "amp": cls(name, torch.float16, torch.float32, torch.float32, True),
-            "pure_bf16": cls(name, torch.bfloat16, torch.bfloat16, torch.bfloat16, False),
-        }
-        if name not in table:
-            raise ConfigError(f"unknown --precision {name!r}; choose from {sorted(table)}")
-        return table[name]
+        """The torch dtypes of config/precisions.py's entry."""
+        if name not in PRECISION_KINDS:
+            raise ConfigError(f"unknown --precision {name!r}; choose from {', '.join(PRECISION_KINDS)}")
+        kind = PRECISION_KINDS[name]
+        dtypes = (getattr(torch, d) for d in (kind.compute, kind.params, kind.reduce))
+        return cls(name, *dtypes, kind.loss_scaling)
 
     @property
     def mixed(self) -> bool:
