@@ -19,8 +19,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
+
+from bigclip.errors import DataError
 
 log = logging.getLogger("bigclip.data")
 NAMED = 5  # shards named per kind in the line; the counts are always whole
@@ -35,6 +38,42 @@ class RankCounts:
     empty: list[str]
     mismatched: dict[str, list[int]]  # url -> [found, listed]
     ran_dry: bool
+
+
+@dataclass
+class DataStats:
+    """This rank's counters since the loader started (for logging; the loop may all-reduce them)."""
+
+    samples: int = 0  # handed to the training loop
+    skipped: Counter = field(default_factory=Counter)  # corrupt samples by reason (see decode.py)
+    broken_shards: list[str] = field(default_factory=list)  # truncated / unreadable shards
+    empty_shards: list[str] = field(default_factory=list)
+    mismatched: dict[str, list[int]] = field(default_factory=dict)  # url -> [found, sizes.json's count]
+    readers: int = 1  # workers producing in parallel (1 with --workers 0)
+    produced: int = 0  # samples in worker batches received since the last take_capacity()
+    busy_s: float = 0.0  # the workers' summed busy time for them
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+    def learn(self, worker_batch: dict[str, Any]) -> None:
+        """Counts that arrive with a worker batch, whether or not its samples are consumed yet."""
+        self.skipped.update(worker_batch["skipped"])
+        self.broken_shards.extend(worker_batch["broken"])
+        self.empty_shards.extend(worker_batch["empty"])
+        note_mismatches(self.mismatched, worker_batch["mismatched"])
+        self.produced += len(worker_batch["keys"])
+        self.busy_s += worker_batch["busy_s"]
+
+    def rank_counts(self, *, ran_dry: bool) -> RankCounts:
+        return RankCounts(dict(self.skipped), self.broken_shards, self.empty_shards, self.mismatched, ran_dry)
+
+    def take_capacity(self) -> float:
+        """Samples/s the workers could deliver since the last call (0.0 if nothing was received)."""
+        capacity = self.produced * self.readers / self.busy_s if self.busy_s > 0 else 0.0
+        self.produced, self.busy_s = 0, 0.0
+        return capacity
 
 
 @dataclass
@@ -133,6 +172,17 @@ def note_mismatches(known: dict[str, list[int]], new: dict[str, list[int]]) -> N
                 "`bigclip index-shards PATTERN`", url, found, listed if listed >= 0 else "none",
             )  # fmt: skip
         known[url] = [found, listed]
+
+
+def no_batch_error(stats: DataStats, *, epoch: int, batch_size: int, pattern: str, rank: int) -> DataError:
+    skipped = ", ".join(f"{k}: {v}" for k, v in sorted(stats.skipped.items())) or "none"
+    broken, empty = stats.broken_shards, stats.empty_shards
+    return DataError(
+        f"epoch {epoch}: not every rank could fill one batch of {batch_size} samples from {pattern!r} (rank "
+        f"{rank} skipped {stats.skipped_total} corrupt samples: {skipped}; damaged shards: {len(broken)} "
+        f"{broken[:3]}; empty shards: {len(empty)} {empty[:3]}). Check or replace those shards, or use fewer "
+        "ranks or a smaller --batch-size"
+    )
 
 
 def report(account: EpochAccount, *, rank: int) -> None:

@@ -40,9 +40,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +49,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from bigclip.config import DataConfig
-from bigclip.data.accounting import EpochAccount, RankCounts, combine, gather_counts, note_mismatches, report
+from bigclip.data.accounting import DataStats, EpochAccount, combine, gather_counts, no_batch_error, report
 from bigclip.data.augment import Augmentation
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
 from bigclip.data.decode import SampleKeys
@@ -68,7 +67,6 @@ from bigclip.data.validation import epoch_samples, validate_data
 from bigclip.data.worker import ReaderSpec, ReaderStream
 from bigclip.data.worker_signals import shield_worker
 from bigclip.distributed import cpu_group
-from bigclip.errors import DataError
 from bigclip.storage.s3 import S3Settings
 
 FORK_SETTLE_S = 0.05  # see _settle_before_fork
@@ -79,30 +77,6 @@ class TrainBatch:
     images: torch.Tensor  # [B, 3, H, W] normalised, in image_dtype on the device (uint8 [B, H, W, 3] if not)
     texts: torch.Tensor  # long [B, context_length]
     keys: list[str]  # the samples' webdataset keys
-
-
-@dataclass
-class DataStats:
-    """This rank's counters since the loader started (for logging; the loop may all-reduce them)."""
-
-    samples: int = 0  # handed to the training loop
-    skipped: Counter = field(default_factory=Counter)  # corrupt samples by reason (see decode.py)
-    broken_shards: list[str] = field(default_factory=list)  # truncated / unreadable shards
-    empty_shards: list[str] = field(default_factory=list)
-    mismatched: dict[str, list[int]] = field(default_factory=dict)  # url -> [found, sizes.json's count]
-    readers: int = 1  # workers producing in parallel (1 with --workers 0)
-    produced: int = 0  # samples in worker batches received since the last take_capacity()
-    busy_s: float = 0.0  # the workers' summed busy time for them
-
-    @property
-    def skipped_total(self) -> int:
-        return sum(self.skipped.values())
-
-    def take_capacity(self) -> float:
-        """Samples/s the workers could deliver since the last call (0.0 if nothing was received)."""
-        capacity = self.produced * self.readers / self.busy_s if self.busy_s > 0 else 0.0
-        self.produced, self.busy_s = 0, 0.0
-        return capacity
 
 
 class TrainLoader:
@@ -302,12 +276,7 @@ class TrainLoader:
         """Bookkeeping that arrives with a worker batch, whether or not its samples are consumed yet."""
         for shard, first, stop, index, byte in worker_batch["ends"]:
             self.progress.ends[(shard, first, stop)] = Cursor(index, byte)
-        self.stats.skipped.update(worker_batch["skipped"])
-        self.stats.broken_shards.extend(worker_batch["broken"])
-        self.stats.empty_shards.extend(worker_batch["empty"])
-        note_mismatches(self.stats.mismatched, worker_batch["mismatched"])
-        self.stats.produced += len(worker_batch["keys"])
-        self.stats.busy_s += worker_batch["busy_s"]
+        self.stats.learn(worker_batch)
 
     def _consume(self, chunk: Chunk) -> TrainBatch:
         for shard, (index, byte, first, stop) in zip(chunk.shards.tolist(), chunk.after.tolist()):
@@ -326,22 +295,12 @@ class TrainLoader:
         return TrainBatch(images=images, texts=texts, keys=chunk.keys)
 
     def _raise_no_batch(self) -> None:
-        skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.skipped.items())) or "none"
-        broken, empty = self.stats.broken_shards, self.stats.empty_shards
-        raise DataError(
-            f"epoch {self.start.epoch}: not every rank could fill one batch of {self.cfg.batch_size} samples "
-            f"from {self.cfg.train_data!r} (rank {self.rank} skipped {self.stats.skipped_total} corrupt "
-            f"samples: {skipped}; damaged shards: {len(broken)} {broken[:3]}; empty shards: {len(empty)} "
-            f"{empty[:3]}). Check or replace those shards, or use fewer ranks or a smaller --batch-size"
-        )
+        raise no_batch_error(self.stats, epoch=self.start.epoch, batch_size=self.cfg.batch_size,
+                             pattern=self.cfg.train_data, rank=self.rank)  # fmt: skip
 
     def account_epoch(self) -> EpochAccount:
         """Collective, at the epoch's end: what it read against the plan, and what it lost and why;
         rank 0 logs it as one line (a warning when anything was lost)."""
-        stats = self.stats
-        mine = RankCounts(
-            dict(stats.skipped), stats.broken_shards, stats.empty_shards, stats.mismatched, self._ran_dry
-        )
         account = EpochAccount(
             epoch=self.start.epoch,
             samples=self.samples_consumed,
@@ -350,6 +309,7 @@ class TrainLoader:
             global_batch=self.global_batch,
             listed=self.shards.total_samples if not self.start.resampled else None,
         )
+        mine = self.stats.rank_counts(ran_dry=self._ran_dry)
         account = combine(account, gather_counts(mine, self.group, self.world_size))
         report(account, rank=self.rank)
         return account
