@@ -144,6 +144,8 @@ def check_sizes(counts: list[ShardCount], *, pattern: str, s3: S3Settings | None
         expected = listed[directory].get(name)
         if c.error:
             wrong.append(f"{c.url} is damaged ({c.error}; {c.samples} whole samples before it)")
+        elif expected is None:
+            wrong.append(f"{c.url} holds {c.samples} samples and sizes.json does not list it")
         elif expected != c.samples:
             wrong.append(f"{c.url} holds {c.samples} samples, sizes.json lists {expected}")
     if wrong:
