@@ -25,8 +25,16 @@ BAD_EVERY = 6
 BATCH = 4
 
 
-def run_phase(rank, world_size, pattern, *, workers, batch_size, steps, position, resampled=False):
-    cfg = data_config(pattern, workers=workers, batch_size=batch_size, dataset_resampled=resampled)
+def run_phase(
+    rank, world_size, pattern, *, workers, batch_size, steps, position, resampled=False, num_samples=0
+):
+    cfg = data_config(
+        pattern,
+        workers=workers,
+        batch_size=batch_size,
+        dataset_resampled=resampled,
+        train_num_samples=num_samples,
+    )
     loader = build_train_loader(
         cfg,
         rank=rank,
@@ -96,13 +104,14 @@ def test_resume_at_another_world_size_sees_every_sample_once(dataset, n, workers
 
 @pytest.mark.dist
 def test_ranks_stop_together_and_explain_when_one_rank_has_no_data(tmp_path):
-    pattern = write_dataset(str(tmp_path), [10])  # one shard: rank 1 has nothing to read
+    pattern = write_dataset(str(tmp_path), [10])
+    os.remove(tmp_path / "sizes.json")  # sizes unknown: the one shard goes whole to rank 0
     with pytest.raises(RuntimeError, match="not every rank could fill one batch"):
         spawn(
             spawned_phase,
             2,
             pattern,
-            {"workers": 0, "batch_size": 2, "steps": 0, "position": None},
+            {"workers": 0, "batch_size": 2, "steps": 0, "position": None, "num_samples": 10},
             timeout_s=120,
         )
 

@@ -13,18 +13,20 @@ May import storage, config, distributed and errors.
 
 Module map: shards (patterns, existence, sizes, upsampling weights) -> streams (local / S3
 bytes) -> tar_samples (samples + cursors) -> decode -> worker (read, transform to uint8, batch)
--> batching + loader (consumer side: worker order, re-batching, epoch end) -> device
+-> batching + loader (consumer side: worker order, re-batching, epoch end; accounting: what
+each epoch read against its plan and what it lost) -> device
 (normalisation on the GPU); validation checks all of it before a model is built. resume/ holds
 who reads what (assignment), what has been consumed (position) and how to continue the same
 stream (reader_state, stream_state, randomness). transforms (+ augment: --aug-cfg), eval,
 tokenizer and index (`bigclip index-shards`) stand alone.
 """
 
+from bigclip.data.accounting import DataStats, EpochAccount
 from bigclip.data.augment import Augmentation
 from bigclip.data.decode import SampleKeys
 from bigclip.data.device import ImageNormalizer, image_normalizer
 from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set
-from bigclip.data.loader import DataStats, TrainBatch, TrainLoader, build_train_loader
+from bigclip.data.loader import TrainBatch, TrainLoader, build_train_loader
 from bigclip.data.shards import ShardList, expand_pattern, validate_shards
 from bigclip.data.tokenizer import HashingTokenizer, Tokenizer, build_tokenizer
 from bigclip.data.transforms import eval_transform, train_transform
@@ -33,6 +35,7 @@ from bigclip.data.validation import validate_data
 __all__ = [
     "Augmentation",
     "DataStats",
+    "EpochAccount",
     "EvalSample",
     "EvalSet",
     "HashingTokenizer",

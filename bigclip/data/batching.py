@@ -36,7 +36,7 @@ class Chunk:
     texts: torch.Tensor
     keys: list[str]
     shards: torch.Tensor  # long [n]
-    after: torch.Tensor  # long [n, 2]: (index, byte) of the cursor after each sample
+    after: torch.Tensor  # long [n, 4]: (index, byte) of the cursor after each sample, its piece (first, stop)
     workers: torch.Tensor  # long [n]: the worker that read each sample
     states: torch.Tensor  # long [n, width]: that worker's ReaderState row just after the sample
 

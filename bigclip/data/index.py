@@ -2,6 +2,7 @@
 
     bigclip index-shards '/data/laion/{00000..41455}.tar'
     bigclip index-shards 's3://bucket/laion/{00000..41455}.tar' --threads 64
+    bigclip index-shards '/data/laion/{00000..41455}.tar' --check   # compare, write nothing
 
 Only tar headers are parsed: no member is decoded. Local shards are read by seeking from one
 header to the next (a few KB per sample); S3 objects are streamed once and their member data
@@ -13,7 +14,10 @@ metadata members (`__*`, `.*`) left out. A corrupt member's *content* does not m
 (the loader skips undecodable images and counts them); a damaged tar header or a shard cut
 short ends the count at the last complete sample, as the reader would, and is reported.
 Each directory's sizes.json is written beside its shards (merged with entries already there,
-for shards of other patterns), so training finds it without --train-num-samples.
+for shards of other patterns), so training finds it without --train-num-samples, and plans
+epochs that read every sample once (resume/assignment.py). `--check` recounts and compares
+with the sizes.json there, writing nothing: a shard whose count differs, one missing from
+sizes.json, or a damaged one fails with one line naming them and the fix.
 """
 
 from __future__ import annotations
@@ -129,11 +133,41 @@ def write_sizes(counts: list[ShardCount], *, s3: S3Settings | None = None) -> li
     return written
 
 
+def check_sizes(counts: list[ShardCount], *, pattern: str, s3: S3Settings | None = None) -> int:
+    """0 when sizes.json lists every shard with the count found and none is damaged; else DataError."""
+    listed: dict[str, dict[str, int]] = {}
+    wrong = []
+    for c in counts:
+        directory, name = posixpath.split(c.url) if "/" in c.url else (".", c.url)
+        if directory not in listed:
+            listed[directory] = read_sizes_json(directory, s3)
+        expected = listed[directory].get(name)
+        if c.error:
+            wrong.append(f"{c.url} is damaged ({c.error}; {c.samples} whole samples before it)")
+        elif expected is None:
+            wrong.append(f"{c.url} holds {c.samples} samples and sizes.json does not list it")
+        elif expected != c.samples:
+            wrong.append(f"{c.url} holds {c.samples} samples, sizes.json lists {expected}")
+    if wrong:
+        more = f" (+{len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise DataError(
+            f"{len(wrong)} of {len(counts)} shards of {pattern!r} disagree with sizes.json: {'; '.join(wrong[:3])}"
+            f"{more}. Replace damaged shards, then run `bigclip index-shards {pattern!r}` to rewrite sizes.json"
+        )
+    print(f"sizes.json agrees with all {len(counts)} shards ({sum(c.samples for c in counts)} samples)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bigclip index-shards", description=__doc__.split("\n")[0])
     parser.add_argument("pattern", help="Shards: a brace pattern, local or s3://, '::' joins several.")
     parser.add_argument("--threads", type=int, default=16, help="Shards counted at once.")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="Recount and compare with sizes.json; write nothing, fail on a difference.",
+    )
     add_config_flags(parser.add_argument_group("S3"), CheckpointConfig, ("s3_endpoint", "s3_region"))
     return parser
 
@@ -142,6 +176,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
     counts = index_shards(args.pattern, threads=args.threads, s3=s3, progress=not args.no_progress)
+    if args.check:
+        return check_sizes(counts, pattern=args.pattern, s3=s3)
     for c in counts:
         if c.error:
             print(f"warning: {c.url}: counted {c.samples} samples up to the damage ({c.error})")

@@ -14,14 +14,17 @@ delivered (their busy time, not counting waits for the training loop).
 Where consumption is tracked: here, in the main process, when a batch is handed to the
 training loop. Workers prefetch, so what they have read says nothing about what was used.
 
-How an epoch ends: every step, the ranks all-reduce (MIN, on a CPU gloo group, so no GPU
-sync) one "I have a full batch" flag; the epoch ends for everyone at the first step some
-rank cannot fill, or when the epoch's sample budget (`--train-num-samples`, else the
-sizes.json total) has no room for another global batch. Samples not consumed by then (the
-rest of other ranks' shards, and a short remainder per rank) are not seen in this epoch;
-the next epoch reshuffles all shards. The plan balances remaining samples across ranks, so
-this is typically under one shard per rank. `state_dict()` at that point still lists them
-as unconsumed: nothing is lost silently.
+How an epoch ends: when the epoch's sample budget (`--train-num-samples`, else the sizes.json
+total) has no room for another global batch: the planned steps. With sizes.json covering
+every shard, the plan (resume/assignment.py) gives every rank the same number of samples,
+splitting shards where needed, so every rank fills exactly the planned steps and the epoch
+reads every sample once, less a remainder smaller than one global batch. As a guard, every
+step the ranks all-reduce (MIN, on a CPU gloo group, so no GPU sync) one "I have a full
+batch" flag, and the epoch ends for everyone at the first step some rank cannot fill: without
+sizes (whole shards dealt by estimate), or when corrupt samples, damaged shards or a stale
+sizes.json took samples away. `account_epoch()` then logs, on rank 0, one line with the
+samples and steps read against the plan, the ranks that ran out and every loss counted by
+kind (accounting.py); `state_dict()` still lists what was not read as unconsumed.
 
 Resume: `position=` takes a `state_dict()` from any world size and worker count. At the same
 settings (world size, --workers, --batch-size, --shard-interleave, --seed, shards) the stream
@@ -37,9 +40,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +49,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from bigclip.config import DataConfig
+from bigclip.data.accounting import DataStats, EpochAccount, combine, gather_counts, no_batch_error, report
 from bigclip.data.augment import Augmentation
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
 from bigclip.data.decode import SampleKeys
@@ -64,7 +67,6 @@ from bigclip.data.validation import epoch_samples, validate_data
 from bigclip.data.worker import ReaderSpec, ReaderStream
 from bigclip.data.worker_signals import shield_worker
 from bigclip.distributed import cpu_group
-from bigclip.errors import DataError
 from bigclip.storage.s3 import S3Settings
 
 FORK_SETTLE_S = 0.05  # see _settle_before_fork
@@ -75,28 +77,6 @@ class TrainBatch:
     images: torch.Tensor  # [B, 3, H, W] normalised, in image_dtype on the device (uint8 [B, H, W, 3] if not)
     texts: torch.Tensor  # long [B, context_length]
     keys: list[str]  # the samples' webdataset keys
-
-
-@dataclass
-class DataStats:
-    """This rank's counters since the loader started (for logging; the loop may all-reduce them)."""
-
-    samples: int = 0  # handed to the training loop
-    skipped: Counter = field(default_factory=Counter)  # corrupt samples by reason (see decode.py)
-    broken_shards: list[str] = field(default_factory=list)  # truncated / unreadable shards
-    readers: int = 1  # workers producing in parallel (1 with --workers 0)
-    produced: int = 0  # samples in worker batches received since the last take_capacity()
-    busy_s: float = 0.0  # the workers' summed busy time for them
-
-    @property
-    def skipped_total(self) -> int:
-        return sum(self.skipped.values())
-
-    def take_capacity(self) -> float:
-        """Samples/s the workers could deliver since the last call (0.0 if nothing was received)."""
-        capacity = self.produced * self.readers / self.busy_s if self.busy_s > 0 else 0.0
-        self.produced, self.busy_s = 0, 0.0
-        return capacity
 
 
 class TrainLoader:
@@ -147,6 +127,7 @@ class TrainLoader:
         self._order: WorkerOrder | None = None
         self._rebatcher: Rebatcher | None = None
         self._stream_ended = False  # the epoch ended because some rank ran out of data
+        self._ran_dry = False  # ...this one among them
 
     def _start_position(self, position: dict[str, Any] | None, epoch: int) -> DataPosition:
         resampled = self.cfg.dataset_resampled
@@ -183,6 +164,7 @@ class TrainLoader:
             draws_key=draws_key(seed=seed, epoch=epoch),
             cumulative=self.shards.cumulative_weights(),
             keys=SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),
+            sizes=self.shards.sizes,
         )
 
     def _reader_specs(self, assignment: ReaderAssignment, *, seed: int) -> list[ReaderSpec]:
@@ -236,6 +218,7 @@ class TrainLoader:
                 rebatcher.refill(order.next_from(worker))
             while self.steps_remaining > 0:
                 chunk = rebatcher.next_batch(order)
+                self._ran_dry = chunk is None
                 if not self._all_ranks_have(chunk is not None):
                     # Some rank ran dry: batches fetched here stay unconsumed, so the stream state no
                     # longer describes a stream to continue (the position still counts them unconsumed).
@@ -291,16 +274,13 @@ class TrainLoader:
 
     def _learn(self, worker_batch: dict[str, Any]) -> None:
         """Bookkeeping that arrives with a worker batch, whether or not its samples are consumed yet."""
-        for shard, end in worker_batch["ends"].items():
-            self.progress.ends[int(shard)] = Cursor.from_json(end)
-        self.stats.skipped.update(worker_batch["skipped"])
-        self.stats.broken_shards.extend(worker_batch["broken"])
-        self.stats.produced += len(worker_batch["keys"])
-        self.stats.busy_s += worker_batch["busy_s"]
+        for shard, first, stop, index, byte in worker_batch["ends"]:
+            self.progress.ends[(shard, first, stop)] = Cursor(index, byte)
+        self.stats.learn(worker_batch)
 
     def _consume(self, chunk: Chunk) -> TrainBatch:
-        for shard, after in zip(chunk.shards.tolist(), chunk.after.tolist()):
-            self.progress.consume(shard, Cursor.from_json(after))
+        for shard, (index, byte, first, stop) in zip(chunk.shards.tolist(), chunk.after.tolist()):
+            self.progress.consume((shard, first, stop), Cursor(index, byte))
         for worker, row in zip(chunk.workers.tolist(), chunk.states.tolist()):
             self.reader_rows[worker] = row
         self.steps += 1
@@ -315,13 +295,24 @@ class TrainLoader:
         return TrainBatch(images=images, texts=texts, keys=chunk.keys)
 
     def _raise_no_batch(self) -> None:
-        skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.skipped.items())) or "none"
-        raise DataError(
-            f"epoch {self.start.epoch}: not every rank could fill one batch of {self.cfg.batch_size} samples "
-            f"from {self.cfg.train_data!r} (rank {self.rank} skipped {self.stats.skipped_total} corrupt "
-            f"samples: {skipped}; broken shards: {len(self.stats.broken_shards)}). Check the shards, or use "
-            "fewer ranks or a smaller --batch-size"
+        raise no_batch_error(self.stats, epoch=self.start.epoch, batch_size=self.cfg.batch_size,
+                             pattern=self.cfg.train_data, rank=self.rank)  # fmt: skip
+
+    def account_epoch(self) -> EpochAccount:
+        """Collective, at the epoch's end: what it read against the plan, and what it lost and why;
+        rank 0 logs it as one line (a warning when anything was lost)."""
+        account = EpochAccount(
+            epoch=self.start.epoch,
+            samples=self.samples_consumed,
+            steps=self.samples_consumed // self.global_batch,
+            planned_steps=self.steps_per_epoch,
+            global_batch=self.global_batch,
+            listed=self.shards.total_samples if not self.start.resampled else None,
         )
+        mine = self.stats.rank_counts(ran_dry=self._ran_dry)
+        account = combine(account, gather_counts(mine, self.group, self.world_size))
+        report(account, rank=self.rank)
+        return account
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch's position, merged over all ranks (collective: call it on every rank). JSON-able."""

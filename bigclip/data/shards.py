@@ -205,7 +205,12 @@ def _sizes(urls: list[str], settings: S3Settings | None) -> list[int | None]:
         if directory not in tables:
             tables[directory] = read_sizes_json(directory, settings)
         size = tables[directory].get(name)
-        sizes.append(int(size) if size is not None else None)
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise DataError(
+                f"{directory}/{SIZES_FILE} lists {size!r} samples for {name}, not a count; recount with "
+                "`bigclip index-shards PATTERN` (it rewrites the file)"
+            )
+        sizes.append(size)
     return sizes
 
 
@@ -213,9 +218,15 @@ def read_sizes_json(directory: str, settings: S3Settings | None) -> dict[str, in
     path = f"{directory}/{SIZES_FILE}"
     try:
         text = _read_small_s3_object(path, settings) if is_s3(path) else _read_local_text(path)
-        return json.loads(text) if text is not None else {}
+        table = json.loads(text) if text is not None else {}
+        if not isinstance(table, dict):
+            raise TypeError(f"it holds a {type(table).__name__}")
+        return table
     except (ValueError, TypeError) as e:
-        raise DataError(f"{path} is not a JSON object of shard name -> sample count: {e}") from e
+        raise DataError(
+            f"{path} is not a JSON object of shard name -> sample count ({e}): recount with "
+            "`bigclip index-shards PATTERN`, or delete the file and pass --train-num-samples"
+        ) from e
 
 
 def _read_local_text(path: str) -> str | None:

@@ -8,8 +8,14 @@ iterators because exact resume needs, for every sample, where the *next* one sta
 GET (S3) straight to that byte. Compressed shards (.tar.gz, .tgz) cannot be entered
 mid-stream; they are re-read from the start and the first `index` samples skipped.
 
+A reader may also read a *piece* of a shard: samples [start.index, stop). A piece that starts
+where no byte offset is known (a shard split between ranks, see resume/assignment.py) is read
+from the shard's start, the samples before it passed over without reading their data.
+
 A truncated or unreadable shard is not an error: the reader stops, `error` says why, and
-the samples read before the damage are kept.
+the samples read before the damage are kept (the loader counts and names such shards).
+`end_index` says where reading ended (the shard's sample count when it was read to its end),
+which lets the worker compare it with sizes.json.
 """
 
 from __future__ import annotations
@@ -80,8 +86,8 @@ def recording_tarinfo() -> type[tarfile.TarInfo]:
     """A TarInfo class that remembers why header parsing stopped.
 
     tarfile ends iteration *silently* on a truncated or garbled header anywhere but at the
-    start, so a shard cut at a member boundary would look complete. Only two zero blocks
-    (EOFHeaderError) or a clean end of file (EmptyHeaderError) mean the archive really ended.
+    start, so a shard cut at a member boundary would look complete. Only the zero blocks that
+    end an archive (EOFHeaderError) mean it really ended.
     """
 
     class RecordingTarInfo(tarfile.TarInfo):
@@ -99,10 +105,17 @@ def recording_tarinfo() -> type[tarfile.TarInfo]:
 
 
 def check_clean_end(tar: tarfile.TarFile) -> None:
+    """Raise unless the archive ended with its end-of-archive blocks.
+
+    A file that ends without them (EmptyHeaderError: nothing where the next header should be)
+    was cut short at a member boundary: its last sample may be missing members, so it counts
+    as damaged like any other truncation (every tar writer, webdataset's and img2dataset's
+    included, writes the end blocks).
+    """
     stopped_by = tar.tarinfo.stopped_by
-    if stopped_by is not None and not isinstance(
-        stopped_by, (tarfile.EOFHeaderError, tarfile.EmptyHeaderError)
-    ):
+    if isinstance(stopped_by, tarfile.EmptyHeaderError):
+        raise tarfile.ReadError(f"cut short at byte {tar.offset}: no end-of-archive blocks")
+    if stopped_by is not None and not isinstance(stopped_by, tarfile.EOFHeaderError):
         raise tarfile.ReadError(f"damaged tar header at byte {tar.offset} ({stopped_by})")
 
 
@@ -121,13 +134,18 @@ def is_metadata(name: str) -> bool:
 
 
 class ShardSamples:
-    """Iterate the samples of `url` from `start`; afterwards `error` is '' or why reading stopped early."""
+    """Iterate the samples of `url` from `start` up to `stop` (None: the end); afterwards `error` is ''
+    or why reading stopped early, and `end_index` the index after the last sample seen."""
 
-    def __init__(self, url: str, *, start: Cursor = START, s3: S3Settings | None = None) -> None:
+    def __init__(
+        self, url: str, *, start: Cursor = START, stop: int | None = None, s3: S3Settings | None = None
+    ) -> None:
         self.url = url
         self.start = start
+        self.stop = stop
         self.s3 = s3
         self.error = ""
+        self.end_index = start.index
         self.seekable = not is_compressed(url) and start.byte >= 0
 
     def __iter__(self) -> Iterator[RawSample]:
@@ -139,14 +157,12 @@ class ShardSamples:
             self.error = str(e)
             return
         with stream:
-            for sample in self._samples(stream, base=base, first_index=first_index):
-                if sample.index >= self.start.index:  # skips only when re-reading a compressed shard
-                    yield sample
+            yield from self._samples(stream, base=base, first_index=first_index)
 
     def _samples(self, stream, *, base: int, first_index: int) -> Iterator[RawSample]:
         mode = "r|gz" if is_compressed(self.url) else "r|"
         current: RawSample | None = None
-        index = first_index
+        index, wanted = first_index, self.start.index  # samples before `wanted` are passed over unread
         try:
             tar = _open_tar(stream, mode=mode, resumed=base > 0)
             for info in tar or ():
@@ -158,11 +174,16 @@ class ShardSamples:
                 if current is not None and key != current.key:
                     # Complete: the next key's header has been read (before its data, which may be damaged).
                     current.after = self._cursor(index + 1, base + info.offset)
-                    yield current
+                    if index >= wanted:
+                        yield current
                     index, current = index + 1, None
+                    self.end_index = index
+                    if self.stop is not None and index >= self.stop:
+                        return  # the piece ends here; the shard goes on for another reader
                 if current is None:
                     current = RawSample(key=key, index=index)
-                current.files[ext.lower()] = tar.extractfile(info).read()
+                if index >= wanted:
+                    current.files[ext.lower()] = tar.extractfile(info).read()
                 tar.members = []  # stream mode keeps every TarInfo otherwise
             if tar is not None:
                 check_clean_end(tar)
@@ -172,7 +193,9 @@ class ShardSamples:
             return  # the sample being read when the damage was found is dropped: it may be incomplete
         if current is not None:
             current.after = self._cursor(index + 1, end)
-            yield current
+            self.end_index = index + 1
+            if index >= wanted:
+                yield current
 
     def _cursor(self, index: int, byte: int) -> Cursor:
         return Cursor(index, byte if not is_compressed(self.url) else -1)

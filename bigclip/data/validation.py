@@ -1,7 +1,16 @@
-"""Every data error that can be found before a model is built: shards (train and val) and epoch size."""
+"""Every data error that can be found before a model is built: shards (train and val) and epoch size.
+
+What sizes.json settles is settled here, on rank 0, before any data is read: an epoch budget
+(`--train-num-samples`) above the samples it lists is refused (without --dataset-resampled,
+an epoch cannot read a sample twice), shards it lists as empty are counted and named, data it
+lists no sample of is refused. Without sizes for every shard, the epoch cannot be balanced
+(resume/assignment.py): a warning says so, and what each epoch then misses is logged at its
+end (accounting.py).
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch.distributed as dist
@@ -13,6 +22,9 @@ from bigclip.data.shards import ShardList, validate_shards
 from bigclip.distributed import cpu_group
 from bigclip.errors import DataError
 from bigclip.storage.s3 import S3Settings
+
+log = logging.getLogger("bigclip.data")
+NAMED = 5
 
 
 def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
@@ -57,9 +69,44 @@ def _validate_data_here(cfg: DataConfig, *, world_size: int, s3: S3Settings | No
     if cfg.val_data:
         validate_shards(cfg.val_data, s3=s3, what="--val-data")
     samples = epoch_samples(cfg, shards)
+    check_sizes(cfg, shards)
     if samples < cfg.batch_size * world_size:
         raise DataError(
             f"an epoch of {samples} samples is less than one global batch "
             f"(--batch-size {cfg.batch_size} x {world_size} ranks); lower --batch-size or add data"
         )
     return shards
+
+
+def check_sizes(cfg: DataConfig, shards: ShardList) -> None:
+    """Refuse what sizes.json rules out; count and name its empty shards; warn when it is incomplete."""
+    total, pattern = shards.total_samples, cfg.train_data
+    if total is None:
+        listed = sum(size is not None for size in shards.sizes)
+        if not cfg.dataset_resampled:
+            log.warning(
+                "sizes.json lists %d of the %d shards of --train-data: shards are dealt whole by estimate, so "
+                "an epoch can end short of --train-num-samples %d (each epoch's shortfall is logged); run "
+                "`bigclip index-shards %r` to read every sample once per epoch",
+                listed, len(shards), cfg.train_num_samples, pattern,
+            )  # fmt: skip
+        return
+    if total == 0:
+        raise DataError(
+            f"--train-data {pattern!r}: sizes.json lists no sample in its {len(shards)} shard(s) (all empty); "
+            "point --train-data at shards with data, or recount with `bigclip index-shards PATTERN`"
+        )
+    empty = [u for u, size in zip(shards.urls, shards.sizes) if size == 0]
+    if empty:
+        more = f", +{len(empty) - NAMED} more" if len(empty) > NAMED else ""
+        log.warning(
+            "%d of the %d shards of --train-data are empty (sizes.json): %s%s",
+            len(empty), len(shards), ", ".join(empty[:NAMED]), more,
+        )  # fmt: skip
+    if cfg.train_num_samples > total and not cfg.dataset_resampled:
+        raise DataError(
+            f"--train-num-samples {cfg.train_num_samples} is more than the {total} samples that sizes.json lists "
+            f"for --train-data ({len(shards)} shards): an epoch reads each sample once, so lower it to at most "
+            f"{total} (or leave it out), add --dataset-resampled to draw with replacement, or recount with "
+            "`bigclip index-shards PATTERN` if shards were added"
+        )

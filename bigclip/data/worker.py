@@ -15,9 +15,11 @@ device normalises them (device.py). Each batch also says how long the worker was
 it (`busy_s`, excluding time spent waiting for the consumer): the loader's capacity.
 
 Each batch carries, besides images / token ids / keys, the bookkeeping the consumer needs:
-the worker it comes from and whether it is that worker's last; every sample's shard, the
-cursor just after it and the reader's state just after it; the shards found to have no valid
-sample left (`ends`); counts of skipped samples by reason. A worker's batches end where its
+the worker it comes from and whether it is that worker's last; every sample's shard, piece
+(first, stop) and the cursor just after it, and the reader's state just after it; the pieces
+found to have no valid sample left (`ends`); counts of skipped samples by reason; and the
+shards found damaged (`broken`), empty, or holding another count than sizes.json lists
+(`mismatched`), so that nothing is lost in silence. A worker's batches end where its
 count of emitted samples reaches a multiple of batch_size, so the last batch may be short,
 or even empty but for that bookkeeping; the consumer re-batches.
 """
@@ -41,6 +43,7 @@ from bigclip.data.decode import BAD_IMAGE, DEFAULT_KEYS, SampleKeys, decode_samp
 from bigclip.data.resume.assignment import ShardTask, Tail
 from bigclip.data.resume.randomness import choose, choose_weighted, keyed_rng
 from bigclip.data.resume.reader_state import OpenShardState, ReaderState, encode_row
+from bigclip.data.resume.spans import NO_STOP
 from bigclip.data.tar_samples import START, Cursor, RawSample, ShardSamples
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.data.transforms import TrainTransform
@@ -66,6 +69,8 @@ class ReaderSpec:
 @dataclass
 class _OpenShard:
     shard: int
+    first: int  # the piece read: samples [first, stop) of the shard
+    stop: int | None
     reader: ShardSamples
     samples: Iterator[RawSample]
     read: Cursor  # where the next sample starts
@@ -86,9 +91,11 @@ class _Pending:
         self.shards: list[int] = []
         self.after: list[list[int]] = []
         self.states: list[list[int]] = []
-        self.ends: dict[int, list[int]] = {}
+        self.ends: list[list[int]] = []  # [shard, first, stop, index, byte]: a piece's reader closed it there
         self.skipped: Counter = Counter()
         self.broken: list[str] = []
+        self.empty: list[str] = []
+        self.mismatched: dict[str, list[int]] = {}  # url -> [samples found, sizes.json's count]
         self.started = time.perf_counter()
 
 
@@ -110,9 +117,11 @@ class ReaderStream(IterableDataset):
         draws_key: str = "",
         cumulative: list[float] | None = None,
         keys: SampleKeys = DEFAULT_KEYS,
+        sizes: tuple[int | None, ...] = (),
     ) -> None:
         self.readers = readers
         self.urls = urls
+        self.sizes = sizes  # sizes.json's counts, per shard (None where unknown)
         self.resampled = resampled  # tasks are draws of shards with replacement, endlessly
         self.draws_key, self.cumulative = draws_key, cumulative  # which shard each draw is
         self.batch_size = batch_size
@@ -125,9 +134,13 @@ class ReaderStream(IterableDataset):
 
     def url(self, task: int) -> str:
         """The shard a task id names: the shard itself, or the shard drawn at that draw."""
-        if not self.resampled:
-            return self.urls[task]
-        return self.urls[choose_weighted(self.draws_key, task, self.cumulative)]
+        return self.urls[self.shard_of(task)]
+
+    def shard_of(self, task: int) -> int:
+        return task if not self.resampled else choose_weighted(self.draws_key, task, self.cumulative)
+
+    def size(self, task: int) -> int | None:
+        return self.sizes[self.shard_of(task)] if self.sizes else None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -179,8 +192,9 @@ class Reader:
     def _fill(self) -> bool:
         """Open shards up to `interleave`; False when none is left open."""
         while len(self.open) < self.stream.interleave and (task := self._next_task()) is not None:
-            reader = ShardSamples(task.url, start=task.start, s3=self.stream.s3)
-            self.open.append(_OpenShard(task.shard, reader, iter(reader), read=task.start, valid=task.start))
+            reader = ShardSamples(task.url, start=task.start, stop=task.stop, s3=self.stream.s3)
+            piece = (task.shard, task.start.index, task.stop)
+            self.open.append(_OpenShard(*piece, reader, iter(reader), read=task.start, valid=task.start))
         return bool(self.open)
 
     def _next_task(self) -> ShardTask | None:
@@ -196,16 +210,30 @@ class Reader:
         return task
 
     def _reopen(self, state: OpenShardState) -> _OpenShard:
-        reader = ShardSamples(self.stream.url(state.shard), start=state.read, s3=self.stream.s3)
-        return _OpenShard(state.shard, reader, iter(reader), state.read, state.valid, state.fruitful)
+        url = self.stream.url(state.shard)
+        reader = ShardSamples(url, start=state.read, stop=state.stop, s3=self.stream.s3)
+        piece = (state.shard, state.first, state.stop)
+        return _OpenShard(*piece, reader, iter(reader), state.read, state.valid, state.fruitful)
 
     def _close(self, shard: _OpenShard, pending: _Pending) -> None:
-        pending.ends[shard.shard] = shard.valid.to_json()
+        stop = NO_STOP if shard.stop is None else shard.stop
+        pending.ends.append([shard.shard, shard.first, stop, *shard.valid.to_json()])
         self.fruitless = 0 if shard.fruitful else self.fruitless + 1
+        url = self.stream.url(shard.shard)
         if shard.reader.error:
-            url = self.stream.url(shard.shard)
             pending.broken.append(url)
             log.warning("shard %s ends early, keeping what was read: %s", url, shard.reader.error)
+            return
+        self._check_count(shard, url, pending)
+
+    def _check_count(self, shard: _OpenShard, url: str, pending: _Pending) -> None:
+        """Report an empty shard, or one whose samples are not what sizes.json says (the plan's basis)."""
+        found, size = shard.reader.end_index, self.stream.size(shard.shard)
+        if shard.first == 0 and shard.stop is None and found == 0:
+            pending.empty.append(url)
+        expected = shard.stop if shard.stop is not None else size
+        if expected is not None and found != expected:
+            pending.mismatched[url] = [found, -1 if size is None else size]
 
     def _add(self, raw: RawSample, shard: _OpenShard, pending: _Pending) -> bool:
         """Decode, transform and append one sample; False when it is skipped as corrupt."""
@@ -225,7 +253,9 @@ class Reader:
         pending.captions.append(decoded.caption)
         pending.keys.append(raw.key)
         pending.shards.append(shard.shard)
-        pending.after.append(raw.after.to_json())
+        pending.after.append(
+            [*raw.after.to_json(), shard.first, NO_STOP if shard.stop is None else shard.stop]
+        )
         pending.states.append(
             encode_row(self.draws, self.tasks, self.emitted, self.fruitless, self.open, width=self.width)
         )
@@ -268,10 +298,12 @@ class Reader:
             "texts": self.stream.tokenizer(pending.captions) if n else torch.empty(0, dtype=torch.long),
             "keys": pending.keys,
             "shards": torch.tensor(pending.shards, dtype=torch.long),
-            "after": torch.tensor(pending.after, dtype=torch.long).reshape(-1, 2),
+            "after": torch.tensor(pending.after, dtype=torch.long).reshape(-1, 4),  # index, byte, first, stop
             "states": torch.tensor(pending.states, dtype=torch.long).reshape(-1, self.width),
             "ends": pending.ends,
             "skipped": dict(pending.skipped),
             "broken": pending.broken,
+            "empty": pending.empty,
+            "mismatched": pending.mismatched,
             "busy_s": time.perf_counter() - pending.started,
         }

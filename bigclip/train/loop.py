@@ -256,6 +256,7 @@ def fit(run: Run) -> dict[str, Any]:
         run.engine.train()
         if not train_one_epoch(run, loader):
             break  # step budget spent mid-epoch
+        loader.account_epoch()  # collective: rank 0 logs what the epoch read against its plan, and what it lost
         loader.close()
         state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
         final = state.step >= run.total_steps or state.epoch >= cfg.optim.epochs

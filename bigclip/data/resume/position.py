@@ -1,29 +1,32 @@
 """The data-loader position: which samples of the epoch have been consumed, independent of world size.
 
-Every shard is read sequentially by exactly one reader, so what has been consumed of a
-shard is always a prefix, described by a `Cursor` (next sample index + tar byte offset).
-The position of an epoch is therefore:
+Every piece of a shard (the whole shard, or the part of it one rank was given: spans.py) is
+read sequentially by exactly one reader, so what has been consumed of a piece is always a
+prefix, and what is left of a shard is a few spans, each starting at a `Cursor` (next sample
+index + tar byte offset). The position of an epoch is therefore:
   done     shards whose every sample has been consumed (or skipped as corrupt)
-  cursors  partially consumed shards -> where to continue
+  spans    partially consumed shards -> what is left of them, where to continue
   samples  samples consumed in the epoch, all ranks together
 Untouched shards are implicit. Nothing here mentions ranks or workers, so a position saved
-at N ranks x W workers loads at any M x V: the remaining shards are re-planned over the new
-readers, each partial shard continuing at its cursor.
+at N ranks x W workers loads at any M x V: the remaining spans are re-planned over the new
+readers, each continuing at its cursor.
 
 Each rank records its own `RankProgress` on the consumer side (the main process, as batches
-are handed to the training loop, not as workers prefetch them); `merge` combines all ranks'
-progress with the position the loader started from. `to_json` is small: a bitmap of done
-shards (5 KB for 41k shards) plus one cursor per shard being read.
+are handed to the training loop, not as workers prefetch them), keyed by piece; `merge`
+combines all ranks' progress with the position the loader started from. `to_json` is small: a
+bitmap of done shards (5 KB for 41k shards), one cursor per shard read by one reader
+("cursors", the format's first version) and the spans of shards split between readers.
 
 With --dataset-resampled, the epoch's shards are an endless global sequence of draws
 (randomness.draws_key), and the same description applies with draws in place of shards:
-`done` and `cursors` are keyed by draw index, and `draws` is the frontier, the first draw
-from which on nothing has been consumed. A resume at any world size deals the unfinished
-draws below the frontier (partial ones at their cursors) and then the draws from the
-frontier on, so no draw is read twice or skipped.
+`done` and `spans` are keyed by draw index (draws are never split), and `draws` is the
+frontier, the first draw from which on nothing has been consumed. A resume at any world size
+deals the unfinished draws below the frontier (partial ones at their cursors) and then the
+draws from the frontier on, so no draw is read twice or skipped.
 
 `stream`, when present, is what it takes to continue the exact same stream at the same
-settings (stream_state.py); a resume at other settings ignores it.
+settings (stream_state.py); a resume at other settings ignores it, and so does a position of
+the format's first version, whose readers were planned by an older assignment.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ import base64
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bigclip.data.resume.spans import PieceKey, Span, consumed_through, stop_of, subtract
 from bigclip.data.resume.stream_state import RankStream, StreamState
 from bigclip.data.shards import ShardList
 from bigclip.data.tar_samples import Cursor
 from bigclip.errors import DataError
 
-FORMAT = "bigclip.data.position/1"
+FORMAT = "bigclip.data.position/2"
+FIRST_FORMAT = "bigclip.data.position/1"  # read: shards whole, one cursor each; its stream is not continued
 
 
 def encode_bitmap(indices: set[int], size: int) -> str:
@@ -56,13 +61,13 @@ def decode_bitmap(text: str, size: int) -> set[int]:
 class RankProgress:
     """What one rank has consumed and learned since its loader started (picklable, for the gather)."""
 
-    cursors: dict[int, Cursor] = field(default_factory=dict)  # consumed up to here
-    ends: dict[int, Cursor] = field(default_factory=dict)  # a shard's reader found no valid sample after this
+    cursors: dict[PieceKey, Cursor] = field(default_factory=dict)  # a piece consumed up to here
+    ends: dict[PieceKey, Cursor] = field(default_factory=dict)  # its reader found no valid sample after this
     samples: int = 0
     stream: RankStream | None = None  # filled in just before the gather
 
-    def consume(self, shard: int, after: Cursor) -> None:
-        self.cursors[shard] = after
+    def consume(self, piece: PieceKey, after: Cursor) -> None:
+        self.cursors[piece] = after
         self.samples += 1
 
 
@@ -74,24 +79,27 @@ class DataPosition:
     resampled: bool = False
     samples: int = 0
     done: set[int] = field(default_factory=set)
-    cursors: dict[int, Cursor] = field(default_factory=dict)
+    spans: dict[int, tuple[Span, ...]] = field(default_factory=dict)
     stream: StreamState | None = None
     draws: int = 0  # --dataset-resampled: nothing consumed from draws >= this one
 
     @property
     def tasks(self) -> int:
-        """How many task ids (shards, or draws below the frontier) `done` and `cursors` range over."""
+        """How many task ids (shards, or draws below the frontier) `done` and `spans` range over."""
         return self.draws if self.resampled else self.num_shards
 
     @classmethod
     def start_of(cls, epoch: int, shards: ShardList, *, resampled: bool) -> DataPosition:
         return cls(epoch=epoch, num_shards=len(shards), fingerprint=shards.fingerprint, resampled=resampled)
 
-    def cursor(self, shard: int) -> Cursor:
-        return self.cursors.get(shard, Cursor(0, 0))
+    def left(self, shard: int) -> tuple[Span, ...]:
+        """What is left of a shard (or draw): nothing when done, all of it when untouched."""
+        if shard in self.done:
+            return ()
+        return self.spans.get(shard, (Span(),))
 
     def without_stream(self) -> DataPosition:
-        return replace(self, done=set(self.done), cursors=dict(self.cursors), stream=None)
+        return replace(self, done=set(self.done), spans=dict(self.spans), stream=None)
 
     def merge(self, progress: list[RankProgress]) -> DataPosition:
         """This position advanced by every rank's progress (each shard is read by one rank only).
@@ -105,19 +113,27 @@ class DataPosition:
             resampled=self.resampled,
             samples=self.samples + sum(p.samples for p in progress),
             done=set(self.done),
-            cursors=dict(self.cursors),
+            spans=dict(self.spans),
             draws=self.draws,
         )
         for p in progress:
-            merged.cursors.update(p.cursors)
-            for shard, end in p.ends.items():
-                if merged.cursor(shard).index >= end.index:
-                    merged.done.add(shard)
-        for shard in merged.done:
-            merged.cursors.pop(shard, None)
+            for (shard, first, _), after in p.cursors.items():
+                merged._set_left(shard, subtract(merged.left(shard), first, after.index, after))
+        for p in progress:  # once every rank's consumption is in
+            for piece, end in p.ends.items():
+                shard, first, stop = piece[0], piece[1], stop_of(piece)
+                if consumed_through(merged.left(shard), first, end.index):
+                    merged._set_left(shard, subtract(merged.left(shard), first, stop, Cursor(-1, -1)))
         if self.resampled:
-            merged.draws = max([merged.draws, *(d + 1 for d in merged.done | set(merged.cursors))])
+            merged.draws = max([merged.draws, *(d + 1 for d in merged.done | set(merged.spans))])
         return merged
+
+    def _set_left(self, shard: int, left: tuple[Span, ...]) -> None:
+        self.spans.pop(shard, None)
+        if not left:
+            self.done.add(shard)
+        elif left != (Span(),):
+            self.spans[shard] = left
 
     def to_json(self) -> dict[str, Any]:
         stream = {"stream": self.stream.to_json()} if self.stream is not None else {}
@@ -129,20 +145,22 @@ class DataPosition:
                 "samples": self.samples,
                 "shards": {"count": self.num_shards, "fingerprint": self.fingerprint},
                 "done": encode_bitmap(self.done, self.tasks),
-                "cursors": {str(s): c.to_json() for s, c in sorted(self.cursors.items())},
+                "cursors": {str(s): v[0].start.to_json() for s, v in sorted(self.spans.items()) if _whole(v)},
             }
+            | _split_spans_json(self.spans)
             | ({"draws": self.draws} if self.resampled else {})
             | stream
         )
 
     @classmethod
     def from_json(cls, state: dict[str, Any]) -> DataPosition:
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
+        if not isinstance(state, dict) or state.get("format") not in (FORMAT, FIRST_FORMAT):
             raise DataError(f"not a bigclip data position (expected format {FORMAT!r}): {str(state)[:200]}")
         try:
             count, resampled = int(state["shards"]["count"]), state["mode"] == "resampled"
             # A resampled position from before draws were numbered has none: a fresh stream.
             draws, legacy = int(state.get("draws", 0)), resampled and "draws" not in state
+            legacy = legacy or state["format"] == FIRST_FORMAT
             return cls(
                 epoch=int(state["epoch"]),
                 num_shards=count,
@@ -150,7 +168,7 @@ class DataPosition:
                 resampled=resampled,
                 samples=int(state["samples"]),
                 done=decode_bitmap(state["done"], draws if resampled else count),
-                cursors={int(s): Cursor.from_json(c) for s, c in state["cursors"].items()},
+                spans=_spans_from_json(state),
                 stream=StreamState.from_json(state["stream"]) if "stream" in state and not legacy else None,
                 draws=draws,
             )
@@ -174,3 +192,20 @@ class DataPosition:
                 f"{len(shards)} now, or a different list or --train-data-upsampling-factors): resume with the "
                 "same --train-data, or start a new epoch without the saved data position"
             )
+
+
+def _whole(spans: tuple[Span, ...]) -> bool:
+    """One span to the shard's end: written as a plain cursor (the first format's "cursors")."""
+    return len(spans) == 1 and spans[0].stop is None
+
+
+def _split_spans_json(spans: dict[int, tuple[Span, ...]]) -> dict[str, Any]:
+    split = {str(s): [span.to_json() for span in v] for s, v in sorted(spans.items()) if not _whole(v)}
+    return {"spans": split} if split else {}
+
+
+def _spans_from_json(state: dict[str, Any]) -> dict[int, tuple[Span, ...]]:
+    spans = {int(s): (Span(Cursor.from_json(c)),) for s, c in state["cursors"].items()}
+    for s, rows in state.get("spans", {}).items():
+        spans[int(s)] = tuple(Span.from_json(row) for row in rows)
+    return spans

@@ -5,10 +5,12 @@ A reader (one data worker of one rank) is described, between two samples, by:
   tasks      shards (draws, with --dataset-resampled) taken from its plan, then its tail, so far
   emitted    valid samples emitted so far (its batches end at multiples of batch_size)
   fruitless  shards closed in a row without a valid sample (--dataset-resampled gives up at 100)
-  open       its open shards, in order: the shard, the read cursor (the next sample to read,
-             past corrupt samples already skipped), the cursor after the last valid sample
-             (what the reader reports when it closes the shard), and whether that shard has
-             given a valid sample since it was opened
+  open       its open shards, in order: the shard, the piece of it the reader reads (its first
+             sample index when planned and its stop, -1 for the shard's end: resume/assignment.py
+             may split a shard between ranks), the read cursor (the next sample to read, past
+             corrupt samples already skipped), the cursor after the last valid sample (what the
+             reader reports when it closes the shard), and whether that shard has given a valid
+             sample since it was opened
 Every sample a worker emits carries this state as it was right after that sample (as a row
 of ints, so a batch carries a [B, width] tensor); the consumer keeps, per worker, the row of
 the last sample it consumed. No data is needed to restore it: shard sizes play no part, and
@@ -27,7 +29,8 @@ from bigclip.data.tar_samples import Cursor
 from bigclip.errors import DataError
 
 HEADER = 5  # draws, tasks, emitted, fruitless, open shard count
-PER_SHARD = 6  # shard, read index, read byte, valid index, valid byte, fruitful
+PER_SHARD = 8  # shard, first, stop, read index, read byte, valid index, valid byte, fruitful
+NO_STOP = -1  # a piece that runs to the shard's end
 PADDING = -1
 
 
@@ -35,6 +38,8 @@ class ShardProgress(Protocol):
     """What a row records of an open shard (an `OpenShardState`, or the worker's live one)."""
 
     shard: int
+    first: int
+    stop: int | None
     read: Cursor
     valid: Cursor
     fruitful: bool
@@ -43,6 +48,8 @@ class ShardProgress(Protocol):
 @dataclass(frozen=True)
 class OpenShardState:
     shard: int
+    first: int  # the piece: samples [first, stop) of the shard
+    stop: int | None
     read: Cursor
     valid: Cursor
     fruitful: bool
@@ -57,7 +64,17 @@ def encode_row(
     """
     row = [draws, tasks, emitted, fruitless, len(shards)]
     for s in shards:
-        row += (s.shard, s.read.index, s.read.byte, s.valid.index, s.valid.byte, int(s.fruitful))
+        stop = NO_STOP if s.stop is None else s.stop
+        row += (
+            s.shard,
+            s.first,
+            stop,
+            s.read.index,
+            s.read.byte,
+            s.valid.index,
+            s.valid.byte,
+            int(s.fruitful),
+        )
     return row + [PADDING] * (width - len(row))
 
 
@@ -86,7 +103,15 @@ class ReaderState:
                 for i in range(count)
             ]
             shards = tuple(
-                OpenShardState(f[0], Cursor(f[1], f[2]), Cursor(f[3], f[4]), bool(f[5])) for f in fields
+                OpenShardState(
+                    f[0],
+                    f[1],
+                    None if f[2] == NO_STOP else f[2],
+                    Cursor(f[3], f[4]),
+                    Cursor(f[5], f[6]),
+                    bool(f[7]),
+                )
+                for f in fields
             )
         except (TypeError, ValueError, IndexError) as e:
             raise DataError(

@@ -12,7 +12,7 @@ trains bitwise as if never interrupted:
            it (reader_state.py); randomness is keyed by position, so it continues
   active   per rank, the workers still in the round robin, the next to deliver first
   carry    per rank, whose short last batches the re-batcher holds unconsumed, oldest first
-Size: 5 + 6 x interleave ints per reader, about 1.5 MB of JSON at 1024 ranks x 8 workers x
+Size: 5 + 8 x interleave ints per reader, about 2 MB of JSON at 1024 ranks x 8 workers x
 interleave 4 (byte offsets of GB shards are most of it).
 """
 
