@@ -46,7 +46,7 @@ GB = 1e9
 
 def build_engine_for(rank: int, world: int, model: str, ds_config: str = ""):  # noqa: ANN201
     from bigclip.engines import build_engine
-    from bigclip.models.from_config import build_model
+    from bigclip.models.from_config import build_model, model_factory
 
     cfg = TrainConfig()
     cfg.model.model, cfg.engine.precision, cfg.data.batch_size = model, "fp32", 1
@@ -56,7 +56,7 @@ def build_engine_for(rank: int, world: int, model: str, ds_config: str = ""):  #
     engine = build_engine(
         cfg, Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     )
-    engine.build(build_model(cfg))
+    engine.build(build_model(cfg), rebuild=model_factory(cfg))
     return engine
 
 

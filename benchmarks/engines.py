@@ -36,7 +36,7 @@ from bigclip.distributed import Runtime, spawn  # noqa: E402
 from bigclip.engines import Engine, build_engine  # noqa: E402
 from bigclip.engines.optim import LocalShardOptimizer, local_tensor  # noqa: E402
 from bigclip.models import count_parameters, create_model  # noqa: E402
-from bigclip.models.from_config import build_model, synthetic_batch  # noqa: E402
+from bigclip.models.from_config import build_model, model_factory, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
 from bigclip.train.step import contrastive_loss  # noqa: E402
 
@@ -131,7 +131,7 @@ def cpu_worker(rank: int, world: int, run: tuple[str, str, str, str], batch: int
     )
     runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     engine = build_engine(cfg, runtime)
-    engine.build(build_model(cfg))
+    engine.build(build_model(cfg), rebuild=model_factory(cfg))
     times, state_bytes = timed_steps(engine, cfg, steps)
     return {"step_s": statistics.median(times), "state": state_bytes, "optim": optimizer_state_bytes(engine)}
 

@@ -36,7 +36,7 @@ from bigclip.distributed import free_port, init_distributed  # noqa: E402
 from bigclip.engines import Engine, build_engine  # noqa: E402
 from bigclip.models import get_model_config  # noqa: E402
 from bigclip.models.flops import forward_flops  # noqa: E402
-from bigclip.models.from_config import build_model, synthetic_batch  # noqa: E402
+from bigclip.models.from_config import build_model, model_factory, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
 from bigclip.train.step import train_step  # noqa: E402
 
@@ -62,7 +62,7 @@ def build(cfg: TrainConfig) -> Engine:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     engine = build_engine(cfg, init_distributed())
-    engine.build(build_model(cfg))
+    engine.build(build_model(cfg), rebuild=model_factory(cfg))
     return engine
 
 

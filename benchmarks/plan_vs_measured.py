@@ -50,7 +50,7 @@ from loss_exchange_link import METHODS, PER_NODE, WORLD, measure_exchange, rate_
 from bigclip.cli_args import parse_train_args  # noqa: E402
 from bigclip.distributed import free_port, init_distributed  # noqa: E402
 from bigclip.engines import build_engine  # noqa: E402
-from bigclip.models.from_config import build_model, synthetic_batch  # noqa: E402
+from bigclip.models.from_config import build_model, model_factory, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
 from bigclip.plan.report import Hardware, Plan, build_plan  # noqa: E402
 from bigclip.plan.spec import from_train_config  # noqa: E402
@@ -79,7 +79,7 @@ def measure(argv: list[str], steps: int = 3) -> dict:
     cfg = parse_train_args(argv)
     runtime = init_distributed()
     engine = build_engine(cfg, runtime)
-    engine.build(build_model(cfg))
+    engine.build(build_model(cfg), rebuild=model_factory(cfg))
     loss_fn, batch, cuda = (
         build_loss(cfg.loss),
         synthetic_batch(cfg, device=runtime.device),

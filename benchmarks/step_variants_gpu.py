@@ -61,7 +61,7 @@ def bigclip_step(model_name: str, batch: int, side: str, ckpt: str, every: int, 
 
     from bigclip.distributed import free_port, init_distributed
     from bigclip.engines import build_engine
-    from bigclip.models.from_config import build_model, synthetic_batch
+    from bigclip.models.from_config import build_model, model_factory, synthetic_batch
     from bigclip.ops.loss.contrastive import build_loss
     from bigclip.train.step import train_step
 
@@ -72,13 +72,10 @@ def bigclip_step(model_name: str, batch: int, side: str, ckpt: str, every: int, 
     cfg.validate()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    cfg.model.linear_kind = side if side.startswith("fp8-") else "none"
+    cfg.validate()
     eng = build_engine(cfg, init_distributed())
-    model = build_model(cfg)
-    if side.startswith("fp8-"):
-        from bigclip.ops.fp8.float8 import apply_fp8
-
-        apply_fp8(model, side.removeprefix("fp8-"))
-    eng.build(model)
+    eng.build(build_model(cfg), rebuild=model_factory(cfg))
     loss_fn = build_loss(cfg.loss)
     micro = [synthetic_batch(cfg, device="cuda", batch_size=batch)]
     return lambda: train_step(eng, loss_fn, micro, lr=cfg.optim.lr) and None

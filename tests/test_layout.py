@@ -159,6 +159,20 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def test_engines_and_linear_kinds_see_models_only_through_the_contract():
+    """engines/ and ops/ import nothing of models/ but models/contract.py: the model contract is
+    all an engine or a low-precision linear kind may know of a model."""
+    problems = []
+    for path in all_modules():
+        source = module_name(path)
+        if not source.startswith(("bigclip.engines", "bigclip.ops")):
+            continue
+        for target, _ in bigclip_imports(path, include_type_only=True):
+            if target.startswith("bigclip.models") and target != "bigclip.models.contract":
+                problems.append(f"{source} imports {target}")
+    assert not problems, "use bigclip.models.contract instead:\n" + "\n".join(problems)
+
+
 def test_no_import_cycles():
     """Modules import each other in one direction only. Every import counts: module-level ones,
     those inside functions (a lazy import still makes the two modules depend on each other; it

@@ -1,12 +1,13 @@
 """The Engine interface: the only thing the training loop talks to about parameters.
 
-An engine takes a meta-device CLIP, shards and materialises it, owns the optimizer, and
-exposes a handful of verbs. The loop never branches on which engine it has:
+An engine takes a meta-device model, of which it sees only the model contract (models/contract.py),
+shards and materialises it, owns the optimizer, and exposes a handful of verbs. The loop never
+branches on which engine it has:
 
-    engine.build(model)                         # shard, materialise, init, optimizer
+    engine.build(model, rebuild=...)            # shard, materialise, init, optimizer
     out = engine.forward(images, texts)         # features in the engine's precision
     with engine.no_sync(): engine.backward(l)   # accumulate without gradient sync
-    stats = engine.step(lr=...)                 # clip, step, zero grads, clamp logit scale
+    stats = engine.step(lr=...)                 # clip, step, zero grads, clamp the model's scalars
     engine.checkpoint_state()                   # DCP Stateful model + optimizer state
     engine.load_full_weights(values, names)     # --pretrained: whole values in, shards kept
     engine.load_full_moments(values, names, step=s)   # OpenCLIP's AdamW state, the same way
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import nn
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.errors import StorageError
-from bigclip.models import CLIP
+from bigclip.models.contract import TrainableModel
 
 
 @dataclass
@@ -46,8 +47,12 @@ class Engine(ABC):
         self.module: nn.Module | None = None  # the wrapped model; call `forward`, not this, in the loop
 
     @abstractmethod
-    def build(self, model: CLIP) -> None:
-        """Shard a meta-device model, materialise it on the device, initialise weights, make the optimizer."""
+    def build(
+        self, model: TrainableModel, *, rebuild: Callable[[torch.device], TrainableModel] | None = None
+    ) -> None:
+        """Shard a meta-device model, materialise it on the device, initialise weights, make the
+        optimizer. `rebuild(device)` makes the same model again, for an engine that must construct
+        its parameters itself (ZeRO-3, partitioned as they are created)."""
 
     @abstractmethod
     def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -170,12 +175,12 @@ class Engine(ABC):
     def eval(self) -> None:
         self.train(False)
 
-    def unwrapped(self) -> CLIP:
-        """The CLIP module itself (parameters may be sharded)."""
+    def unwrapped(self) -> TrainableModel:
+        """The model itself (parameters may be sharded)."""
         return self.module
 
     @property
     def image_dtype(self) -> torch.dtype:
         """The dtype images enter the model in (its patch embedding's weights'), which the data
         loader normalises into on the device: bf16 under DeepSpeed's bf16 modes, fp32 under fp32."""
-        return self.unwrapped().visual.conv1.weight.dtype
+        return self.unwrapped().input_dtype

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,8 +53,7 @@ from bigclip.engines.optim import (
     write_moments,
 )
 from bigclip.errors import ConfigError
-from bigclip.models import CLIP, MAX_LOGIT_SCALE, get_model_config, param_generator, param_initializers
-from bigclip.models.checkpointing import skip_recompute_check
+from bigclip.models.contract import TrainableModel, initial_values, skip_recompute_check
 
 
 def _check_torch_linear() -> None:
@@ -78,15 +77,8 @@ class DeepSpeedEngine(Engine):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when DeepSpeed picks its accelerator
         self.deepspeed = import_deepspeed()
         self.precision = Precision.from_name(cfg.engine.precision)
-        model_cfg = get_model_config(cfg.model.model, cache_dir=cfg.model.cache_dir)
-        path = cfg.engine.deepspeed_config
-        self.plan: DeepSpeedPlan = resolve_ds_config(
-            load_ds_config(path),
-            cfg,
-            world_size=runtime.world_size,
-            model_width=max(model_cfg.vision_cfg.width, model_cfg.text_cfg.width),
-            path=path,
-        )
+        self.raw_config = load_ds_config(cfg.engine.deepspeed_config)
+        self.plan: DeepSpeedPlan | None = None  # resolved against the model by `resolve_plan`
         check_supported(cfg, accelerator=self._accelerator())
         self._pending_moments: dict[int, dict[str, torch.Tensor]] = {}  # see _set_full_moments
 
@@ -95,11 +87,22 @@ class DeepSpeedEngine(Engine):
 
         return get_accelerator()
 
-    def build(self, model: CLIP) -> None:
+    def resolve_plan(self, model: TrainableModel) -> DeepSpeedPlan:
+        """The ds_config with bigclip's flags settled in, its "auto" sizes from the model's width."""
+        self.plan = resolve_ds_config(
+            self.raw_config, self.cfg, world_size=self.runtime.world_size, model_width=model.hidden_width,
+            path=self.cfg.engine.deepspeed_config,
+        )  # fmt: skip
+        return self.plan
+
+    def build(
+        self, model: TrainableModel, *, rebuild: Callable[[torch.device], TrainableModel] | None = None
+    ) -> None:
         os.environ.setdefault("LOCAL_RANK", str(self.runtime.local_rank))  # read by zero.Init
+        self.resolve_plan(model)
         self.deepspeed.init_distributed(dist_backend=self._backend(), dist_init_required=False)
         with scalar_parameter_fixes():
-            model = self._materialise(model)
+            model = self._materialise(model, rebuild=rebuild)
             self._prepare_blocks(model)
             groups = param_groups(model, weight_decay=self.cfg.optim.wd)
             client = None if self.plan.deepspeed_builds_optimizer else make_optimizer(groups, self.cfg.optim)
@@ -118,20 +121,22 @@ class DeepSpeedEngine(Engine):
     def _backend(self) -> str:
         return self.cfg.engine.dist_backend or ("nccl" if self.runtime.device.type == "cuda" else "gloo")
 
-    def _materialise(self, model: CLIP) -> CLIP:
+    def _materialise(
+        self, model: TrainableModel, *, rebuild: Callable[[torch.device], TrainableModel] | None
+    ) -> TrainableModel:
         if self.plan.stage != 3:
             return model.to_empty(device=self.runtime.device) if _on_meta(model) else model
-        from bigclip.models.from_config import build_model
-
+        if rebuild is None:
+            raise ValueError("ZeRO-3 creates parameters partitioned: Engine.build needs rebuild=")
         with self.deepspeed.zero.Init(config_dict_or_path=self.plan.config):
             # Inside zero.Init each module's parameters are partitioned right after it is built;
-            # build_model's own initialisation then touches only empty local tensors, and the
+            # the model's own initialisation then touches only empty local tensors, and the
             # real initial values are written into the partitions by `_initialise_weights`.
-            partitioned = build_model(self.cfg, device=self.runtime.device)
+            partitioned = rebuild(self.runtime.device)
         _check_same_structure(model, partitioned)
         return partitioned
 
-    def _prepare_blocks(self, model: CLIP) -> None:
+    def _prepare_blocks(self, model: TrainableModel) -> None:
         frozen = any(not p.requires_grad for p in model.parameters())
         if self.plan.stage == 3 and not frozen:
             # Gather each residual block's parameters at once, as FSDP2 does per block: one
@@ -160,11 +165,10 @@ class DeepSpeedEngine(Engine):
     @torch.no_grad()
     def _initialise_weights(self) -> None:
         """Each parameter's full seeded value (one at a time), cut to this rank's fragment."""
-        rules = param_initializers(self.module)
-        device = self.runtime.device
-        for name, shape in self.layout.shapes.items():
-            full = torch.empty(shape, dtype=torch.float32, device=device)
-            rules[name](full, param_generator(name, self.cfg.optim.seed, device))
+        values = initial_values(
+            self.module, self.layout.shapes, seed=self.cfg.optim.seed, device=self.runtime.device
+        )
+        for name, full in values:
             self.layout.write_master(name, full)
         self.layout.refresh_low_precision()
 
@@ -190,7 +194,9 @@ class DeepSpeedEngine(Engine):
             # adds the later ones: a parameter with no gradient in the first pass (the logit scale
             # under --accum-freq, see train_step) would add onto the previous step's values.
             self.ds_engine.optimizer.grad_partitions_flat_buffer.zero_()
-        self.layout.clamp_("logit_scale", 0.0, MAX_LOGIT_SCALE)
+        for name, (low, high) in self.module.replicated_scalars().items():
+            if (low, high) != (None, None):
+                self.layout.clamp_(name, low, high)
         norm = self.ds_engine.get_global_grad_norm()
         scale = getattr(self.ds_engine.optimizer, "loss_scale", 1.0)
         return StepStats(

@@ -18,7 +18,7 @@ left replicated (`ignored_params`) and this engine averages their gradients itse
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -55,16 +55,16 @@ from bigclip.engines.optim import (
     set_step,
     write_moments,
 )
-from bigclip.models import CLIP, MAX_LOGIT_SCALE, param_generator, param_initializers
+from bigclip.models.contract import TrainableModel, initial_values
 
 
 @torch.no_grad()
-def init_sharded_weights(model: nn.Module, *, seed: int, device: torch.device) -> None:
-    """Fill each parameter's local shard from the full tensor `init_weights` would draw."""
-    rules = param_initializers(model)
-    for name, param in model.named_parameters():
-        full = torch.empty(param.shape, dtype=torch.float32, device=device)
-        rules[name](full, param_generator(name, seed, device))
+def init_sharded_weights(model: TrainableModel, *, seed: int, device: torch.device) -> None:
+    """Fill each parameter's local shard from the full tensor an unsharded model would draw."""
+    params = dict(model.named_parameters())
+    shapes = {name: param.shape for name, param in params.items()}
+    for name, full in initial_values(model, shapes, seed=seed, device=device):
+        param = params[name]
         if isinstance(param, DTensor):
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.copy_(full)
@@ -73,7 +73,9 @@ def init_sharded_weights(model: nn.Module, *, seed: int, device: torch.device) -
 class FSDPEngine(Engine):
     name = "fsdp"
 
-    def build(self, model: CLIP) -> None:
+    def build(
+        self, model: TrainableModel, *, rebuild: Callable[[torch.device], TrainableModel] | None = None
+    ) -> None:
         self.precision = Precision.from_name(self.cfg.engine.precision)
         if self.precision.param_dtype != torch.float32:
             model.to(self.precision.param_dtype)
@@ -90,7 +92,7 @@ class FSDPEngine(Engine):
         self.optimizer = (LocalShardOptimizer if local else make_optimizer)(groups, self.cfg.optim)
         self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
 
-    def _shard(self, model: CLIP) -> None:
+    def _shard(self, model: TrainableModel) -> None:
         mesh = init_device_mesh(self.runtime.device.type, (self.runtime.world_size,))
         self.group = mesh.get_group()
         p = self.precision
@@ -106,7 +108,7 @@ class FSDPEngine(Engine):
                 mp_policy=policy,
                 reshard_after_forward=self.cfg.engine.reshard_after_forward,
             )
-        scalars = {param for param in model.parameters() if param.dim() == 0}
+        scalars = {model.get_parameter(name) for name in model.replicated_scalars()}
         # The root's parameters are needed again right at the start of backward: keep them gathered.
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=scalars, reshard_after_forward=False)
 
@@ -148,7 +150,9 @@ class FSDPEngine(Engine):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            self.module.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+            for name, (low, high) in self.module.replicated_scalars().items():
+                if (low, high) != (None, None):
+                    self.module.get_parameter(name).clamp_(low, high)
         return StepStats(
             grad_norm=norm, skipped=skipped, loss_scale=self.scaler.scale if self.scaler else 1.0
         )

@@ -9,22 +9,19 @@ exactly the values an unsharded model would have (see `param_initializers`).
 from __future__ import annotations
 
 import math
-import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigclip.models.contract import InitFn, LinearSlot, ScalarRange, initial_values
 from bigclip.models.text import build_text_modules, pool_end_of_text
 from bigclip.models.transformer import QuickGELU
 from bigclip.models.vision import VisionTransformer
 
 # OpenCLIP's trainer clamps logit_scale to [0, ln 100] after every step (a temperature of 1/100).
 MAX_LOGIT_SCALE = math.log(100)
-
-InitFn = Callable[[torch.Tensor, torch.Generator], None]
 
 
 @dataclass
@@ -105,9 +102,62 @@ class CLIP(nn.Module):
     def image_size(self) -> int:
         return self.cfg.vision_cfg.image_size
 
+    # The model contract (models/contract.py): all that engines and linear kinds use.
+
     def blocks(self) -> list[nn.Module]:
         """Residual blocks of both towers: the units engines shard, checkpoint and compile."""
         return [*self.visual.transformer.resblocks, *self.transformer.resblocks]
+
+    def param_initializers(self) -> dict[str, InitFn]:
+        return param_initializers(self)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.visual.conv1.weight.dtype
+
+    @property
+    def hidden_width(self) -> int:
+        return max(self.cfg.vision_cfg.width, self.cfg.text_cfg.width)
+
+    def replicated_scalars(self) -> dict[str, ScalarRange]:
+        """OpenCLIP's logit scale, clamped to [0, log 100] after each step, and SigLIP's bias."""
+        return {"logit_scale": (0.0, MAX_LOGIT_SCALE)} | (
+            {"logit_bias": (None, None)} if self.logit_bias is not None else {}
+        )
+
+    def swappable_linears(self) -> list[LinearSlot]:
+        """Per block: the MLP's c_fc and c_proj, the attention's fused QKV and output projection."""
+        names = {id(module): name for name, module in self.named_modules()}
+        slots = []
+        for block in self.blocks():
+            prefix, attn, width = names[id(block)], block.attn, block.attn.out_proj.in_features
+            slots += [
+                LinearSlot(
+                    f"{prefix}.mlp.{a}",
+                    block.mlp,
+                    a,
+                    "mlp",
+                    in_features=getattr(block.mlp, a).in_features,
+                    out_features=getattr(block.mlp, a).out_features,
+                )
+                for a in ("c_fc", "c_proj")
+            ]
+            slots.append(
+                LinearSlot(
+                    f"{prefix}.attn.in_proj", attn, "in_proj", "attention", "projection", width, 3 * width
+                )
+            )
+            slots.append(
+                LinearSlot(
+                    f"{prefix}.attn.out_proj",
+                    attn,
+                    "out_proj",
+                    "attention",
+                    in_features=width,
+                    out_features=width,
+                )
+            )
+        return slots
 
     def set_grad_checkpointing(self, enable: bool = True, *, every: int = 1, policy: str = "full") -> None:
         """OpenCLIP's switch, plus bigclip's selective options (see bigclip.models.checkpointing)."""
@@ -204,17 +254,10 @@ def param_initializers(model: CLIP) -> dict[str, InitFn]:
     return rules
 
 
-def param_generator(name: str, seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator whose stream depends only on (seed, parameter name): same values at any world size."""
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-
-
 @torch.no_grad()
 def init_weights(model: CLIP, *, seed: int = 0) -> CLIP:
     """Initialise an unsharded, materialised model in place."""
-    rules = param_initializers(model)
-    for name, param in model.named_parameters():
-        full = torch.empty(param.shape, dtype=torch.float32)
-        rules[name](full, param_generator(name, seed))
-        param.copy_(full)
+    params = dict(model.named_parameters())
+    for name, full in initial_values(model, {n: p.shape for n, p in params.items()}, seed=seed, device="cpu"):
+        params[name].copy_(full)
     return model

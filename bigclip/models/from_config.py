@@ -8,6 +8,7 @@ while `clip.py` and friends stay plain modules that know neither.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -59,6 +60,11 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLI
     apply_linear_kind(model, cfg)
     apply_locks(model, cfg.model)
     return model
+
+
+def model_factory(cfg: TrainConfig) -> Callable[[torch.device], CLIP]:
+    """`build_model` for an engine that makes the model again on a real device (ZeRO-3's `rebuild`)."""
+    return lambda device: build_model(cfg, device=device)
 
 
 def run_device_type(cfg: TrainConfig) -> str:

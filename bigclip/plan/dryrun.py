@@ -112,16 +112,17 @@ def zero3_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
     from bigclip.engines.deepspeed import DeepSpeedEngine, scalar_parameter_fixes
     from bigclip.engines.deepspeed_state import ensure_optimizer_state
     from bigclip.engines.optim import make_optimizer, param_groups
-    from bigclip.models.from_config import build_model
+    from bigclip.models.from_config import build_model, model_factory
 
     phase(0)
     os.environ.update(RANK="0", WORLD_SIZE=str(runtime.world_size), LOCAL_RANK="0")
     engine = DeepSpeedEngine(cfg, runtime)
-    if engine.plan.stage != 3 or engine.plan.offload_optimizer or engine.plan.offload_param:
+    plan = engine.resolve_plan(build_model(cfg))
+    if plan.stage != 3 or plan.offload_optimizer or plan.offload_param:
         raise ConfigError("the DeepSpeed dry run covers ZeRO-3 without offload (e.g. ds_configs/zero3.json)")
     engine.deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
     with scalar_parameter_fixes():
-        model = engine._materialise(build_model(cfg))
+        model = engine._materialise(build_model(cfg), rebuild=model_factory(cfg))
         engine._prepare_blocks(model)
         optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
         phase(1)

@@ -22,7 +22,7 @@ from bigclip.config import TrainConfig
 from bigclip.distributed import init_distributed
 from bigclip.engines import build_engine
 from bigclip.errors import NonFiniteLossError
-from bigclip.models.from_config import build_model, model_config
+from bigclip.models.from_config import build_model, model_config, model_factory
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
 from bigclip.train.backup import prepare_backup
@@ -89,7 +89,7 @@ def setup(cfg: TrainConfig) -> Run:
         f"rank 0 on {runtime.device}"
     )
     engine = build_engine(cfg, runtime)
-    engine.build(build_model(cfg))
+    engine.build(build_model(cfg), rebuild=model_factory(cfg))
     # Before --resume, which wins; a resumed run does not read the initial weights at all.
     applies = not which and pretrained.applies(cfg, store)
     lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine, build_engine
-from bigclip.models.from_config import build_model
+from bigclip.models.from_config import build_model, model_factory
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.train.step import train_step
 
@@ -43,7 +43,9 @@ def global_batch(
 def make_engine(rank: int, world: int, cfg: TrainConfig) -> Engine:
     runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     engine = build_engine(cfg, runtime)
-    engine.build(build_model(cfg))  # applies patch dropout and grad checkpointing from the config
+    engine.build(
+        build_model(cfg), rebuild=model_factory(cfg)
+    )  # applies patch dropout and grad checkpointing from the config
     torch.manual_seed(1234 + rank)  # patch dropout draws; after build, which may draw (zero.Init)
     return engine
 

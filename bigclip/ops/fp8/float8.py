@@ -1,9 +1,9 @@
 """fp8 linears through torchao's float8 training (`torchao.float8`), the recipe torchtitan uses.
 
-Each residual block's MLP linears (`mlp.c_fc`, `mlp.c_proj`) and attention projections
-(`attn.out_proj`, and the fused QKV `attn.in_proj`) compute their three matmuls (output, input
+Every linear the model contract lists (a CLIP's MLP linears `mlp.c_fc`, `mlp.c_proj` and attention
+projections `attn.out_proj` and the fused QKV `attn.in_proj`, in every residual block) computes their three matmuls (output, input
 gradient, weight gradient) in float8 with dynamic scales, from the 16-bit weights and activations
-the engine hands them; masters, optimizer state, norms, attention itself and the loss are
+the engine hands it; masters, optimizer state, norms, attention itself and the loss are
 untouched. Two recipes (torchao's names):
   - tensorwise: one scale per tensor, cuBLAS's fp8 GEMM; the fastest.
   - rowwise: one scale per row (power-of-two scales), CUTLASS's rowwise GEMM; closer to bf16.
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from bigclip.errors import ConfigError
+from bigclip.models.contract import LinearSlot
 
 RECIPES = ("tensorwise", "rowwise")
 _ALIGNMENT = 16  # torch._scaled_mm needs both sizes in multiples of 16
@@ -91,35 +92,28 @@ class Float8Projection:
         return out if bias is None else out + bias.to(out.dtype)
 
 
-def _swap_linear(parent: nn.Module, attr: str, config: Any, name: str, skipped: list[str]) -> None:
+def _swap(slot: LinearSlot, config: Any, skipped: list[str]) -> None:
     from torchao.float8.float8_linear import Float8Linear
 
-    linear = getattr(parent, attr)
-    if isinstance(linear, Float8Linear):
+    current = getattr(slot.parent, slot.attr)
+    if isinstance(current, (Float8Linear, Float8Projection)):
         return
-    if not fp8_shape_supported(linear.in_features, linear.out_features):
-        skipped.append(f"{name} ({linear.in_features}->{linear.out_features})")
-        return
-    setattr(parent, attr, Float8Linear.from_float(linear, config=config))
+    if not fp8_shape_supported(slot.in_features, slot.out_features):
+        skipped.append(f"{slot.name} ({slot.in_features}->{slot.out_features})")
+    elif slot.kind == "projection":
+        setattr(slot.parent, slot.attr, Float8Projection(config))
+    else:
+        setattr(slot.parent, slot.attr, Float8Linear.from_float(current, config=config))
 
 
 def apply_fp8(model: Model, recipe: str, *, emulate: bool = False) -> Model:
-    """Swap every residual block's MLP and attention linears (`model.blocks()`) for torchao's
-    float8 ones. In place; returns the model. Linears whose sizes are not multiples of 16 stay
-    16-bit (one warning)."""
+    """Swap every linear the model contract lists (`swappable_linears()`: a CLIP's MLP and
+    attention linears in every block) for torchao's float8 ones. In place; returns the model.
+    Linears whose sizes are not multiples of 16 stay 16-bit (one warning)."""
     config = float8_config(recipe, emulate=emulate)
-    names = {id(module): name for name, module in model.named_modules()}
     skipped: list[str] = []
-    for block in model.blocks():
-        prefix = names[id(block)]
-        _swap_linear(block.mlp, "c_fc", config, f"{prefix}.mlp.c_fc", skipped)
-        _swap_linear(block.mlp, "c_proj", config, f"{prefix}.mlp.c_proj", skipped)
-        _swap_linear(block.attn, "out_proj", config, f"{prefix}.attn.out_proj", skipped)
-        width = block.attn.out_proj.in_features  # not in_proj_weight.shape: it may be partitioned
-        if fp8_shape_supported(width, 3 * width):
-            block.attn.in_proj = Float8Projection(config)
-        else:
-            skipped.append(f"{prefix}.attn.in_proj ({width}->{3 * width})")
+    for slot in model.swappable_linears():
+        _swap(slot, config, skipped)
     if skipped:
         warnings.warn(
             f"fp8: {len(skipped)} linear(s) stay 16-bit (sizes not multiples of {_ALIGNMENT}): "

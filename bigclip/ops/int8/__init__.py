@@ -1,5 +1,5 @@
 """SwitchBack int8 linears: the autograd layers and model swap (switchback), their primitives as
 torch custom ops (custom_ops) dispatched to Triton kernels (kernels) or plain PyTorch (torch_path).
-Imports only errors and the linear-kind table (config.linear_kinds) from bigclip; triton only when a
-kernel runs.
+Imports only errors, the linear-kind table (config.linear_kinds) and the model contract
+(models.contract) from bigclip; triton only when a kernel runs.
 """

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from bigclip.config.linear_kinds import INT8_KINDS, LINEAR_KINDS
 from bigclip.errors import ConfigError
+from bigclip.models.contract import LinearSlot
 from bigclip.ops.int8 import custom_ops as ops
 
 QUANTIZATIONS = ("global", "vectorwise", "memefficient")
@@ -217,30 +218,22 @@ def _fallback_message(names: list[str]) -> str:
     )
 
 
-def _swap_linear(parent: nn.Module, attr: str, cls: type[SwitchBackLinear], name: str, skipped: list) -> None:
-    linear = getattr(parent, attr)
-    if not int8_shape_supported(linear.in_features, linear.out_features):
-        skipped.append(f"{name} ({linear.in_features}->{linear.out_features})")
-    elif type(linear) is not cls:
-        setattr(parent, attr, cls.from_linear(linear))
-
-
-def _swap_attention(attn: nn.Module, quantization: str, cls: type, name: str, skipped: list) -> None:
-    # Sizes from out_proj, not in_proj_weight.shape: under deepspeed.zero.Init parameters are
-    # already partitioned (empty) when this runs.
-    width = attn.out_proj.in_features
-    if int8_shape_supported(width, 3 * width):
-        attn.in_proj = SwitchBackProjection(quantization)
-    else:
-        skipped.append(f"{name}.in_proj ({width}->{3 * width})")
-    _swap_linear(attn, "out_proj", cls, f"{name}.out_proj", skipped)
+def _swap(slot: LinearSlot, quantization: str, skipped: list[str]) -> None:
+    if not int8_shape_supported(slot.in_features, slot.out_features):
+        skipped.append(f"{slot.name} ({slot.in_features}->{slot.out_features})")
+    elif slot.kind == "projection":
+        setattr(slot.parent, slot.attr, SwitchBackProjection(quantization))
+    elif type(getattr(slot.parent, slot.attr)) is not LINEAR_CLASSES[quantization]:
+        setattr(
+            slot.parent, slot.attr, LINEAR_CLASSES[quantization].from_linear(getattr(slot.parent, slot.attr))
+        )
 
 
 def apply_int8(model: Model, mode: str, *, include_attention: bool = False) -> Model:
-    """Swap the MLP linears (`mlp.c_fc`, `mlp.c_proj`) of every residual block of both towers
-    (`model.blocks()`: a CLIP, or any model with that method) for SwitchBack layers, and with
-    `include_attention` the attention's QKV (`attn.in_proj`) and output (`attn.out_proj`)
-    projections. In place; returns the model.
+    """Swap the MLP linears the model contract lists (`swappable_linears()`: a CLIP's `mlp.c_fc`
+    and `mlp.c_proj` in every block of both towers) for SwitchBack layers, and with
+    `include_attention` the attention's projections too (a CLIP's fused QKV `attn.in_proj` and
+    `attn.out_proj`). In place; returns the model.
 
     Works on meta-device models (no memory is touched) and inside `deepspeed.zero.Init`, and
     keeps every parameter's name, shape and identity: call it before sharding. `mode`: one of
@@ -248,16 +241,10 @@ def apply_int8(model: Model, mode: str, *, include_attention: bool = False) -> M
     """
     if mode not in INT8_MODES:
         raise ConfigError(f"--int8 {mode!r} is not a SwitchBack mode; use one of {', '.join(INT8_MODES)}")
-    quantization = INT8_MODES[mode]
-    cls = LINEAR_CLASSES[quantization]
-    names = {id(module): name for name, module in model.named_modules()}
     skipped: list[str] = []
-    for block in model.blocks():
-        prefix = names[id(block)]
-        _swap_linear(block.mlp, "c_fc", cls, f"{prefix}.mlp.c_fc", skipped)
-        _swap_linear(block.mlp, "c_proj", cls, f"{prefix}.mlp.c_proj", skipped)
-        if include_attention:
-            _swap_attention(block.attn, quantization, cls, f"{prefix}.attn", skipped)
+    for slot in model.swappable_linears():
+        if slot.role == "mlp" or include_attention:
+            _swap(slot, INT8_MODES[mode], skipped)
     if skipped:
         warnings.warn(_fallback_message(skipped), stacklevel=2)
     return model
