@@ -90,8 +90,8 @@ class ModelConfig:
             raise ConfigError("--torchcompile-mode and --torchcompile-backend need --torchcompile; add it")
         if self.int8_attention and self.int8 == "none":
             raise ConfigError("--int8-attention needs an --int8 mode, e.g. --int8 switchback-global")
+        from bigclip.models.named_configs import get_model_config  # raises, listing valid names
         from bigclip.models.pretrained_tags import check_pretrained
-        from bigclip.models.registry import get_model_config  # raises, listing valid names
 
         self._check_locks()
         check_pretrained(self.model, self.pretrained)  # an unknown tag: the tags this model has

@@ -3,18 +3,28 @@ and `build_model(cfg)` (from_config), which applies a run's model options; OpenC
 tags (pretrained_tags) and `hf-hub:ORG/REPO` files through the Hugging Face cache (hf_hub).
 No distributed code.
 May import config, errors and ops (int8 swap); never engines, data or train.
+
+The names below load on first use (PEP 562), so `bigclip.models.named_configs` (the configs,
+without torch) can be imported by the flag checks without importing torch.
 """
 
-from bigclip.models.clip import (
-    CLIP,
-    MAX_LOGIT_SCALE,
-    CLIPConfig,
-    init_weights,
-    param_generator,
-    param_initializers,
-)
-from bigclip.models.registry import count_parameters, create_model, get_model_config, list_models
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE = {
+    "CLIP": "clip",
+    "MAX_LOGIT_SCALE": "clip",
+    "init_weights": "clip",
+    "param_generator": "clip",
+    "param_initializers": "clip",
+    "CLIPConfig": "named_configs",
+    "get_model_config": "named_configs",
+    "list_models": "named_configs",
+    "count_parameters": "registry",
+    "create_model": "registry",
+}
 __all__ = [
     "CLIP",
     "MAX_LOGIT_SCALE",
@@ -27,3 +37,14 @@ __all__ = [
     "param_generator",
     "param_initializers",
 ]
+
+if TYPE_CHECKING:
+    from bigclip.models.clip import CLIP, MAX_LOGIT_SCALE, init_weights, param_generator, param_initializers
+    from bigclip.models.named_configs import CLIPConfig, get_model_config, list_models
+    from bigclip.models.registry import count_parameters, create_model
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'bigclip.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"bigclip.models.{_WHERE[name]}"), name)
