@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -25,7 +26,13 @@ from bigclip.errors import ConfigError
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag is a ConfigError: one line (no usage screen above it) that names the
-    flag, the nearest known spelling, and where the options are listed; the CLI exits 2 with it."""
+    flag, the nearest known spelling, and where the options are listed; the CLI exits 2 with it.
+    Negative numbers in any float spelling (-1e-3, -.5) are values, not unknown options (argparse
+    takes only -1 and -0.5 for numbers, so `--lr -1e-3` said "expected one argument")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{message}{self._nearest(message)} (see `{self.prog} --help`)")

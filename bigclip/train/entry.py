@@ -5,8 +5,8 @@ One function, so the two behave the same. In order:
 1. the preemption-signal handlers, before torch is imported (seconds), so a SIGUSR1/SIGTERM during
    start-up is honoured after the first step instead of killing the rank;
 2. the flags, parsed and checked without torch (preflight.check_flags): a bad flag fails in well
-   under a second;
-3. torch and the loop, under torch.distributed.elastic's `record`, so an unexpected exception lands
+   under a second; then what the machine settles (preflight.check_machine: torch, no process group);
+3. the loop, under torch.distributed.elastic's `record`, so an unexpected exception lands
    in torchrun's error file and its failure summary.
 A BigclipError (bad input) at any step exits 2 with one line and no traceback; under torchrun the
 line also goes into the rank's error file (TORCHELASTIC_ERROR_FILE), so the summary torchrun prints
@@ -37,11 +37,12 @@ def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
 
 def _train(argv: list[str]) -> int:
     from bigclip.cli_args import parse_train_args
-    from bigclip.train.preflight import check_flags
+    from bigclip.train.preflight import check_flags, check_machine
 
     cfg = parse_train_args(argv)
     check_flags(cfg)
-    from torch.distributed.elastic.multiprocessing.errors import record  # torch: only now
+    check_machine(cfg)  # torch: only now, and only torch (the loop's imports take seconds more)
+    from torch.distributed.elastic.multiprocessing.errors import record
 
     from bigclip.train.loop import main as train
 

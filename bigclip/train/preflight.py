@@ -10,15 +10,30 @@ the data and checkpoint code; each section's own value checks are its `validate`
 
 from __future__ import annotations
 
+import os
+
 from bigclip.config import EngineConfig, TrainConfig
 from bigclip.errors import ConfigError
 
 
 def check_flags(cfg: TrainConfig) -> None:
-    """Checks a run needs beyond `TrainConfig.validate` (which `bigclip plan`/`slurm` share)."""
+    """Checks a run needs beyond `TrainConfig.validate` (which `bigclip plan`/`slurm` share), with
+    the world size the launcher's environment declares."""
     if not cfg.data.train_data.strip():
         raise ConfigError("--train-data is empty; give a shard pattern such as /data/{00000..00099}.tar")
     _check_tag_tokenizer(cfg)
+    _check_global_batch(cfg, world_size=launch_world_size())
+
+
+def launch_world_size(env: dict[str, str] | None = None) -> int:
+    """The world size the launcher's environment declares, read as bigclip.distributed.launch_env
+    reads it (which imports torch; tests/test_bad_input_flags.py checks the two agree)."""
+    env = dict(os.environ) if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_NTASKS"])
+    return 1
 
 
 def _check_tag_tokenizer(cfg: TrainConfig) -> None:
@@ -36,14 +51,10 @@ def _check_tag_tokenizer(cfg: TrainConfig) -> None:
 
 
 def check_machine(cfg: TrainConfig) -> None:
-    """Checks that need torch and the launcher's environment, but no process group."""
-    from bigclip.distributed import launch_env
-
-    _, world_size, _ = launch_env()
+    """Checks that need torch (and DeepSpeed for its engine), but no process group."""
     check_device(cfg.engine)
-    _check_global_batch(cfg, world_size=world_size)
     if cfg.engine.engine == "deepspeed":
-        _check_deepspeed(cfg, world_size=world_size)
+        _check_deepspeed(cfg, world_size=launch_world_size())
 
 
 def check_device(engine: EngineConfig) -> None:
@@ -52,14 +63,9 @@ def check_device(engine: EngineConfig) -> None:
 
     if not engine.device:
         return
-    try:
-        device = torch.device(engine.device)
-    except RuntimeError:
-        raise ConfigError(f"--device {engine.device!r}: not a device name; use cpu, cuda or cuda:N") from None
+    device = torch.device(engine.device)  # cpu, cuda or cuda:N (EngineConfig.validate)
     if device.type == "cpu":
         return
-    if device.type != "cuda":
-        raise ConfigError(f"--device {engine.device}: bigclip trains on cpu or cuda; use one of them")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise ConfigError(
@@ -86,11 +92,8 @@ def _check_global_batch(cfg: TrainConfig, *, world_size: int) -> None:
 
 def _check_deepspeed(cfg: TrainConfig, *, world_size: int) -> None:
     """The DeepSpeed config against the flags, and the precision against DeepSpeed's accelerator."""
-    import os
-
     import torch
 
-    from bigclip.engines.deepspeed import check_supported
     from bigclip.engines.deepspeed_config import import_deepspeed, load_ds_config, resolve_ds_config
     from bigclip.models.named_configs import get_model_config
 
@@ -103,5 +106,7 @@ def _check_deepspeed(cfg: TrainConfig, *, world_size: int) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as DeepSpeedEngine does on a CPU device
     import_deepspeed()  # a missing DeepSpeed: one line naming the package
     from deepspeed.accelerator import get_accelerator
+
+    from bigclip.engines.deepspeed import check_supported
 
     check_supported(cfg, accelerator=get_accelerator())
