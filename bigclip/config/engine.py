@@ -65,4 +65,6 @@ class EngineConfig:
                 "MASTER_ADDR and MASTER_PORT (torchrun and srun with bigclip's sbatch scripts do)"
             )
         if self.device and not re.fullmatch(r"(cpu|cuda)(:\d+)?", self.device):
-            raise ConfigError(f"--device {self.device!r}: bigclip trains on cpu, cuda or cuda:N; use one of them")
+            raise ConfigError(
+                f"--device {self.device!r}: bigclip trains on cpu, cuda or cuda:N; use one of them"
+            )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bigclip.errors import ConfigError
 from bigclip.models.clip import CLIP, init_weights
 from bigclip.models.named_configs import get_model_config, list_models
 
@@ -50,6 +51,11 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] not in ("-h", "--help"):
+        raise ConfigError(f"bigclip models takes no options, got {' '.join(argv)}; run `bigclip models`")
+    if argv:
+        print("usage: bigclip models    (lists the model configs with their parameter counts)")
+        return 0
     print(f"{'model':<14}{'params (M)':>12}{'image (M)':>12}{'text (M)':>12}")
     for name in list_models():
         counts = count_parameters(create_model(name, device="meta"))

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
 
-from bigclip.cli_args import add_config_flags
+from bigclip.cli_args import ArgumentParser, add_config_flags
 from bigclip.config import CheckpointConfig
+from bigclip.errors import ConfigError
 from bigclip.storage.locations import Location, open_location
 from bigclip.storage.preflight import CheckResult, access_checks, probe_name, run_check
 from bigclip.storage.s3 import S3Settings, is_s3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="bigclip doctor", description="Check a checkpoint location's permissions and throughput."
     )
     parser.add_argument("location", help="s3://bucket/prefix or a local folder, as for --checkpoint-dir")
@@ -70,19 +72,25 @@ def print_result(result: CheckResult) -> None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.size_mb < 0 or args.timeout_s <= 0:
+        raise ConfigError(f"--size-mb must be 0 (no throughput test) or more and --timeout-s positive, got "
+                          f"{args.size_mb} and {args.timeout_s:g}")  # fmt: skip
     settings = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
     location = open_location(args.location, s3=settings if is_s3(args.location) else None, max_attempts=2)
     print(f"bigclip doctor: {location.uri}")
     checks = access_checks(location)
     if args.size_mb > 0:
         checks += throughput_checks(location, size_mb=args.size_mb)
-    failed = 0
+    failed, first_failure = 0, ""
     for name, fn in checks:
         result = run_check(name, fn, timeout_s=args.timeout_s)
         print_result(result)
         if not result.ok:
             failed += 1
+            first_failure = first_failure or f"{location.uri}: {name}: {result.detail}"
             if name in ("credentials", "list", "folder", "put") or name.startswith("upload"):
                 break  # later checks need this one; their failures would only repeat it
-    print("all checks passed" if not failed else f"{failed} check(s) failed")
+    print("all checks passed" if not failed else f"{failed} check(s) failed", flush=True)
+    if failed:  # the line a user reads last: what failed first, and what to fix
+        print(f"bigclip doctor: error: {first_failure}", file=sys.stderr)
     return 0 if not failed else 1

@@ -76,6 +76,10 @@ _HINTS = [
     ("connection refused", "cannot connect to the endpoint: check AWS_ENDPOINT_URL / --s3-endpoint"),
     ("socket", "the connection to S3 kept failing (dropped or reset) beyond the client's retries"),
     ("dns", "cannot resolve the endpoint's host name: check AWS_ENDPOINT_URL / --s3-endpoint"),
+    ("file exists", "a file, not a folder, is at that path: give a folder"),
+    ("not a directory", "a file, not a folder, is on that path: give a folder"),
+    ("permission denied", "no permission to write there: give a folder this user can write to"),
+    ("read-only file system", "the file system is read-only: give a writable folder"),
 ]
 
 
