@@ -13,13 +13,16 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from bigclip.cli_args import ArgumentParser, add_config_flags
 from bigclip.config import CheckpointConfig
 from bigclip.errors import ConfigError
-from bigclip.storage.locations import Location, open_location
-from bigclip.storage.preflight import CheckResult, access_checks, probe_name, run_check
 from bigclip.storage.s3 import S3Settings, is_s3
+
+if TYPE_CHECKING:  # imported by main once the options are checked: they load torch (seconds)
+    from bigclip.storage.locations import Location
+    from bigclip.storage.preflight import CheckResult
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def throughput_checks(location: Location, *, size_mb: int) -> list[tuple[str, Callable[[], str]]]:
     """Upload, download and delete one object of `size_mb`; detail lines carry MB/s."""
+    from bigclip.storage.preflight import probe_name
+
     key = probe_name() + ".bin"
     payload = os.urandom(1 << 20) * size_mb  # incompressible, built once
 
@@ -75,6 +80,9 @@ def main(argv: list[str]) -> int:
     if args.size_mb < 0 or args.timeout_s <= 0:
         raise ConfigError(f"--size-mb must be 0 (no throughput test) or more and --timeout-s positive, got "
                           f"{args.size_mb} and {args.timeout_s:g}")  # fmt: skip
+    from bigclip.storage.locations import open_location
+    from bigclip.storage.preflight import access_checks, run_check
+
     settings = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
     location = open_location(args.location, s3=settings if is_s3(args.location) else None, max_attempts=2)
     print(f"bigclip doctor: {location.uri}")
