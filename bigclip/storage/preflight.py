@@ -61,9 +61,20 @@ _HINTS = [
     ),
     ("bucket does not exist", "the bucket does not exist: check the bucket name (and --s3-region)"),
     ("nosuchbucket", "the bucket does not exist: check the bucket name (and --s3-region)"),
+    (
+        "access key id you provided does not exist",
+        "the access key is not valid for this endpoint: check AWS_ACCESS_KEY_ID/AWS_PROFILE and --s3-endpoint",
+    ),
+    (
+        "could not be found",  # botocore's ProfileNotFound
+        "the AWS profile is not in the AWS config files: fix or unset AWS_PROFILE",
+    ),
     ("accessdenied", "access denied: the credentials lack permission for this bucket/prefix"),
     ("forbidden", "access denied (HTTP 403): check the credentials' permissions"),
-    ("invalidaccesskeyid", "the access key is not valid for this endpoint"),
+    (
+        "invalidaccesskeyid",
+        "the access key is not valid for this endpoint: check AWS_ACCESS_KEY_ID/AWS_PROFILE and --s3-endpoint",
+    ),
     ("signaturedoesnotmatch", "the secret key does not match the access key"),
     (
         "throttled",
@@ -87,12 +98,10 @@ def explain_error(error: BaseException | str) -> str:
     """A one-line, actionable reading of an S3 or OS error, with the raw text's first line."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     first = (text.splitlines() or [""])[0][:300]
-    if isinstance(error, StorageError):
-        return str(error)
     for needle, hint in _HINTS:
         if needle in text.lower():
-            return f"{hint} [{first}]"
-    return first
+            return f"{hint} [{str(error) if isinstance(error, StorageError) else first}]"
+    return str(error) if isinstance(error, StorageError) else first
 
 
 def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
