@@ -59,7 +59,9 @@ CASES = [
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("data_flags")
-    write_demo_data(str(home / "data"), samples=16, shards=2, val_samples=4, classify_samples=0, image_size=16)
+    write_demo_data(
+        str(home / "data"), samples=16, shards=2, val_samples=4, classify_samples=0, image_size=16
+    )
     (home / "logs" / "exp").mkdir(parents=True)
     (home / "logs" / "exp" / "config.yaml").write_text("model: {model: tiny}\n")
     return home

@@ -117,7 +117,9 @@ def strict_endpoint():
 @pytest.fixture(scope="module")
 def table(tmp_path_factory, strict_endpoint) -> dict[str, tuple[Case, Path]]:
     home = tmp_path_factory.mktemp("s3")
-    write_demo_data(str(home / "data"), samples=16, shards=2, val_samples=4, classify_samples=0, image_size=16)
+    write_demo_data(
+        str(home / "data"), samples=16, shards=2, val_samples=4, classify_samples=0, image_size=16
+    )
     (home / "logs" / "exp").mkdir(parents=True)
     (home / "logs" / "exp" / "config.yaml").write_text("model: {model: tiny}\n")
     with LoopbackS3(set_environ=False) as s3:  # the test process keeps its own environment
