@@ -7,6 +7,7 @@ lazily so `bigclip --help` is instant.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -51,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"bigclip: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(f"{_usage()}\n\nbigclip: error: unknown command {name!r}; {hint}(the commands are listed above)",
+              file=sys.stderr)  # fmt: skip
         return 2
     module_name, _, function = COMMANDS[name][0].partition(":")
     entry = getattr(importlib.import_module(module_name), function or "main")

@@ -10,16 +10,42 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
+import re
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
 from bigclip import openclip_flags
 from bigclip.config import TrainConfig, section_of
 from bigclip.errors import ConfigError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a ConfigError: one line (no usage screen above it) that names the
+    flag, the nearest known spelling, and where the options are listed; the CLI exits 2 with it.
+    Negative numbers in any float spelling (-1e-3, -.5) are values, not unknown options (argparse
+    takes only -1 and -0.5 for numbers, so `--lr -1e-3` said "expected one argument")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message}{self._nearest(message)} (see `{self.prog} --help`)")
+
+    def _nearest(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [s for a in self._actions for s in a.option_strings]
+        for word in message.split(":", 1)[1].split():
+            close = difflib.get_close_matches(word.partition("=")[0], known, n=1)
+            if word.startswith("-") and close:
+                return f"; did you mean {close[0]}?"
+        return ""
 
 
 def _flag(name: str) -> str:
@@ -116,7 +142,7 @@ def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
 
 
 def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Train a CLIP model with bigclip.")
+    parser = ArgumentParser(prog=prog, description="Train a CLIP model with bigclip.")
     parser.add_argument("--config", default=None, help="YAML file of options (flat or by section).")
     for section in dataclasses.fields(TrainConfig):
         cls = section.default_factory

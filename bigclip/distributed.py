@@ -54,7 +54,10 @@ def launch_env() -> tuple[int, int, int]:
 
 def pick_device(local_rank: int, requested: str = "") -> torch.device:
     if requested:
-        return torch.device(requested)
+        device = torch.device(requested)
+        if device.type == "cuda" and device.index is None:  # --device cuda: this rank's GPU
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")

@@ -19,8 +19,9 @@ from bigclip.errors import ConfigError
 from bigclip.launch.slurm import main as slurm_main
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = ["--train-data", "s3://bucket/laion/{00000..41407}.tar"]
 BIGG = ["--model", "ViT-bigG-14", "--batch-size", "160", "--grad-checkpointing", "--loss-chunk-size", "1024",
-        "--checkpoint-dir", "s3://bucket/runs/bigg/checkpoints"]  # fmt: skip
+        "--checkpoint-dir", "s3://bucket/runs/bigg/checkpoints", *DATA]  # fmt: skip
 
 
 def shellcheck() -> str:
@@ -95,7 +96,7 @@ def _sbatch_lines(script: Path) -> list[str]:
 def test_resources_fit_clusters_with_and_without_gpu_gres(
     tmp_path: Path, options: list[str], wanted: list[str], unwanted: list[str]
 ) -> None:
-    script = render(tmp_path, "--nodes", "2", "--gpus-per-node", "8", *options, "--model", "tiny")
+    script = render(tmp_path, "--nodes", "2", "--gpus-per-node", "8", *options, "--model", "tiny", *DATA)
     lines = _sbatch_lines(script)
     for flag in wanted:
         assert f"#SBATCH {flag}" in lines, lines
@@ -118,7 +119,7 @@ def test_torchrun_waits_for_the_planned_checkpoint_before_killing_ranks(tmp_path
 
 
 def test_bad_job_options_get_clear_errors(tmp_path: Path) -> None:
-    base = ["--nodes", "2", "--gpus-per-node", "8", "--model", "tiny"]
+    base = ["--nodes", "2", "--gpus-per-node", "8", "--model", "tiny", *DATA]
     with pytest.raises(ConfigError, match="its own latest checkpoint"):
         slurm_main([*base, "--resume", "s3://other/run/step_00000100"])
     with pytest.raises(ConfigError, match="HH:MM:SS"):

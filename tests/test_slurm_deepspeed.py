@@ -31,7 +31,7 @@ SCONTROL = '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a17\\n
 
 def _script(tmp_path: Path, *extra: str) -> Path:
     out = tmp_path / "job.sbatch"
-    assert slurm_main(["--nodes", "2", "--gpus-per-node", "8", "--launcher", "deepspeed", "--model", "tiny",
+    assert slurm_main(["--nodes", "2", "--gpus-per-node", "8", "--launcher", "deepspeed", "--model", "tiny", "--train-data", "/data/{0..9}.tar",
                        "--engine", "deepspeed", "--deepspeed-config", "zero3", "--logs", str(tmp_path / "logs"),
                        "--name", "run", *extra, "-o", str(out)]) == 0  # fmt: skip
     return out

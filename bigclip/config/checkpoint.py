@@ -42,3 +42,13 @@ class CheckpointConfig:
     def validate(self) -> None:
         if min(self.save_frequency, self.save_every_n_steps, self.keep_last, self.remote_keep_last) < 0:
             raise ConfigError("checkpoint frequencies and retention counts must not be negative")
+        if self.resume and self.overwrite_run:
+            raise ConfigError(
+                f"--resume {self.resume} and --overwrite-run contradict each other: --resume continues from a "
+                "checkpoint, --overwrite-run deletes the run's checkpoints and starts over; give one of them"
+            )
+        if self.delete_previous_checkpoint and self.keep_last > 1:
+            raise ConfigError(
+                f"--delete-previous-checkpoint keeps one checkpoint, --keep-last {self.keep_last} keeps "
+                f"{self.keep_last}; give one of them"
+            )

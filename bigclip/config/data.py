@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from braceexpand import UnbalancedBracesError, braceexpand
 
 from bigclip.config.fields import TOKENIZERS, opt
 from bigclip.errors import ConfigError
@@ -114,5 +117,37 @@ class DataConfig:
         for flag, value in (("--image-key", self.image_key), ("--text-key", self.text_key)):
             if not value.replace(";", "").strip():
                 raise ConfigError(f"{flag} {value!r}: name the tar member suffix, e.g. {flag} txt")
+        for flag, pattern in (("--train-data", self.train_data), ("--val-data", self.val_data),
+                              ("--imagenet-val", self.imagenet_val)):  # fmt: skip
+            _check_pattern(flag, pattern)
+        self._check_upsampling()
         if self.tokenizer not in TOKENIZERS:  # e.g. from a YAML file or an old checkpoint's config
             raise ConfigError(f"--tokenizer {self.tokenizer!r}: use one of {', '.join(TOKENIZERS)}")
+
+    def _check_upsampling(self) -> None:
+        """One non-negative number per '::' source of --train-data, not all zero (OpenCLIP's rule)."""
+        factors = self.train_data_upsampling_factors
+        if not factors or not self.train_data:
+            return
+        sources = self.train_data.split("::")
+        try:
+            values = [float(f) for f in factors.split("::")]
+        except ValueError:
+            values = []
+        if len(values) != len(sources) or not all(0 <= v < math.inf for v in values) or max(values) == 0:
+            raise ConfigError(
+                f"--train-data-upsampling-factors {factors!r} needs one non-negative number per '::' source of "
+                f"--train-data ({len(sources)} source(s)), not all zero, e.g. {'::'.join(['1'] * len(sources))}"
+            )
+
+
+def _check_pattern(flag: str, pattern: str) -> None:
+    """A shard pattern's braces must pair up (else braceexpand raises deep inside the data loader)."""
+    for source in pattern.split("::"):
+        try:
+            next(iter(braceexpand(source)), None)
+        except UnbalancedBracesError:
+            raise ConfigError(
+                f"{flag} {pattern!r}: unbalanced braces in {source!r}; close each range, e.g. "
+                "/data/{00000..00099}.tar"
+            ) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from bigclip.config.fields import ENGINES, opt
@@ -63,4 +64,8 @@ class EngineConfig:
             raise ConfigError(
                 f"--dist-url {self.dist_url}: bigclip rendezvouses through the environment (env://); set "
                 "MASTER_ADDR and MASTER_PORT (torchrun and srun with bigclip's sbatch scripts do)"
+            )
+        if self.device and not re.fullmatch(r"(cpu|cuda)(:\d+)?", self.device):
+            raise ConfigError(
+                f"--device {self.device!r}: bigclip trains on cpu, cuda or cuda:N; use one of them"
             )

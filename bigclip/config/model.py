@@ -90,8 +90,8 @@ class ModelConfig:
         if (self.torchcompile_mode or self.torchcompile_backend) and not self.torchcompile:
             raise ConfigError("--torchcompile-mode and --torchcompile-backend need --torchcompile; add it")
         self._check_linear_kind()
+        from bigclip.models.named_configs import get_model_config  # raises, listing valid names
         from bigclip.models.pretrained_tags import check_pretrained
-        from bigclip.models.registry import get_model_config  # raises, listing valid names
 
         self._check_locks()
         check_pretrained(self.model, self.pretrained)  # an unknown tag: the tags this model has

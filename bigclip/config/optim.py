@@ -46,6 +46,11 @@ class OptimConfig:
             )
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0:
+            raise ConfigError(
+                f"--beta1 {self.beta1}, --beta2 {self.beta2}, --eps {self.eps}: Adam needs betas in [0, 1) "
+                "and eps > 0 (defaults 0.9, 0.98, 1e-6)"
+            )
         if self.accum_freq < 1:
             raise ConfigError(f"--accum-freq must be at least 1, got {self.accum_freq}")
         if self.epochs < 1 and self.max_steps < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from bigclip.config.log import LogConfig
 from bigclip.config.loss import LossConfig
 from bigclip.config.model import ModelConfig
 from bigclip.config.optim import OptimConfig
+from bigclip.errors import ConfigError
 
 
 @dataclass
@@ -30,6 +32,7 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         for section in self.sections().values():
+            _check_finite(section)
             section.validate()
         return self
 
@@ -51,3 +54,15 @@ def section_of(field_name: str) -> str:
         if field_name in {f.name for f in dataclasses.fields(section.default_factory)}:
             return section.name
     raise KeyError(field_name)
+
+
+def _check_finite(section: object) -> None:
+    """`float` parses 'nan' and 'inf': no option of bigclip means anything with them."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            flag = "--" + f.name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} {value}: give a finite number (see `bigclip train --help` for its range)"
+            )

@@ -20,7 +20,6 @@ Layout (OUT is a directory or s3://bucket/prefix; S3 objects are uploaded from m
 
 from __future__ import annotations
 
-import argparse
 import io
 import itertools
 import json
@@ -29,12 +28,13 @@ import random
 import tarfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from bigclip.data.shards import SIZES_FILE
+from bigclip.cli_args import ArgumentParser
 from bigclip.errors import DataError
 from bigclip.storage.progress import progress_bar
 from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
@@ -58,6 +58,10 @@ POSITIONS = {
 }
 BACKGROUNDS = {"black": (15, 15, 15), "white": (240, 240, 240), "gray": (128, 128, 128)}
 SHARD_SAMPLES_VAL = 1000
+# bigclip.data.shards.SIZES_FILE, not imported from there: bigclip.data loads torch, and a bad option
+# should fail in well under a second (tests/test_bad_input_demo.py checks the two names agree).
+SIZES_FILE = "sizes.json"
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 1024  # below 8 pixels no shape is drawn; above, a demo is no longer quick
 FORMATS = ("jpg",) * 8 + ("png", "webp")  # mostly JPEG, some PNG / WebP to exercise every decoder
 
 
@@ -226,6 +230,36 @@ def _write_classify(sink: _Sink, count: int, *, image_size: int, rng: random.Ran
     return sink.url(f"classify/{{00000..{max(0, -(-count // per_shard) - 1):05d}}}.tar")
 
 
+def check_options(out: str, *, samples: int, shards: int, val_samples: int, classify_samples: int,
+                  image_size: int) -> None:  # fmt: skip
+    """Everything the options settle, before anything is written."""
+    if not 0 < shards <= samples:
+        raise DataError(f"--shards must be between 1 and --samples ({samples}), got {shards}")
+    if not 0 <= val_samples <= len(all_attributes()):
+        raise DataError(
+            f"--val-samples must be 0..{len(all_attributes())} (the number of distinct captions), got {val_samples}"
+        )
+    if classify_samples < 0:
+        raise DataError(
+            f"--classify-samples must be 0 (no classification set) or more, got {classify_samples}"
+        )
+    if not MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE:
+        raise DataError(f"--image-size must be {MIN_IMAGE_SIZE}..{MAX_IMAGE_SIZE} pixels, got {image_size}")
+    if not is_s3(out):
+        _check_local_out(out)
+
+
+def _check_local_out(out: str) -> None:
+    """A folder that holds demo data already is not written over; a file is not a folder."""
+    path = Path(out)
+    held = [path / split / SIZES_FILE for split in ("train", "val") if (path / split / SIZES_FILE).exists()]
+    if held:
+        raise DataError(f"{out} holds demo data already ({held[0]}); give a new folder, or delete it first")
+    folder = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not folder.is_dir():
+        raise DataError(f"{out}: {folder} is a file, not a folder; give a folder for the shards")
+
+
 def write_demo_data(
     out: str,
     *,
@@ -255,8 +289,18 @@ def write_demo_data(
         train_pattern = _write_split(
             sink, "train", train, _split(samples, shards), image_size=image_size, rng=rng, bar=bar
         )
-        val_pattern = _write_split(
-            sink, "val", held_out, _split(val_samples, val_shards), image_size=image_size, rng=rng, bar=bar
+        val_pattern = (  # 0: no held-out set at all (an empty shard would fail at the final evaluation)
+            _write_split(
+                sink,
+                "val",
+                held_out,
+                _split(val_samples, val_shards),
+                image_size=image_size,
+                rng=rng,
+                bar=bar,
+            )
+            if val_samples
+            else ""
         )
     classify = (
         _write_classify(sink, classify_samples, image_size=image_size, rng=rng) if classify_samples else ""
@@ -265,7 +309,7 @@ def write_demo_data(
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bigclip make-demo-data", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="bigclip make-demo-data", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="Output directory or s3://bucket/prefix (the bucket must exist).")
     parser.add_argument("--samples", type=int, default=10000, help="Training samples.")
     parser.add_argument("--shards", type=int, default=10, help="Training shards.")
@@ -277,6 +321,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
     args = parser.parse_args(argv)
+    check_options(args.out, samples=args.samples, shards=args.shards, val_samples=args.val_samples,
+                  classify_samples=args.classify_samples, image_size=args.image_size)  # fmt: skip
     demo = write_demo_data(
         args.out,
         samples=args.samples,
@@ -288,7 +334,8 @@ def main(argv: list[str]) -> int:
         progress=not args.no_progress,
     )
     print(f"wrote {demo.train_samples} training and {demo.val_samples} held-out samples")
-    print(f"  --train-data '{demo.train_pattern}' --val-data '{demo.val_pattern}'")
+    val = f" --val-data '{demo.val_pattern}'" if demo.val_pattern else ""
+    print(f"  --train-data '{demo.train_pattern}'{val}")
     if demo.classify_pattern:
         print(
             f"  --imagenet-val '{demo.classify_pattern}'   ({demo.classify_samples} images of {len(SHAPES)} shapes)"

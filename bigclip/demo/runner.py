@@ -21,9 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bigclip.checkpoint import CheckpointStore
+from bigclip.cli_args import ArgumentParser
 from bigclip.demo.data import SHAPES, DemoData, write_demo_data
-from bigclip.demo.loopback_s3 import LoopbackS3
 
 BUCKET = "bigclip-demo"
 LOSS = re.compile(r"Contrastive_loss: ([0-9.]+)")
@@ -32,7 +31,7 @@ RESUMED = re.compile(r"resumed \S+ at step (\d+)")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bigclip demo", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bigclip demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/demo", help="Folder for data and logs.")
     p.add_argument("--samples", type=int, default=20000, help="Training samples to generate.")
     p.add_argument("--steps", type=int, default=600, help="Total optimizer steps (global batch 64).")
@@ -104,6 +103,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
     data = demo_data(out, args.samples)
+    from bigclip.demo.loopback_s3 import LoopbackS3  # torch (and moto): after the options are checked
+
     with LoopbackS3() as s3:
         s3.create_bucket(BUCKET)
         print(f"[demo] loopback S3 at {s3.endpoint}, bucket s3://{BUCKET}")
@@ -117,6 +118,8 @@ def main(argv: list[str]) -> int:
         print("[demo] phase 2: requeued on 1 rank x batch 64 (same global batch), --resume latest from S3")
         code2, lines2 = run_phase([sys.executable, "-m", "bigclip.train", *train_argv(data, out, args.steps, 64)],
                                   preempt_after=None)  # fmt: skip
+        from bigclip.checkpoint import CheckpointStore  # torch: after the options are checked
+
         committed = CheckpointStore(f"s3://{BUCKET}/demo/checkpoints").committed()
     if code2 != 0:
         print("[demo] phase 2 failed; see the output above", file=sys.stderr)

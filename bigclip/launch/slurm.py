@@ -26,16 +26,21 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import re
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bigclip.cli_args import parse_train_args, to_argv
+from bigclip.cli_args import ArgumentParser, parse_train_args, to_argv
 from bigclip.config import TrainConfig
 from bigclip.errors import ConfigError
 from bigclip.launch.slurm_template import BODY, DEEPSPEED_LAUNCH, HEADER, SRUN_LAUNCH, TORCHRUN_LAUNCH, fill
+
+if TYPE_CHECKING:
+    from bigclip.plan.report import Plan
 
 LAUNCHERS = {"srun": SRUN_LAUNCH, "torchrun": TORCHRUN_LAUNCH, "deepspeed": DEEPSPEED_LAUNCH}
 NODE_UPLOAD_BYTES_PER_S = 500e6  # a conservative S3 upload rate for one node's checkpoint shards
@@ -43,6 +48,9 @@ CHECKPOINT_FLOOR_S = 120
 # After the requeue marker, how long the script waits for the launcher before it stops waiting (a
 # lost node's tasks never end): room for start-up noise, a slow step, a retried upload.
 LAUNCHER_GRACE_S = 30
+# The least time a job run must have between its start and the SIGUSR1 before its limit: a time
+# limit inside the signal window would signal the job before it trains, and requeue it forever.
+MIN_TRAIN_WINDOW_S = 60
 SBATCH_VALUE = re.compile(r"[^\s'\"\\$`]+")  # values that land unquoted on #SBATCH lines
 
 
@@ -65,6 +73,8 @@ class Job:
     job_name: str = ""
     python: str = "python"
     setup: str = ""  # a shell line run before launching (e.g. `source .venv/bin/activate`)
+    gpu_memory_gib: float = 80.0  # what the plan must fit in, per GPU
+    force: bool = False  # render a plan that does not fit, over an existing -o file
 
     @property
     def ranks(self) -> int:
@@ -77,7 +87,7 @@ class Job:
 
 
 def job_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="bigclip slurm",
         description="Render an sbatch script: the options below, plus any `bigclip train` flag.",
     )
@@ -104,7 +114,12 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--setup", default="", help="Shell line run first on each job, e.g. 'source .venv/bin/activate'."
     )
-    p.add_argument("-o", "--output", default="", help="Write the script here (default: stdout).")
+    p.add_argument("--gpu-memory-gib", type=float, default=Job.gpu_memory_gib,
+                   help="Memory per GPU the run's plan must fit in (`bigclip plan` computes it).")  # fmt: skip
+    p.add_argument("--force", action="store_true",
+                   help="Render a plan that does not fit --gpu-memory-gib, and over an existing -o file.")  # fmt: skip
+    p.add_argument("-o", "--output", default="",
+                   help="Write the script here, creating its folder (default: stdout).")  # fmt: skip
     return p
 
 
@@ -119,8 +134,7 @@ def validate_job(job: Job) -> Job:
         raise ConfigError("--gpus-per-node 0 (a CPU partition) needs --ranks-per-node N")
     if job.signal_seconds < 60:
         raise ConfigError("--signal-seconds below 60 leaves too little time to checkpoint before the limit")
-    if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", job.time):
-        raise ConfigError(f"--time {job.time!r}: use HH:MM:SS or D-HH:MM:SS")
+    _check_time(job)
     if job.job_name and not re.fullmatch(r"[A-Za-z0-9._-]+", job.job_name):
         raise ConfigError(f"--job-name {job.job_name!r}: use letters, digits, '.', '_' and '-'")
     for flag in ("gres", "partition", "account", "qos", "constraint"):
@@ -132,22 +146,63 @@ def validate_job(job: Job) -> Job:
     return job
 
 
-def planned_checkpoint_seconds(cfg: TrainConfig, job: Job) -> int:
+def time_seconds(value: str) -> int:
+    """Slurm's D-HH:MM:SS (or HH:MM:SS) in seconds."""
+    found = re.fullmatch(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})", value)
+    if not found:
+        raise ConfigError(f"--time {value!r}: use HH:MM:SS or D-HH:MM:SS")
+    days, hours, minutes, seconds = (int(x or 0) for x in found.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def _check_time(job: Job) -> None:
+    limit = time_seconds(job.time)
+    if limit < job.signal_seconds + MIN_TRAIN_WINDOW_S:
+        raise ConfigError(
+            f"--time {job.time} ({limit} s) leaves no time to train before the SIGUSR1 --signal-seconds "
+            f"{job.signal_seconds} sends ahead of it (each run would be signalled at once and requeued forever); "
+            f"give --time of at least {job.signal_seconds + MIN_TRAIN_WINDOW_S} s or a smaller --signal-seconds"
+        )
+
+
+def job_plan(cfg: TrainConfig, job: Job) -> Plan:
+    """`bigclip plan` for this job, sized with FSDP2's sharding: ZeRO's per-rank share is within 15%
+    of it, and planning ZeRO would import DeepSpeed to resolve its config (seconds) just to render."""
+    from bigclip.plan.report import Hardware, build_plan
+    from bigclip.plan.spec import from_train_config
+
+    as_fsdp = copy.deepcopy(cfg)
+    as_fsdp.engine.engine = "fsdp"
+    return build_plan(from_train_config(as_fsdp, gpus=job.world), Hardware(gpu_memory_gib=job.gpu_memory_gib))
+
+
+def planned_checkpoint_seconds(plan: Plan, job: Job) -> int:
     """Seconds from a signal to the ranks' exit: finish the step, save and upload one node's shards
     (at NODE_UPLOAD_BYTES_PER_S, S3 requests at the per-prefix rate), twice over, at least 120."""
     if job.checkpoint_seconds:
         return job.checkpoint_seconds
-    from bigclip.plan.report import S3_WRITES_PER_PREFIX_PER_S, Hardware, build_plan
-    from bigclip.plan.spec import from_train_config
+    from bigclip.plan.report import S3_WRITES_PER_PREFIX_PER_S
 
-    # Sized with FSDP2's sharding: ZeRO's per-rank share is within 15% of it, and planning ZeRO
-    # would import DeepSpeed to resolve its config (seconds) just to render a script.
-    as_fsdp = copy.deepcopy(cfg)
-    as_fsdp.engine.engine = "fsdp"
-    plan = build_plan(from_train_config(as_fsdp, gpus=job.world), Hardware())
     upload = plan.checkpoint_rank0_bytes * job.ranks / NODE_UPLOAD_BYTES_PER_S
     requests = plan.s3_requests_per_save / S3_WRITES_PER_PREFIX_PER_S
     return max(CHECKPOINT_FLOOR_S, math.ceil(2 * (upload + requests + plan.step_time_s)))
+
+
+def check_plan(cfg: TrainConfig, job: Job, plan: Plan) -> int:
+    """Refuse a job that cannot run as planned; returns the planned checkpoint seconds."""
+    if job.gpus_per_node and not plan.fits and not job.force:
+        raise ConfigError(
+            f"the plan needs {plan.memory.peak / 2**30:.1f} GiB per GPU, more than --gpu-memory-gib "
+            f"{job.gpu_memory_gib:g} leaves ({plan.hardware.headroom:.0%} kept free): lower --batch-size, add "
+            "--grad-checkpointing or nodes (see `bigclip plan` with the same flags), or pass --force"
+        )
+    checkpoint_s = planned_checkpoint_seconds(plan, job)
+    if job.signal_seconds < checkpoint_s:
+        raise ConfigError(
+            f"--signal-seconds {job.signal_seconds} is shorter than the planned checkpoint time ({checkpoint_s} s): "
+            "the time limit would cut the checkpoint short; raise it, or set --checkpoint-seconds"
+        )
+    return checkpoint_s
 
 
 def default_job_name(cfg: TrainConfig, job: Job) -> str:
@@ -190,12 +245,7 @@ def resource_lines(job: Job) -> str:
 def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") -> str:
     name = job.job_name or default_job_name(cfg, job)
     cfg = requeue_ready(cfg, name)
-    checkpoint_s = planned_checkpoint_seconds(cfg, job)
-    if job.signal_seconds < checkpoint_s:
-        raise ConfigError(
-            f"--signal-seconds {job.signal_seconds} is shorter than the planned checkpoint time ({checkpoint_s} s): "
-            "the time limit would cut the checkpoint short; raise it, or set --checkpoint-seconds"
-        )
+    checkpoint_s = check_plan(cfg, job, job_plan(cfg, job))
     extra = [f"#SBATCH --{flag}={getattr(job, flag)}" for flag in ("partition", "account", "qos", "constraint")
              if getattr(job, flag)]  # fmt: skip
     values = {
@@ -215,7 +265,11 @@ def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") ->
 
 
 def _check_safe_values(cfg: TrainConfig) -> None:
-    """Values that land in the script unquoted (inside double quotes) must not expand."""
+    """Values that land in the script unquoted (inside double quotes) must not expand; and a job
+    without data would start, fail and be requeued."""
+    if not cfg.data.train_data:
+        raise ConfigError("no --train-data: the job would start, fail and be requeued; give the shards, e.g. "
+                          "--train-data 's3://bucket/laion/{00000..41407}.tar'")  # fmt: skip
     for value, flag in ((cfg.log.logs, "--logs"), (cfg.log.name, "--name")):
         if re.search(r'[$`"\\\n]', value):
             raise ConfigError(f"{flag} {value!r}: no $, `, \\, quotes or newlines in paths the script uses")
@@ -240,13 +294,35 @@ def main(argv: list[str]) -> int:
     job = validate_job(Job(**options))
     cfg = parse_train_args(train_argv)
     _check_safe_values(cfg)
+    if args.output:
+        _check_output(Path(args.output), force=job.force)
     script = render(job, cfg, command=" ".join(shlex.quote(a) for a in _without_output(argv)))
     if args.output:
-        Path(args.output).write_text(script)
+        _write(Path(args.output), script)
         print(f"wrote {args.output}: sbatch {args.output}", file=sys.stderr)
     else:
         print(script, end="")
     return 0
+
+
+def _write(path: Path, script: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(script)
+    except OSError as e:
+        raise ConfigError(
+            f"-o {path}: cannot write it ({e.strerror}); give a path in a writable folder"
+        ) from None
+
+
+def _check_output(path: Path, *, force: bool) -> None:
+    if path.is_dir():
+        raise ConfigError(f"-o {path}: a folder; give the script's file name, e.g. -o {path / 'job.sbatch'}")
+    if path.exists() and not force:
+        raise ConfigError(f"-o {path}: the file exists; give another name, or --force to replace it")
+    folder = next(p for p in path.absolute().parents if p.exists())  # the one mkdir would start from
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"-o {path}: cannot create it under {folder}; give a path in a writable folder")
 
 
 if __name__ == "__main__":

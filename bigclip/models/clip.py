@@ -9,51 +9,19 @@ exactly the values an unsharded model would have (see `param_initializers`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bigclip.models.contract import InitFn, LinearSlot, ScalarRange, initial_values
+from bigclip.models.named_configs import CLIPConfig, TextConfig, VisionConfig  # noqa: F401 (re-exported)
 from bigclip.models.text import build_text_modules, pool_end_of_text
 from bigclip.models.transformer import QuickGELU
 from bigclip.models.vision import VisionTransformer
 
 # OpenCLIP's trainer clamps logit_scale to [0, ln 100] after every step (a temperature of 1/100).
 MAX_LOGIT_SCALE = math.log(100)
-
-
-@dataclass
-class VisionConfig:
-    image_size: int = 224
-    layers: int = 12
-    width: int = 768
-    head_width: int = 64
-    mlp_ratio: float = 4.0
-    patch_size: int = 16
-
-
-@dataclass
-class TextConfig:
-    context_length: int = 77
-    vocab_size: int = 49408
-    width: int = 512
-    heads: int = 8
-    layers: int = 12
-    mlp_ratio: float = 4.0
-
-
-@dataclass
-class CLIPConfig:
-    """OpenCLIP's model-config schema (the subset that describes ViT CLIP models)."""
-
-    embed_dim: int
-    vision_cfg: VisionConfig = field(default_factory=VisionConfig)
-    text_cfg: TextConfig = field(default_factory=TextConfig)
-    quick_gelu: bool = False
-    init_logit_scale: float = math.log(1 / 0.07)
-    init_logit_bias: float | None = None
 
 
 class CLIP(nn.Module):

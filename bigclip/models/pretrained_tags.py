@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from bigclip.errors import ConfigError
-from bigclip.models.registry import list_models
+from bigclip.models.named_configs import list_models
 
 TABLE_PATH = Path(__file__).with_name("pretrained_tags.json")  # for the generator; read through resources
 QUICKGELU = "-quickgelu"

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from bigclip.cli_args import add_config_flags
+from bigclip.cli_args import ArgumentParser, add_config_flags
 from bigclip.config import CheckpointConfig
-from bigclip.storage.locations import Location, open_location
-from bigclip.storage.preflight import CheckResult, access_checks, probe_name, run_check
+from bigclip.errors import ConfigError
 from bigclip.storage.s3 import S3Settings, is_s3
+
+if TYPE_CHECKING:  # imported by main once the options are checked: they load torch (seconds)
+    from bigclip.storage.locations import Location
+    from bigclip.storage.preflight import CheckResult
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="bigclip doctor", description="Check a checkpoint location's permissions and throughput."
     )
     parser.add_argument("location", help="s3://bucket/prefix or a local folder, as for --checkpoint-dir")
@@ -36,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def throughput_checks(location: Location, *, size_mb: int) -> list[tuple[str, Callable[[], str]]]:
     """Upload, download and delete one object of `size_mb`; detail lines carry MB/s."""
+    from bigclip.storage.preflight import probe_name
+
     key = probe_name() + ".bin"
     payload = os.urandom(1 << 20) * size_mb  # incompressible, built once
 
@@ -70,19 +77,28 @@ def print_result(result: CheckResult) -> None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.size_mb < 0 or args.timeout_s <= 0:
+        raise ConfigError(f"--size-mb must be 0 (no throughput test) or more and --timeout-s positive, got "
+                          f"{args.size_mb} and {args.timeout_s:g}")  # fmt: skip
+    from bigclip.storage.locations import open_location
+    from bigclip.storage.preflight import access_checks, run_check
+
     settings = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
     location = open_location(args.location, s3=settings if is_s3(args.location) else None, max_attempts=2)
     print(f"bigclip doctor: {location.uri}")
     checks = access_checks(location)
     if args.size_mb > 0:
         checks += throughput_checks(location, size_mb=args.size_mb)
-    failed = 0
+    failed, first_failure = 0, ""
     for name, fn in checks:
         result = run_check(name, fn, timeout_s=args.timeout_s)
         print_result(result)
         if not result.ok:
             failed += 1
+            first_failure = first_failure or f"{location.uri}: {name}: {result.detail}"
             if name in ("credentials", "list", "folder", "put") or name.startswith("upload"):
                 break  # later checks need this one; their failures would only repeat it
-    print("all checks passed" if not failed else f"{failed} check(s) failed")
+    print("all checks passed" if not failed else f"{failed} check(s) failed", flush=True)
+    if failed:  # the line a user reads last: what failed first, and what to fix
+        print(f"bigclip doctor: error: {first_failure}", file=sys.stderr)
     return 0 if not failed else 1

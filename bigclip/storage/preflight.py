@@ -61,9 +61,20 @@ _HINTS = [
     ),
     ("bucket does not exist", "the bucket does not exist: check the bucket name (and --s3-region)"),
     ("nosuchbucket", "the bucket does not exist: check the bucket name (and --s3-region)"),
+    (
+        "access key id you provided does not exist",
+        "the access key is not valid for this endpoint: check AWS_ACCESS_KEY_ID/AWS_PROFILE and --s3-endpoint",
+    ),
+    (
+        "could not be found",  # botocore's ProfileNotFound
+        "the AWS profile is not in the AWS config files: fix or unset AWS_PROFILE",
+    ),
     ("accessdenied", "access denied: the credentials lack permission for this bucket/prefix"),
     ("forbidden", "access denied (HTTP 403): check the credentials' permissions"),
-    ("invalidaccesskeyid", "the access key is not valid for this endpoint"),
+    (
+        "invalidaccesskeyid",
+        "the access key is not valid for this endpoint: check AWS_ACCESS_KEY_ID/AWS_PROFILE and --s3-endpoint",
+    ),
     ("signaturedoesnotmatch", "the secret key does not match the access key"),
     (
         "throttled",
@@ -76,6 +87,10 @@ _HINTS = [
     ("connection refused", "cannot connect to the endpoint: check AWS_ENDPOINT_URL / --s3-endpoint"),
     ("socket", "the connection to S3 kept failing (dropped or reset) beyond the client's retries"),
     ("dns", "cannot resolve the endpoint's host name: check AWS_ENDPOINT_URL / --s3-endpoint"),
+    ("file exists", "a file, not a folder, is at that path: give a folder"),
+    ("not a directory", "a file, not a folder, is on that path: give a folder"),
+    ("permission denied", "no permission to write there: give a folder this user can write to"),
+    ("read-only file system", "the file system is read-only: give a writable folder"),
 ]
 
 
@@ -83,12 +98,10 @@ def explain_error(error: BaseException | str) -> str:
     """A one-line, actionable reading of an S3 or OS error, with the raw text's first line."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     first = (text.splitlines() or [""])[0][:300]
-    if isinstance(error, StorageError):
-        return str(error)
     for needle, hint in _HINTS:
         if needle in text.lower():
-            return f"{hint} [{first}]"
-    return first
+            return f"{hint} [{str(error) if isinstance(error, StorageError) else first}]"
+    return str(error) if isinstance(error, StorageError) else first
 
 
 def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:

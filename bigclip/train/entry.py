@@ -1,16 +1,26 @@
 """The training entry that both doors share: `python -m bigclip.train` (__main__.py, also under
 torchrun and the deepspeed launcher's `--module`) and the console script's `bigclip train` (cli.py).
 
-One function, so the two behave the same: the preemption-signal handlers go in first, before
-torch is imported (seconds), so a SIGUSR1/SIGTERM during start-up is honoured after the first step
-instead of killing the rank; then the loop runs, and a BigclipError (bad input) exits 2 with its
-message and no traceback. Imports only the standard library and signal-safe bigclip modules at
-module level (tests/test_preemption.py checks the handlers come before torch, through both doors).
+One function, so the two behave the same. In order:
+1. the preemption-signal handlers, before torch is imported (seconds), so a SIGUSR1/SIGTERM during
+   start-up is honoured after the first step instead of killing the rank;
+2. the flags, parsed and checked without torch (preflight.check_flags): a bad flag fails in well
+   under a second; then what the machine settles (preflight.check_machine: torch, no process group);
+3. the loop, under torch.distributed.elastic's `record`, so an unexpected exception lands
+   in torchrun's error file and its failure summary.
+A BigclipError (bad input) at any step exits 2 with one line and no traceback; under torchrun the
+line also goes into the rank's error file (TORCHELASTIC_ERROR_FILE), so the summary torchrun prints
+last names it instead of "To enable traceback see ...". Imports only the standard library and
+signal-safe, torch-free bigclip modules at module level (tests/test_preemption.py checks the
+handlers come before torch, through both doors).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 
 from bigclip.errors import BigclipError
 from bigclip.train.signals import catch_preemption_signals
@@ -19,10 +29,36 @@ from bigclip.train.signals import catch_preemption_signals
 def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
     """Train with `argv` (default: sys.argv[1:]); returns the exit code (85: requeue me)."""
     catch_preemption_signals()
-    from bigclip.train.loop import main as train  # torch: only now, with the handlers in place
-
     try:
-        return train(sys.argv[1:] if argv is None else argv)
+        return _train(sys.argv[1:] if argv is None else argv)
     except BigclipError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        return refuse(f"{prog}: error: {e}")
+
+
+def _train(argv: list[str]) -> int:
+    from bigclip.cli_args import parse_train_args
+    from bigclip.train.preflight import check_flags, check_machine
+
+    cfg = parse_train_args(argv)
+    check_flags(cfg)
+    check_machine(cfg)  # torch: only now, and only torch (the loop's imports take seconds more)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from bigclip.train.loop import main as train
+
+    return record(train)(cfg)
+
+
+def refuse(line: str) -> int:
+    """Print the one line, leave it in torchrun's error file when there is one; exit code 2."""
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        # torchrun's format (ErrorHandler.record_exception): its summary shows "py_callstack".
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": info}}, f)
+        except OSError:
+            pass  # the line is on stderr already; the summary then says less
+    return 2

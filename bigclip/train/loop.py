@@ -17,7 +17,6 @@ from typing import Any
 import torch.distributed as dist
 
 from bigclip import data
-from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig
 from bigclip.distributed import init_distributed
 from bigclip.engines import build_engine
@@ -44,6 +43,7 @@ from bigclip.train.metrics import (
     get_logger,
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
+from bigclip.train.preflight import check_flags, check_machine
 from bigclip.train.run import Run
 from bigclip.train.schedule import lr_at
 from bigclip.train.setup import (
@@ -64,6 +64,8 @@ from bigclip.weights.openclip_resume import is_openclip_checkpoint
 
 def setup(cfg: TrainConfig) -> Run:
     """Check everything that can fail cheaply (data, storage) before building the model."""
+    check_flags(cfg)
+    check_machine(cfg)  # before the process group: the device, world size, DeepSpeed's accelerator
     preemption = PreemptionWatcher()
     runtime = init_distributed(
         backend=cfg.engine.dist_backend,
@@ -296,8 +298,8 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     return fit(setup(cfg))
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_train_args(argv)
+def main(cfg: TrainConfig) -> int:
+    """Train a parsed config (entry.py parses and checks the flags first)."""
     run = None
     try:
         run = setup(cfg)

@@ -31,7 +31,7 @@ class Case:
     says: tuple[str, ...]
     code: int = 2
     max_s: float = SETTLED_BEFORE_WORK_S
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)  # None: removed from the environment
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def bigclip(*args: str) -> tuple[str, ...]:
 
 
 def run(case: Case, *, cwd: Path, timeout_s: float = 300) -> Outcome:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **case.env}
+    env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(ROOT), **case.env}.items() if v is not None}
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, *case.argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
