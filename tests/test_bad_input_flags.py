@@ -76,7 +76,7 @@ CASES = [
     train("context-length-negative", "--force-context-length", "-1", says=("--force-context-length",)),
     train("ckpt-every-without-ckpt", "--grad-checkpointing-every", "2", says=("add it",)),
     train("compile-mode-without-compile", "--torchcompile-mode", "max-autotune", says=("need --torchcompile",)),
-    train("int8-attention-alone", "--int8-attention", says=("--int8-attention needs an --int8 mode",)),
+    train("int8-attention-alone", "--int8-attention", says=("--int8-attention needs a SwitchBack --linear-kind", "--int8 switchback-global")),
     train("unlocked-groups-without-lock", "--lock-image-unlocked-groups", "2", says=("add --lock-image",)),
     train("freeze-ln-without-lock", "--lock-text-freeze-layer-norm", says=("only with --lock-text",)),
     train("opt-kwargs-own-flag", "--opt-kwargs", "lr=1.0", says=("--opt-kwargs lr", "--lr")),

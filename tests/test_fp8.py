@@ -80,7 +80,7 @@ def test_numerics_stay_within_fp8_rounding_of_the_16bit_path(recipe):
 
 
 def test_int8_attention_with_fp8_is_refused_saying_what_to_do():
-    with pytest.raises(ConfigError, match="fp8 kinds always include them"):
+    with pytest.raises(ConfigError, match="fp8 kinds always include the attention projections"):
         tiny_config(**{"model.linear_kind": "fp8-rowwise", "model.int8_attention": True})
 
 

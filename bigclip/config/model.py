@@ -105,8 +105,8 @@ class ModelConfig:
         kind = linear_kind(self.linear_kind)
         if self.int8_attention and kind.attention != "optional":
             raise ConfigError(
-                f"--int8-attention adds attention projections to a SwitchBack --linear-kind, not to "
-                f"{kind.name!r} (fp8 kinds always include them): use e.g. --linear-kind switchback-global"
+                f"--int8-attention needs a SwitchBack --linear-kind (an --int8 mode), not {kind.name!r}: "
+                "add e.g. --int8 switchback-global (fp8 kinds always include the attention projections)"
             )
         if kind.package and not installed(kind.package):
             raise ConfigError(
