@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import faults_report
+
 Json = dict[str, Any]
 
 
@@ -206,16 +208,7 @@ def plan_vs_measured_cpu(d: Json) -> str:
 
 
 def faults(d: Json) -> str:
-    head = ["fault: what is sent, to whom", "layout", "engine", "workers", "outcome", "signal seen",
-            "stopped / resumed step", "requeued by", "s to requeue", "s to the rerun's resume", "batches equal"]  # fmt: skip
-    rows = [
-        [f"`{r['fault']}`: {r['delivery']}", r["layout"], r["engine"], r["workers"], r["outcome"],
-         r["signal_seen"] or "-", f"{r['stopped_step'] or '-'} / {r['resumed_step'] or '-'}", r["requeued_by"],
-         r["seconds_to_requeue"] or "-", r["seconds_to_resume"] or f"(job ended after {r['seconds_to_end']})",
-         r["batches_equal"]]
-        for r in d["rows"]
-    ]  # fmt: skip
-    return table(head, rows)
+    return faults_report.markdown(d["rows"])  # the table faults.py prints
 
 
 def demo_data_learnability(d: Json) -> str:
