@@ -1,5 +1,5 @@
 """Fault matrix: each way a preemption, a hang or a lost rank reaches a bigclip job under a real
-Slurm, and what happens. Writes benchmarks/results/faults.json (the README's table).
+Slurm, and what happens. Writes benchmarks/results/faults.json (docs/scale-and-slurm.md renders its table).
 
     python benchmarks/faults.py [--concurrency 4] [--only NAME ...]      (as root, with slurm-wlm)
 

@@ -1,4 +1,4 @@
-"""The fault matrix's rows: what each job's output says happened, and the README's table
+"""The fault matrix's rows: what each job's output says happened, and their Markdown table
 (benchmarks/faults.py runs the jobs)."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _outcome(row: Row, out: str, state: str) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's table."""
+    """The fault matrix as a Markdown table (docs/scale-and-slurm.md renders it)."""
     head = ["fault: what is sent, to whom", "layout", "engine", "workers", "outcome", "signal seen",
             "stopped / resumed step", "requeued by", "s to requeue", "s to the rerun's resume", "batches equal"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]

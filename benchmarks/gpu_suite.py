@@ -12,7 +12,7 @@ records it); the timeouts are per-row worst cases. Where one command may run at 
 run the rows a few at a time: `make bench-gpu ROWS="engines-fsdp patch-dropout"`.
 
 Optional packages the GPU image lacks (deepspeed, inf-cl, open_clip_torch, the S3 stack) travel
-as wheels: see README "GPU".
+as wheels: see docs/gpu-and-air-gapped.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which bf16 compute is closest to OpenCLIP's `--precision amp_bf16` (torch.autocast)?
 
-Why bigclip's amp_bf16 computes every module in bf16 (README "Precision and activation
-checkpointing"): one step's gradients of an unsharded model, with the loss in fp32, under
+Why bigclip's amp_bf16 computes every module in bf16 (docs/engines-and-precision.md,
+"Precision"): one step's gradients of an unsharded model, with the loss in fp32, under
   - fp32 (the truth), OpenCLIP's autocast(bf16) on fp32 weights,
   - residual blocks in bf16 and the root (embeddings, norms, projections) in fp32 (FSDP2's old amp_bf16),
   - every module in bf16 (bigclip's amp_bf16 on both engines, and DeepSpeed's bf16 mode),

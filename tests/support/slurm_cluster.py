@@ -10,7 +10,7 @@ munge set-up and two clusters can run side by side. Clients find it through SLUR
 `cluster.env`, which jobs inherit since sbatch exports the submitting environment). The daemons
 are stopped by their PIDs (never by name).
 
-The configuration is the one bigclip's Slurm tests need (see slurm/README.md, "Testing against a
+The configuration is the one bigclip's Slurm tests need (see docs/scale-and-slurm.md, "Tested against a
 real Slurm"): proctrack/linuxproc, task/none, cons_tres, JobRequeue=1, two fake GPUs as GRES
 (/dev/fakegpuN made with mknod: count-only GRES is refused), partitions `low` (preemptable,
 REQUEUE, GraceTime 60), `high` (a higher PriorityTier: its jobs preempt `low`'s) and `batch`

@@ -1,0 +1,270 @@
+"""One compact Markdown table per benchmarks/results/NAME.json, for docs/ (render_docs.py puts them
+there). Each table shows the ratios the benchmark exists for, then one line saying when, at which
+commit and on what it was measured, so a reader can tell how old a figure is.
+
+A benchmark without a table of its own here is shown by `generic` (its rows' scalar columns).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks import faults_report
+
+Json = dict[str, Any]
+
+
+def table(head: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def cell(value: Any, digits: int = 3) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    return "-" if value is None else str(value)
+
+
+def x(value: float) -> str:
+    """A ratio, as `2.14x`."""
+    return f"{value:.2f}x"
+
+
+def provenance(data: Json, command: str) -> str:
+    date = str(data.get("date", "?"))[:10]
+    torch = f" (torch {data['torch']})" if data.get("torch") else ""
+    return f"_Measured {date} at commit {data.get('commit', '?')} on {data.get('device', '?')}{torch}: {command}._"
+
+
+def loss_memory(d: Json) -> str:
+    rows = [
+        [r["global"], r["method"], f"{r['peak_MiB']:,.1f}", x(r["mem_saving_x"]), x(r["time_ratio"])]
+        for r in d["rows"]
+    ]
+    head = ["global batch", "loss", "peak MiB (rank 0)", "memory saved", "time vs unchunked"]
+    return table(head, rows)
+
+
+def loss_time_gloo(d: Json) -> str:
+    rows = [[r["global"], r["method"], f"{r['seconds']:.3f}", x(r["time_ratio"])] for r in d["rows"]]
+    return table(["global batch", "loss", "seconds (slowest rank)", "time vs unchunked"], rows)
+
+
+def engines(d: Json) -> str:
+    rows = [
+        [r["engine"], r["optimizer"], r["precision"], f"{r['model_state_MB_per_rank']:,.0f}",
+         f"{r['optimizer_state_MB_per_rank']:,.0f}", x(r["memory_vs_fsdp"]), x(r["time_vs_fsdp"])]
+        for r in d["rows"]
+    ]  # fmt: skip
+    head = ["engine", "optimizer", "precision", "model state MB/rank", "optimizer state MB/rank",
+            "memory vs FSDP2", "step time vs FSDP2"]  # fmt: skip
+    return table(head, rows)
+
+
+def optimizer_step(d: Json) -> str:
+    rows = [
+        [r["optimizer"], f"{r['step_ms']:.0f}", x(r["step_vs_fused"]), f"{r['bytes_per_param']:.1f}",
+         f"{r['max_param_diff_rel']:.0e}", "-" if r.get("build_s") is None else f"{r['build_s']:.0f}"]
+        for r in d["rows"]
+    ]  # fmt: skip
+    head = ["optimizer", "step ms", "time vs fused", "first-step growth, bytes/param",
+            "parameters vs foreach (relative)", "build s"]  # fmt: skip
+    return table(head, rows)
+
+
+def switchback(d: Json) -> str:
+    """Speed against bf16 per linear shape and token count, a column per SwitchBack variant."""
+    variants = list(dict.fromkeys(r["variant"] for r in d["rows"]))
+    cases: dict[tuple[str, int], dict[str, float]] = {}
+    for r in d["rows"]:
+        cases.setdefault((r["shape"], r["tokens"]), {})[r["variant"]] = r["speedup"]
+    rows = [
+        [shape, tokens, *(x(v[k]) if k in v else "-" for k in variants)]
+        for (shape, tokens), v in cases.items()
+    ]
+    return table(["linear", "tokens", *variants], rows)
+
+
+def checkpoint_io(d: Json) -> str:
+    rows = [
+        [r["phase"].strip(), r["method"], f"{r['seconds']:.2f}", r.get("server CPU s")] for r in d["rows"]
+    ]
+    ratios = (
+        f"Save until committed {x(d['save_speedup_vs_baseline'])} the baseline's speed, load"
+        f" {x(d['load_speedup_vs_baseline'])}, async save blocks training for"
+        f" {d['async_blocked_fraction_of_sync_save']:.1%} of a synchronous save; {d['total_gb']:.2f} GB"
+        f" over {d['ranks']} ranks, endpoint: {d['endpoint']}."
+    )
+    return ratios + "\n\n" + table(["phase", "method", "seconds", "server CPU s"], rows)
+
+
+def consolidate(d: Json) -> str:
+    rows = [
+        [r["checkpoint"], r["tool"], f"{r['peak_rss_gb']:.2f}", x(r["rss_vs_bigclip"]), f"{r['seconds']:.1f}",
+         r["identical"]]
+        for r in d["rows"]
+    ]  # fmt: skip
+    return table(["checkpoint", "tool", "peak RSS GB", "RSS vs bigclip", "seconds", "same bytes"], rows)
+
+
+def data_loader(d: Json) -> str:
+    rows = []
+    for r in d["rows"]:
+        value = r.get("value")
+        if isinstance(value, dict):  # PSNR: mean and min
+            value = " / ".join(f"{v:.1f}" for v in value.values())
+        elif "speed-up" in r:  # seconds to the first batch, both ways
+            value = f"{value[0]:.2f} s vs {value[1]:.2f} s ({x(r['speed-up'])})"
+        elif "cpu ms/sample" in r:
+            value = f"{r['cpu ms/sample']:.2f} CPU ms/sample, {r['samples/s']:.0f} samples/s"
+        rows.append([r["set"], r["measure"], value])
+    return table(["images", "measure", "value"], rows)
+
+
+def tokenizer(d: Json) -> str:
+    rows = [
+        [r["captions"], f"{r['open_clip_us']:.0f}", f"{r['bigclip_us']:.0f}", x(r["speedup"])]
+        for r in d["rows"]
+    ]
+    return table(["captions", "OpenCLIP µs/caption", "bigclip µs/caption", "speed-up"], rows)
+
+
+def remote_sync(d: Json) -> str:
+    rows = []
+    for r in d["rows"]:
+        if "mirror/upload_file" in r:
+            rows.append(
+                [
+                    f"{r['case']}: mirror vs boto3 upload_file, time",
+                    "-",
+                    r["size_MB"],
+                    "-",
+                    x(r["mirror/upload_file"]),
+                ]
+            )
+            continue
+        rows.append(
+            [
+                r["case"],
+                r.get("step"),
+                r.get("size_MB"),
+                r.get("uploaded/size"),
+                r.get("commit_to_remote_commit_s"),
+            ]
+        )
+    return table(["case", "step", "checkpoint MB", "uploaded / size", "s from local to remote commit"], rows)
+
+
+def precision_vs_autocast(d: Json) -> str:
+    rows = [
+        [r["model"], r["variant"], r["grad_rel_err_vs_fp32"], r["grad_rel_err_vs_autocast"]]
+        for r in d["rows"]
+    ]
+    return table(["model", "variant", "gradient error vs fp32", "vs OpenCLIP's autocast"], rows)
+
+
+def normalize_cpu(d: Json) -> str:
+    rows = [
+        [r["dtype"], r["variant"], f"{r['cpu_ms']:.0f}", x(r["cpu_vs_after"]), r["bitwise_equal"]]
+        for r in d["rows"]
+    ]
+    return table(["dtype", "path", "CPU ms per batch", "CPU vs new path", "bitwise equal"], rows)
+
+
+def loss_exchange_link(d: Json) -> str:
+    """Ring against all-gather per link rate."""
+    by_rate: dict[str, dict[str, float]] = {}
+    for r in d["rows"]:
+        by_rate.setdefault(r["rate"], {})[r["method"]] = r["seconds"]
+    rows = [
+        [rate, f"{t['ring']:.2f}", f"{t['allgather']:.2f}", x(t["ring"] / t["allgather"])]
+        for rate, t in by_rate.items()
+    ]
+    return table(["link rate", "ring s", "all-gather s", "ring / all-gather"], rows)
+
+
+def plan_vs_measured_cpu(d: Json) -> str:
+    rows = [
+        [
+            r["rate"],
+            r["method"],
+            f"{r['bytes_ratio']:.3f}",
+            r.get("time_ratio"),
+            r.get("nominal_ratio"),
+            r["verdict"],
+        ]
+        for r in d["rows"]
+    ]
+    head = ["link", "exchange", "bytes vs plan", "time vs plan", "time vs tbf's nominal rate", "verdict"]
+    return table(head, rows)
+
+
+def faults(d: Json) -> str:
+    return faults_report.markdown(d["rows"])  # the table faults.py prints
+
+
+def demo_data_learnability(d: Json) -> str:
+    rows = [
+        [r["when"], r["steps"], f"{r['i2t_top1']:.1%}", f"{r['t2i_top1']:.1%}", f"{r['chance']:.1%}"]
+        for r in d["rows"]
+    ]
+    return table(["", "steps", "image -> text top-1", "text -> image top-1", "chance"], rows)
+
+
+def test_times(d: Json) -> str:
+    rows = [[r["tier"], f"{r['seconds'] / 60:.1f}"] for r in d["rows"]]
+    return table(["tier", "minutes"], rows)
+
+
+def generic(d: Json) -> str:
+    """Any other results file: the scalar columns of its first rows."""
+    rows = d.get("rows") or []
+    if not rows or not isinstance(rows[0], dict):
+        return "(no rows)"
+    head = [k for k, v in rows[0].items() if not isinstance(v, (dict, list))][:8]
+    return table(head, [[r.get(k) for k in head] for r in rows[:20]])
+
+
+TABLES: dict[str, Callable[[Json], str]] = {
+    f.__name__: f
+    for f in (
+        loss_memory, loss_time_gloo, engines, optimizer_step, switchback, checkpoint_io, consolidate,
+        data_loader, tokenizer, remote_sync, precision_vs_autocast, normalize_cpu, loss_exchange_link,
+        plan_vs_measured_cpu, faults, demo_data_learnability, test_times,
+    )
+}  # fmt: skip
+TABLES["checkpoint_io_s3rver"] = checkpoint_io
+
+HOW = {  # how each result is made, where that is not `python benchmarks/NAME.py`
+    "checkpoint_io_s3rver": "`python benchmarks/checkpoint_io.py --endpoint http://127.0.0.1:4569 --server-pid PID`",
+    "plan_vs_measured_cpu": "`python benchmarks/plan_vs_measured.py --link` (root)",
+    "faults": "`python benchmarks/faults.py` (root, a real Slurm)",
+    "loss_exchange_link": "`python benchmarks/loss_exchange_link.py` (root)",
+    "test_times": "timing each test tier on a fresh clone, set-up included",
+}
+
+
+def how(name: str) -> str:
+    """How results/NAME.json is made, as Markdown."""
+    if name in HOW:
+        return HOW[name]
+    if name.endswith("_gpu"):
+        return "`make bench-gpu` on a GPU node"
+    return f"`python benchmarks/{name}.py`"
+
+
+def render(name: str, results: Path) -> str:
+    """The table of results/NAME.json with its provenance, or a line saying it is not yet measured."""
+    path = results / f"{name}.json"
+    if not path.exists():
+        return f"Not yet measured (`benchmarks/results/{name}.json` is written by {how(name)})."
+    data = json.loads(path.read_text())
+    return TABLES.get(name, generic)(data) + "\n\n" + provenance(data, how(name))
