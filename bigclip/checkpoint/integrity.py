@@ -83,7 +83,14 @@ def crc_matches(data: memoryview | bytes, record: ZipRecord, *, running: int = 0
 
 def check_chunk(data: memoryview, *, where: str, key: str) -> list[ZipRecord]:
     """Check every record of the torch.save zip `data` against its CRC-32; returns the records."""
-    if not bytes(data[:4]) == ZIP_MAGIC:
+    records = parse_chunk(data, where=where, key=key)
+    check_crcs(data, records, where=where, key=key)
+    return records
+
+
+def parse_chunk(data: memoryview, *, where: str, key: str) -> list[ZipRecord]:
+    """The records of the torch.save zip `data` (its structure checked, not yet its CRC-32s)."""
+    if bytes(data[:4]) != ZIP_MAGIC:
         raise damaged(where, key, "is not a torch.save zip (its first bytes are wrong)")
     try:
         records = zip_records(MemoryFile(data))
@@ -92,9 +99,13 @@ def check_chunk(data: memoryview, *, where: str, key: str) -> list[ZipRecord]:
     for record in records:
         if record.start + record.nbytes > len(data):
             raise damaged(where, key, f"record {record.name} runs past the chunk's end")
+    return records
+
+
+def check_crcs(data: memoryview, records: list[ZipRecord], *, where: str, key: str) -> None:
+    for record in records:
         if not crc_matches(data[record.start : record.start + record.nbytes], record):
             raise damaged(where, key, f"(record {record.name}) does not match the CRC-32 its writer recorded")
-    return records
 
 
 def tensor_of(data: memoryview, records: list[ZipRecord], *, where: str, key: str) -> torch.Tensor:
