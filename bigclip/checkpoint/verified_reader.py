@@ -184,14 +184,12 @@ class _Buffers:
         self.keep, self.free = keep, []
 
     def take(self, nbytes: int) -> torch.Tensor:
-        fits = [b for b in self.free if b.numel() >= nbytes]
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
         if not fits:
             return torch.empty(max(1, nbytes), dtype=torch.uint8)
-        chosen = min(fits, key=torch.Tensor.numel)
-        self.free.remove(chosen)
-        return chosen
+        return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))  # by index: tensors have no ==
 
     def give(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
         if len(self.free) > self.keep:
-            self.free.remove(min(self.free, key=torch.Tensor.numel))
+            self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
