@@ -161,7 +161,7 @@ def save_two(rank: int, world: int, cfg_dict: dict, root: str) -> dict | None:
     store = CheckpointStore(root)
     run_steps(engine, cfg, range(1), 12)
     store.save(engine.checkpoint_state(), step=1)
-    first = engine.full_state_dict()
+    first = {k: v.clone() for k, v in engine.full_state_dict().items()}  # some are views of live params
     run_steps(engine, cfg, range(1, 2), 12)
     store.save(engine.checkpoint_state(), step=2)
     store.close()
