@@ -137,13 +137,16 @@ def check_object(data: bytes, record: ObjectRecord | None, *, where: str) -> Non
         )
 
 
-class MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over a memoryview: zipfile and torch.load read from it without
-    copying the whole buffer (io.BytesIO would copy it)."""
+class SeekableView(io.RawIOBase):
+    """A read-only, seekable file of `length` bytes served by `_slice` (zipfile and torch.load
+    make many small reads and seeks)."""
 
-    def __init__(self, data: memoryview) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        self._data, self._pos = memoryview(data).cast("B"), 0
+        self._length, self._pos = length, 0
+
+    def _slice(self, start: int, end: int) -> bytes | memoryview:
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -155,12 +158,26 @@ class MemoryFile(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._data)}[whence]
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
     def readinto(self, buffer: memoryview) -> int:
-        piece = self._data[self._pos : self._pos + len(buffer)]
-        memoryview(buffer).cast("B")[: len(piece)] = piece
-        self._pos += len(piece)
-        return len(piece)
+        end = min(self._pos + len(buffer), self._length)
+        if end <= self._pos:
+            return 0
+        data = self._slice(self._pos, end)
+        memoryview(buffer).cast("B")[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+class MemoryFile(SeekableView):
+    """A file over a memoryview, without copying the whole buffer (io.BytesIO would copy it)."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = memoryview(data).cast("B")
+        super().__init__(len(self._data))
+
+    def _slice(self, start: int, end: int) -> memoryview:
+        return self._data[start:end]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from bigclip.checkpoint.integrity import (
     ZIP_MAGIC,
     CheckpointDamaged,
     MemoryFile,
+    SeekableView,
     ZipRecord,
     check_chunk,
     crc_matches,
@@ -172,41 +172,17 @@ def check_crc(blobs: BlobFolder, payload: Payload, key: str, actual: int) -> Non
         raise damaged(blobs, payload.chunk, key, "does not match the CRC-32 its writer recorded")
 
 
-class _HeadTailView(io.RawIOBase):
-    """A read-only, seekable view of one chunk's zip that serves the head and tail from memory.
+class _HeadTailView(SeekableView):
+    """A view of one chunk's zip that serves the head and tail from memory.
 
     torch.load and zipfile make many small reads (end-of-directory, directory, local headers,
     the pickle); against S3 each would be a request. The tail is fetched on first use."""
 
     def __init__(self, blobs: BlobFolder, chunk: Chunk, head: bytes) -> None:
-        super().__init__()
+        super().__init__(chunk.length)
         self._blobs, self._chunk, self._head = blobs, chunk, head
         self._tail: bytes | None = None
         self._tail_start = max(0, chunk.length - TAIL_BYTES)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._chunk.length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: memoryview) -> int:
-        end = min(self._pos + len(buffer), self._chunk.length)
-        if end <= self._pos:
-            return 0
-        data = self._slice(self._pos, end)
-        memoryview(buffer)[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
     def _slice(self, start: int, end: int) -> bytes:
         if end <= len(self._head):
