@@ -279,6 +279,7 @@ class CheckpointStore:
         inner = location.dcp_reader(folder)
         reader = VerifiedReader(inner, uri=found.uri, objects=found.objects)
         with dcp_errors(f"loading {found.uri}", saving=False, reader=inner):
+            reader.read_metadata()  # damage raised here, not inside DCP (which logs a traceback)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group.group)
         log.info("loaded checkpoint step %d (saved at world size %d) from %s, every byte verified",
                  found.step, found.world_size, found.uri)  # fmt: skip

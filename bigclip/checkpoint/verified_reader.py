@@ -49,6 +49,7 @@ class VerifiedReader(StorageReader):
         self.inner = inner
         self.uri = uri.rstrip("/")
         self.objects = objects  # the manifest's records: `.metadata`'s SHA-256
+        self._metadata: Metadata | None = None  # read once: `load` checks it before DCP asks
 
     def __getattr__(self, name: str) -> Any:  # anything else DCP asks of a reader
         return getattr(self.inner, name)
@@ -75,6 +76,11 @@ class VerifiedReader(StorageReader):
         kept on the inner reader, which then refuses DCP's rank-local fallback too."""
         if kwargs.get("rank") is not None or METADATA_NAME not in self.objects:
             return self.inner.read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = self._read_checked_metadata()
+        return self._metadata
+
+    def _read_checked_metadata(self) -> Metadata:
         try:
             with self.inner.fs.create_stream(self.inner._get_metadata_path(), "rb") as stream:
                 data = stream.read()
