@@ -149,7 +149,9 @@ def train(demo_data, tmp_path: Path, *extra: str, name: str = "resumed") -> tupl
     return bigclip("train", *argv)
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize(
+    "where", ["local", pytest.param("s3", marks=pytest.mark.slow)]
+)  # s3: the same reader
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_resume_from_a_damaged_checkpoint_is_refused(demo_data, run, s3, tmp_path, where, damage):
     """--resume PATH never falls back: the damage is named, with what to do, and nothing changes."""
