@@ -142,8 +142,10 @@ def test_damaged_checkpoint_is_refused(root, s3):
     store.location.write_bytes(shard, bytes(content))
     with pytest.raises(StorageError, match="__0_0.distcp: content differs"):
         store.verify("latest")
+    with pytest.raises(StorageError, match=r"__0_0.distcp \(byte \d+\) is damaged: "):
+        store.load(make_state(0), "latest")  # loading checks the bytes it reads, too
     store.location.write_bytes(shard, bytes(content[:-10]))  # truncated: the size check sees it
-    with pytest.raises(StorageError, match=r"damaged:\n.*__0_0.distcp: \d+ bytes, manifest says"):
+    with pytest.raises(StorageError, match=r"damaged: .*__0_0.distcp: \d+ bytes, manifest says"):
         store.load(make_state(0), "latest")
 
 

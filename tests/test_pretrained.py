@@ -198,5 +198,5 @@ def test_pretrained_loads_into_both_engines_through_the_trainer(
         assert "ConfigError: --pretrained" in rank[3]["error"]
         assert "text_projection: weights (32, 64) vs model (64, 64)" in rank[3]["error"]
     # weights damaged mid-way: rank 0 finds it while loading, every rank stops (none hangs)
-    assert f"{file} is damaged" in ranks[0][4]["error"] and "CRC-32" in ranks[0][4]["error"]
-    assert "StorageError: rank 0 could not read the weights: StorageError:" in ranks[1][4]["error"]
+    assert f"{file} (byte " in ranks[0][4]["error"] and "CRC-32" in ranks[0][4]["error"]
+    assert "StorageError: rank 0 could not read the weights: CheckpointDamaged:" in ranks[1][4]["error"]

@@ -36,6 +36,12 @@ class Entry:
     committed: bool
 
 
+def step_of(folder: str) -> int | None:
+    """The step of a `step_N` folder (None for any other name)."""
+    match = _FOLDER.match(folder)
+    return int(match.group(1)) if match else None
+
+
 def entries(location: Location) -> list[Entry]:
     """Every step folder under the root, newest first, with its commit state."""
     found = [(int(m.group(1)), name) for name in location.list_folders() if (m := _FOLDER.match(name))]

@@ -9,7 +9,9 @@
 Commit protocol: every rank streams its shards through DCP (checksums computed on the way),
 DCP's coordinator writes `.metadata` once all ranks' writes returned, then rank 0 writes
 `manifest.json` with every rank's object list. No manifest, no checkpoint: `latest()` and
-`load()` never see an interrupted save. Coordination uses a gloo group of its own, created
+`load()` never see an interrupted save. A state holding NaN or inf is refused before a byte
+is written; loading checks every byte against the CRC-32s and SHA-256 its writer recorded, as
+it streams (verified_reader.py), and "latest" skips a damaged checkpoint for an older one. Coordination uses a gloo group of its own, created
 here (coordination.py), because async saves run collectives from a background thread and
 must never interleave with the training group's (NCCL) traffic. The store saves whatever dict DCP can
 save, so any engine (FSDP2 now, DeepSpeed later) can use it.
@@ -29,12 +31,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from bigclip.checkpoint import catalog
+from bigclip.checkpoint import catalog, lookup
 from bigclip.checkpoint.async_save import AsyncSave
 from bigclip.checkpoint.coordination import CheckpointGroup
 from bigclip.checkpoint.dcp_errors import dcp_errors, summarize_failures
-from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
+from bigclip.checkpoint.finite import first_non_finite, plain_state
+from bigclip.checkpoint.integrity import CheckpointDamaged
+from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, checksum_problems
 from bigclip.checkpoint.safe_load import SafeLoadPlanner
+from bigclip.checkpoint.verified_reader import VerifiedReader
 from bigclip.config import CheckpointConfig
 from bigclip.distributed import launch_env
 from bigclip.errors import StorageError
@@ -45,7 +50,7 @@ from bigclip.storage.s3 import S3Settings, is_s3
 
 log = logging.getLogger("bigclip.checkpoint")
 
-LATEST = "latest"
+LATEST = lookup.LATEST
 
 # Single-process use (no process group) is intended here; DCP would warn on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -111,6 +116,7 @@ class CheckpointStore:
     def save(self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None) -> str:
         """Write `state` as checkpoint `step` and commit it; every rank returns its URI."""
         self.wait()
+        state = self._refuse_non_finite(state, step)
         folder, hashing, writer = self._begin(step)
         with dcp_errors(f"saving {self.location.child_uri(folder)}"):
             dcp.save(
@@ -125,6 +131,7 @@ class CheckpointStore:
         started = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - started
+        state = self._refuse_non_finite(state, step)
         folder, hashing, writer = self._begin(step)
         with dcp_errors(f"staging {self.location.child_uri(folder)}"):
             upload = dcp.async_save(
@@ -146,6 +153,21 @@ class CheckpointStore:
         """Wait for the async save in flight, if any; its URI, or StorageError if it failed."""
         pending, self._pending = self._pending, None
         return pending.wait() if pending is not None else None
+
+    def _refuse_non_finite(self, state: dict[str, Any], step: int) -> dict[str, Any]:
+        """Collective: `state` with its Statefuls' state dicts, or StorageError on every rank, before
+        anything is written, when a tensor holds NaN or inf: damage is never committed."""
+        plain = plain_state(state)
+        found = [(rank, key) for rank, key in enumerate(self.group.gather(first_non_finite(plain))) if key]
+        problem = self.group.broadcast(found[0] if found else None)
+        if problem is not None:
+            latest = self.group.on_rank0(self.latest)
+            raise StorageError(
+                f"checkpoint step {step} refused: {problem[1]} holds NaN or inf (rank {problem[0]}); nothing "
+                f"was written, the latest checkpoint is still {latest or 'none'}: resume from it with "
+                "--resume latest (a lower --lr or --grad-clip-norm may keep the run finite)"
+            )
+        return plain
 
     def _begin(self, step: int) -> tuple[str, HashingFileSystem, Any]:
         folder = catalog.step_folder(step)
@@ -218,66 +240,57 @@ class CheckpointStore:
             (e.step, self.location.child_uri(e.folder)) for e in catalog.entries(self.location) if e.committed
         ]
 
-    def load(self, state: dict[str, Any], which: str = LATEST) -> Manifest:
+    def load(self, state: dict[str, Any], which: str = LATEST, *, fall_back: bool | None = None) -> Manifest:
         """Load a committed checkpoint into `state` in place (resharding as needed); collective.
 
-        `which`: "latest" (newest commit under the root), a checkpoint's path or s3:// URI, a
-        folder name under the root, or another run's checkpoint root (its newest commit).
+        `which`: see lookup.py. Every byte read is checked against what its writer recorded and
+        every floating tensor for NaN/inf, as it streams (verified_reader.py): damage raises
+        `CheckpointDamaged`. `fall_back` (default: `which` is "latest"): a damaged checkpoint is
+        skipped, in one warning line, for the next older commit of its root; an explicit
+        checkpoint never falls back.
         """
         self.wait()
-        root_uri, folder, manifest = self.group.on_rank0(lambda: self._find_for_load(which))
-        reader = open_location(root_uri, s3=self.s3, any_scheme=True).dcp_reader(folder)
-        with dcp_errors(f"loading {manifest.uri}", saving=False, reader=reader):
+        fall_back = which == LATEST if fall_back is None else fall_back
+        root_uri, folders = self.group.on_rank0(
+            lambda: lookup.candidates(self.location, which, s3=self.s3, fall_back=fall_back)
+        )
+        location = open_location(root_uri, s3=self.s3, any_scheme=True)
+        for index, folder in enumerate(folders):
+            try:
+                return self._load_folder(state, location, folder)
+            except CheckpointDamaged as e:
+                if index + 1 == len(folders):
+                    raise
+                log.warning("skipped damaged checkpoint %s (%s); loading the next older one, %s",
+                            location.child_uri(folder), e, location.child_uri(folders[index + 1]))  # fmt: skip
+        raise AssertionError("unreachable: candidates() returns at least one folder")
+
+    def manifest_meta(self, which: str) -> tuple[str, dict[str, Any]] | None:
+        """(URI, caller's meta) of the checkpoint `which` names, from its manifest alone (not
+        collective); None when its manifest cannot be read (loading it names the damage)."""
+        location, folder = lookup.resolve(self.location, which, s3=self.s3)
+        found = lookup.inspect(location, folder)
+        return None if isinstance(found, str) else (found.uri, found.meta)
+
+    def _load_folder(self, state: dict[str, Any], location: Location, folder: str) -> Manifest:
+        found = self.group.on_rank0(lambda: lookup.inspect(location, folder))
+        if isinstance(found, str):
+            raise CheckpointDamaged(found)
+        inner = location.dcp_reader(folder)
+        reader = VerifiedReader(inner, uri=found.uri, objects=found.objects)
+        with dcp_errors(f"loading {found.uri}", saving=False, reader=inner):
+            reader.read_metadata()  # damage raised here, not inside DCP (which logs a traceback)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group.group)
-        log.info(
-            "loaded checkpoint step %d (saved at world size %d) from %s",
-            manifest.step,
-            manifest.world_size,
-            manifest.uri,
-        )
-        return manifest
-
-    def _find_for_load(self, which: str) -> tuple[str, str, Manifest]:
-        location, folder, manifest = self._find(which)
-        return location.uri, folder, manifest  # plain data: it is broadcast to every rank
-
-    def _find(self, which: str) -> tuple[Location, str, Manifest]:
-        location, folder = self._resolve(which)
-        manifest = catalog.read_manifest(location, folder)
-        problems = size_problems(manifest, location.list_files(folder))
-        if problems:
-            raise StorageError(f"checkpoint {manifest.uri} is damaged:\n  " + "\n  ".join(problems))
-        return location, folder, manifest
-
-    def _resolve(self, which: str) -> tuple[Location, str]:
-        if which == LATEST:
-            return self.location, self._latest_folder(self.location)
-        if "/" not in which and self.location.exists(f"{which}/{MANIFEST_NAME}"):
-            return self.location, which  # a folder name under this store's root, e.g. step_00001200
-        parent_uri, _, name = which.rstrip("/").rpartition("/")
-        parent = open_location(parent_uri or ".", s3=self.s3, any_scheme=True)
-        if parent.exists(f"{name}/{MANIFEST_NAME}"):
-            return parent, name
-        as_root = open_location(which, s3=self.s3, any_scheme=True)
-        if catalog.entries(as_root):  # a run's checkpoint root: take its newest commit
-            return as_root, self._latest_folder(as_root)
-        raise StorageError(
-            f"{which} is not a committed checkpoint (no {MANIFEST_NAME}; an interrupted save is never "
-            f"resumed from). Committed ones under {self.root}: {[u for _, u in self.committed()][:5] or 'none'}"
-        )
-
-    @staticmethod
-    def _latest_folder(location: Location) -> str:
-        entry = catalog.latest_committed(location)
-        if entry is None:
-            raise StorageError(f"no committed checkpoint under {location.uri}; start without --resume")
-        return entry.folder
+        log.info("loaded checkpoint step %d (saved at world size %d) from %s, every byte verified",
+                 found.step, found.world_size, found.uri)  # fmt: skip
+        return found
 
     def verify(self, which: str = LATEST) -> Manifest:
         """Re-read every object of a checkpoint and check sizes and SHA-256 (not collective)."""
-        from bigclip.checkpoint.manifest import checksum_problems
-
-        location, folder, manifest = self._find(which)
+        location, folder = lookup.resolve(self.location, which, s3=self.s3)
+        manifest = lookup.inspect(location, folder)
+        if isinstance(manifest, str):
+            raise CheckpointDamaged(manifest)
         problems = checksum_problems(location, folder, manifest)
         if problems:
             raise StorageError(f"checkpoint {manifest.uri} failed verification:\n  " + "\n  ".join(problems))

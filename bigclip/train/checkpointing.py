@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bigclip.checkpoint import CheckpointStore, Manifest, catalog, keep_last_for
+from bigclip.checkpoint import LATEST, CheckpointStore, Manifest, catalog, keep_last_for
 from bigclip.checkpoint.mirror import MOST_RECENT_ONLY
 from bigclip.config import TrainConfig
 from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
@@ -196,13 +196,12 @@ def resume(
     if is_openclip_checkpoint(which):
         return _resume_openclip(store, engine, cfg, runtime), None
     contents = checkpoint_contents(engine, cfg, TrainState(), runtime, None)
-    manifest = store.load(contents, which)
+    # --resume latest (resolved to a URI by backup.resume_target) skips a damaged checkpoint for
+    # the next older one; an explicit path never falls back.
+    manifest = store.load(contents, which, fall_back=cfg.checkpoint.resume == LATEST)
     train = contents["train"]
-    _check_compatible(manifest.meta, cfg, global_batch)
-    check_tokenizer(
-        saved_tokenizer(manifest.meta, json.loads(train["config"])), cfg.data.tokenizer,
-        allow=cfg.checkpoint.allow_tokenizer_change, what=f"--resume {manifest.uri}",
-    )  # fmt: skip
+    _check_compatible(manifest.meta, cfg, global_batch, uri=manifest.uri)
+    _check_tokenizer(saved_tokenizer(manifest.meta, json.loads(train["config"])), cfg, uri=manifest.uri)
     state = TrainState(**{k: int(train[k]) for k in asdict(TrainState())})
     _restore_rng(json.loads(train["rng"]), runtime, seed=cfg.optim.seed, step=state.step)
     get_logger().info(
@@ -242,16 +241,37 @@ def at_epoch_start(state: TrainState, *, steps_per_epoch: int, global_batch: int
     state.samples_seen = state.step * global_batch
 
 
-def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int) -> None:
+def check_resume_target(store: CheckpointStore, cfg: TrainConfig, which: str, *, global_batch: int) -> None:
+    """Collective, before any model is built: what the checkpoint's manifest can settle in
+    milliseconds (model, global batch, tokenizer). A manifest that cannot be read is left to
+    `store.load`, which names the damage (and, for --resume latest, skips it)."""
+    if not which or is_openclip_checkpoint(which):
+        return
+    meta = store.group.on_rank0(lambda: store.manifest_meta(which))
+    if meta is None:
+        return
+    uri, meta = meta
+    _check_compatible(meta, cfg, global_batch, uri=uri)
+    _check_tokenizer(saved_tokenizer(meta), cfg, uri=uri)
+
+
+def _check_tokenizer(saved: str, cfg: TrainConfig, *, uri: str) -> None:
+    check_tokenizer(
+        saved, cfg.data.tokenizer, allow=cfg.checkpoint.allow_tokenizer_change, what=f"--resume {uri}"
+    )
+
+
+def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int, *, uri: str) -> None:
     saved_model = meta.get("model")
     if saved_model and saved_model != cfg.model.model:
         raise ConfigError(
-            f"the checkpoint is of model {saved_model}, this run builds {cfg.model.model} (--model)"
+            f"--resume {uri}: the checkpoint is of model {saved_model}, this run builds {cfg.model.model}; "
+            f"pass --model {saved_model}, or start from its weights with --pretrained"
         )
     saved_batch = int(meta.get("global_batch", global_batch))
     if saved_batch != global_batch and not cfg.checkpoint.allow_batch_size_change:
         raise ConfigError(
-            f"the checkpoint was trained with global batch {saved_batch}, this run has {global_batch} "
+            f"--resume {uri}: the checkpoint was trained with global batch {saved_batch}, this run has {global_batch} "
             "(--batch-size x --accum-freq x ranks); change --batch-size to keep it, or pass "
             "--allow-batch-size-change to continue with the new one"
         )

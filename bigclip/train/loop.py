@@ -28,6 +28,7 @@ from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import (
     at_epoch_start,
     attach,
+    check_resume_target,
     checkpoint_contents,
     manifest_meta,
     open_store,
@@ -85,6 +86,9 @@ def setup(cfg: TrainConfig) -> Run:
     zeroshot = ZeroShot.open(cfg, s3)
     store = open_store(cfg, run_dir, s3)
     sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
+    check_resume_target(
+        store, cfg, which, global_batch=cfg.data.batch_size * cfg.optim.accum_freq * runtime.world_size
+    )
     write_config(cfg, run_dir, runtime)
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "

@@ -19,19 +19,27 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import struct
-import zipfile
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 
-from bigclip.errors import StorageError
+from bigclip.checkpoint import integrity
+from bigclip.checkpoint.integrity import (
+    ZIP_MAGIC,
+    CheckpointDamaged,
+    MemoryFile,
+    SeekableView,
+    ZipRecord,
+    check_chunk,
+    crc_matches,
+    tensor_of,
+    zip_records,
+)
 from bigclip.storage.blobs import BlobFolder
 
-ZIP_MAGIC = b"PK\x03\x04"
 HEAD_BYTES = TAIL_BYTES = 16 << 10  # a tensor's pickle and a zip directory take < 2 KiB
 
 
@@ -73,15 +81,13 @@ class Payload:
         return dense and self.storage_offset == 0 and self.nbytes == numel * self.dtype.itemsize
 
 
-def damaged(blobs: BlobFolder, chunk: Chunk, key: str, why: str) -> StorageError:
-    return StorageError(
-        f"{blobs.uri(chunk.file)} is damaged: chunk of {key} at byte {chunk.offset} {why}. "
-        "Re-copy the checkpoint, or use another one (`bigclip checkpoints verify` lists every damaged object)"
-    )
+def damaged(blobs: BlobFolder, chunk: Chunk, key: str, why: str) -> CheckpointDamaged:
+    return integrity.damaged(f"{blobs.uri(chunk.file)} (byte {chunk.offset})", key, why)
 
 
 def locate_payload(blobs: BlobFolder, chunk: Chunk, key: str, dtype: torch.dtype) -> Payload | None:
-    """The chunk's payload range, or None when it has stream transforms (read it with load_chunk)."""
+    """The chunk's payload range, or None when it has stream transforms (read it with load_chunk).
+    The zip's small records (the pickle, the version) are checked against their CRC-32 here."""
     if chunk.transforms:
         return None
     head = blobs.read(chunk.file, chunk.offset, min(chunk.length, HEAD_BYTES))
@@ -92,44 +98,40 @@ def locate_payload(blobs: BlobFolder, chunk: Chunk, key: str, dtype: torch.dtype
         return Payload(chunk, chunk.offset, chunk.length, None, dtype, chunk.sizes, stride, 0)
     view = _HeadTailView(blobs, chunk, head)
     try:
-        meta = torch.load(view, map_location="meta", weights_only=True)
+        records = zip_records(view)
         view.seek(0)
-        data = [r for r in zipfile.ZipFile(view).infolist() if "/data/" in r.filename]
-        start = _data_start(view, data[0]) if len(data) == 1 else None
+        meta = torch.load(view, map_location="meta", weights_only=True)
     except Exception as e:  # any parse error means the bytes are not what DCP wrote
         raise damaged(blobs, chunk, key, f"cannot be parsed ({type(e).__name__}: {e})") from e
-    if start is None or data[0].compress_type != zipfile.ZIP_STORED:
+    data = [r for r in records if r.is_storage]
+    if len(data) != 1 or not data[0].stored:
         raise damaged(blobs, chunk, key, "is not a single uncompressed tensor record")
-    return _payload_of(blobs, chunk, key, meta, data[0], start)
+    for record in records:
+        if not record.is_storage and not crc_matches(_record_bytes(view, record), record):
+            raise damaged(
+                blobs, chunk, key, f"(record {record.name}) does not match the CRC-32 its writer recorded"
+            )
+    return _payload_of(blobs, chunk, key, meta, data[0])
 
 
-def _data_start(view: io.RawIOBase, record: zipfile.ZipInfo) -> int:
-    """Where a zip record's bytes begin: after its local header (30 bytes, name, extra field)."""
-    view.seek(record.header_offset)
-    header = view.read(30)
-    if len(header) != 30 or not header.startswith(ZIP_MAGIC):
-        raise ValueError(f"no local header for {record.filename}")
-    name_length, extra_length = struct.unpack("<HH", header[26:30])
-    return record.header_offset + 30 + name_length + extra_length
+def _record_bytes(view: io.RawIOBase, record: ZipRecord) -> bytes:
+    view.seek(record.start)
+    return view.read(record.nbytes)
 
 
-def _payload_of(
-    blobs: BlobFolder, chunk: Chunk, key: str, meta: torch.Tensor, record: zipfile.ZipInfo, start: int
-) -> Payload:
+def _payload_of(blobs: BlobFolder, chunk: Chunk, key: str, meta: torch.Tensor, record: ZipRecord) -> Payload:
     if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != chunk.sizes:
         raise damaged(
             blobs, chunk, key, f"holds {type(meta).__name__} {getattr(meta, 'shape', '')}, not {chunk.sizes}"
         )
     storage = meta.untyped_storage()
-    if record.file_size != storage.nbytes():
-        raise damaged(
-            blobs, chunk, key, f"stores {record.file_size} bytes, its tensor needs {storage.nbytes()}"
-        )
+    if record.nbytes != storage.nbytes():
+        raise damaged(blobs, chunk, key, f"stores {record.nbytes} bytes, its tensor needs {storage.nbytes()}")
     return Payload(
         chunk=chunk,
-        start=chunk.offset + start,
-        nbytes=record.file_size,
-        crc32=record.CRC,
+        start=chunk.offset + record.start,
+        nbytes=record.nbytes,
+        crc32=record.crc32,
         dtype=meta.dtype,
         size=tuple(meta.shape),
         stride=tuple(meta.stride()),
@@ -142,10 +144,7 @@ def load_chunk(blobs: BlobFolder, chunk: Chunk, key: str, payload: Payload | Non
     if payload is None:
         raw = io.BytesIO(blobs.read(chunk.file, chunk.offset, chunk.length))
         stream = _StorageReaderTransforms().transform_load_stream(None, chunk.transforms, raw)
-        try:
-            return torch.load(io.BytesIO(stream.read()), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise damaged(blobs, chunk, key, f"cannot be loaded ({e})") from e
+        return checked_value(blobs, chunk, key, bytearray(stream.read())).contiguous()
     buffer = bytearray(payload.nbytes)
     blobs.readinto(chunk.file, payload.start, memoryview(buffer))
     check_crc(blobs, payload, key, zlib.crc32(buffer))
@@ -154,46 +153,36 @@ def load_chunk(blobs: BlobFolder, chunk: Chunk, key: str, payload: Payload | Non
     return flat.as_strided(payload.size, payload.stride, payload.storage_offset).contiguous()
 
 
+def checked_value(blobs: BlobFolder, chunk: Chunk, key: str, data: bytearray) -> Any:
+    """A whole chunk's value (a tensor on `data`'s memory, or plain data), every record's CRC-32
+    checked first."""
+    where = f"{blobs.uri(chunk.file)} (byte {chunk.offset})"
+    records = check_chunk(memoryview(data), where=where, key=key)
+    if any(r.is_storage for r in records):
+        return tensor_of(memoryview(data), records, where=where, key=key)
+    try:
+        return torch.load(MemoryFile(memoryview(data)), weights_only=True)
+    except Exception as e:  # a value that is not plain data
+        raise damaged(blobs, chunk, key, f"cannot be read as plain data ({e})") from e
+
+
 def check_crc(blobs: BlobFolder, payload: Payload, key: str, actual: int) -> None:
+    """`actual`: the payload's CRC-32, computed as it streamed (one piece or several, in order)."""
     if payload.crc32 is not None and actual != payload.crc32:
         raise damaged(blobs, payload.chunk, key, "does not match the CRC-32 its writer recorded")
 
 
-class _HeadTailView(io.RawIOBase):
-    """A read-only, seekable view of one chunk's zip that serves the head and tail from memory.
+class _HeadTailView(SeekableView):
+    """A view of one chunk's zip that serves the head and tail from memory.
 
     torch.load and zipfile make many small reads (end-of-directory, directory, local headers,
     the pickle); against S3 each would be a request. The tail is fetched on first use."""
 
     def __init__(self, blobs: BlobFolder, chunk: Chunk, head: bytes) -> None:
-        super().__init__()
+        super().__init__(chunk.length)
         self._blobs, self._chunk, self._head = blobs, chunk, head
         self._tail: bytes | None = None
         self._tail_start = max(0, chunk.length - TAIL_BYTES)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._chunk.length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: memoryview) -> int:
-        end = min(self._pos + len(buffer), self._chunk.length)
-        if end <= self._pos:
-            return 0
-        data = self._slice(self._pos, end)
-        memoryview(buffer)[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
     def _slice(self, start: int, end: int) -> bytes:
         if end <= len(self._head):

@@ -12,7 +12,6 @@ keeps S3 busy while the caller converts and writes.
 
 from __future__ import annotations
 
-import io
 import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -23,10 +22,20 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from bigclip.checkpoint.integrity import check_object
 from bigclip.errors import StorageError
 from bigclip.storage.blobs import BlobFolder
+from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.safe_metadata import load_metadata
-from bigclip.weights.dcp_chunks import Chunk, Payload, check_crc, damaged, load_chunk, locate_payload
+from bigclip.weights.dcp_chunks import (
+    Chunk,
+    Payload,
+    check_crc,
+    checked_value,
+    damaged,
+    load_chunk,
+    locate_payload,
+)
 
 METADATA_NAME = ".metadata"
 PIECE_BYTES = 16 << 20
@@ -55,10 +64,15 @@ _Task = tuple[TensorInfo, Payload | None, int, int]
 class DcpReader:
     """Tensors and values of one DCP checkpoint folder (see module docstring)."""
 
-    def __init__(self, blobs: BlobFolder, *, threads: int = 8) -> None:
+    def __init__(
+        self, blobs: BlobFolder, *, threads: int = 8, metadata_record: ObjectRecord | None = None
+    ) -> None:
+        """`metadata_record`: `.metadata`'s size and SHA-256 from the manifest, checked on this read."""
         self.blobs = blobs
         self.threads = threads
-        self.metadata = load_metadata(blobs.read_all(METADATA_NAME))
+        data = blobs.read_all(METADATA_NAME)
+        check_object(data, metadata_record, where=blobs.uri(METADATA_NAME))
+        self.metadata = load_metadata(data)
         self._infos: dict[str, TensorInfo] = {}
         self._chunks: dict[str, list[Chunk]] = {}
         for key, md in self.metadata.state_dict_metadata.items():
@@ -85,11 +99,9 @@ class DcpReader:
     def read_value(self, key: str) -> Any:
         info = self.metadata.storage_data[MetadataIndex(key)]
         chunk = Chunk((), (), info.relative_path, info.offset, info.length)
-        raw = self.blobs.read(chunk.file, chunk.offset, chunk.length)
-        try:
-            return torch.load(io.BytesIO(raw), weights_only=True)
-        except Exception as e:  # a value that is not plain data, or damaged bytes
-            raise damaged(self.blobs, chunk, key, f"cannot be read as plain data ({e})") from e
+        return checked_value(
+            self.blobs, chunk, key, bytearray(self.blobs.read(chunk.file, chunk.offset, chunk.length))
+        )
 
     # -- tensors --------------------------------------------------------------------------
 

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bigclip.checkpoint import catalog
-from bigclip.checkpoint.manifest import MANIFEST_NAME, size_problems
+from bigclip.checkpoint.integrity import CheckpointDamaged
+from bigclip.checkpoint.lookup import inspect
+from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.data.tokenizer import saved_tokenizer
 from bigclip.errors import StorageError
 from bigclip.storage.blobs import BlobFolder
-from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.locations import LocalLocation, Location, open_location
 from bigclip.storage.redact import redact_text
 from bigclip.storage.s3 import S3Settings, is_s3
@@ -101,24 +102,11 @@ def _from_checkpoint(location: Location, uri: str) -> WeightSource:
                 f"(no {MANIFEST_NAME}; an interrupted save is never read) nor a folder of them"
             )
         folder = entry.folder
-    manifest = catalog.read_manifest(location, folder)
-    problems = size_problems(manifest, location.list_files(folder))
-    if problems:
-        raise StorageError(f"checkpoint {manifest.uri} is damaged:\n  " + "\n  ".join(problems))
-    blobs = BlobFolder(location, folder)
-    _check_metadata(blobs, manifest.objects.get(METADATA_NAME))
-    return WeightSource(DcpReader(blobs), manifest.uri, "dcp", "model.", manifest.model, manifest.step)
-
-
-def _check_metadata(blobs: BlobFolder, record: ObjectRecord | None) -> None:
-    """`.metadata` says where every byte is: check it against the manifest before trusting it."""
-    if record is None:
-        return
-    data = blobs.read_all(METADATA_NAME)
-    if ObjectRecord(len(data), hashlib.sha256(data).hexdigest()) != record:
-        raise StorageError(
-            f"{blobs.uri(METADATA_NAME)} is damaged: its size or SHA-256 differs from the manifest"
-        )
+    manifest = inspect(location, folder)
+    if isinstance(manifest, str):
+        raise CheckpointDamaged(manifest)
+    reader = DcpReader(BlobFolder(location, folder), metadata_record=manifest.objects.get(METADATA_NAME))
+    return WeightSource(reader, manifest.uri, "dcp", "model.", manifest.model, manifest.step)
 
 
 def _from_registry(registry: Registry, name: str) -> WeightSource:
@@ -130,8 +118,8 @@ def _from_registry(registry: Registry, name: str) -> WeightSource:
     entry = published.entry.rpartition("/")[2]
     common = {"uri": f"registry:{name}", "model": published.model, "step": published.step}
     if published.kind == "dcp":
-        _check_metadata(blobs, published.objects[published.entry])
-        return WeightSource(DcpReader(blobs), kind="dcp", prefix="model.", **common)
+        reader = DcpReader(blobs, metadata_record=published.objects[published.entry])
+        return WeightSource(reader, kind="dcp", prefix="model.", **common)
     if published.kind == "safetensors":
         source = _safetensors_source(SafetensorsReader(blobs, entry), common["uri"])
         source.model, source.step = (

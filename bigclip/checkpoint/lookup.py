@@ -1,0 +1,70 @@
+"""Which committed checkpoint a load means, and whether its inventory is whole (rank 0 only).
+
+`which` is "latest" (the newest commit under the store's root), a checkpoint's path or URI, a
+folder name under the root, or another run's checkpoint root (its newest commit). With
+`fall_back` (what `--resume latest` asks for) the older commits of the same root follow as
+candidates, newest first, so a damaged one can be skipped; an explicit checkpoint has none.
+The cheap checks (manifest readable, every object there with its size) run here; the bytes are
+checked as they are loaded (verified_reader.py).
+"""
+
+from __future__ import annotations
+
+from bigclip.checkpoint import catalog
+from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
+from bigclip.errors import StorageError
+from bigclip.storage.locations import Location, open_location
+from bigclip.storage.s3 import S3Settings
+
+LATEST = "latest"
+
+
+def candidates(
+    root: Location, which: str, *, s3: S3Settings | None, fall_back: bool
+) -> tuple[str, list[str]]:
+    """(root URI, checkpoint folders to try in order): the one `which` names, then with
+    `fall_back` every older commit under its root. Plain data: it is broadcast to every rank."""
+    location, folder = resolve(root, which, s3=s3)
+    if not fall_back:
+        return location.uri, [folder]
+    step = catalog.step_of(folder)
+    older = [e.folder for e in catalog.entries(location) if e.committed and e.folder != folder]
+    return location.uri, [folder, *(f for f in older if step is None or catalog.step_of(f) < step)]
+
+
+def resolve(root: Location, which: str, *, s3: S3Settings | None) -> tuple[Location, str]:
+    if which == LATEST:
+        return root, latest_folder(root)
+    if "/" not in which and root.exists(f"{which}/{MANIFEST_NAME}"):
+        return root, which  # a folder name under this store's root, e.g. step_00001200
+    parent_uri, _, name = which.rstrip("/").rpartition("/")
+    parent = open_location(parent_uri or ".", s3=s3, any_scheme=True)
+    if parent.exists(f"{name}/{MANIFEST_NAME}"):
+        return parent, name
+    as_root = open_location(which, s3=s3, any_scheme=True)
+    if catalog.entries(as_root):  # a run's checkpoint root: take its newest commit
+        return as_root, latest_folder(as_root)
+    committed = [root.child_uri(e.folder) for e in catalog.entries(root) if e.committed]
+    raise StorageError(
+        f"{which} is not a committed checkpoint (no {MANIFEST_NAME}; an interrupted save is never "
+        f"resumed from). Committed ones under {root.uri}: {committed[:5] or 'none'}"
+    )
+
+
+def latest_folder(location: Location) -> str:
+    entry = catalog.latest_committed(location)
+    if entry is None:
+        raise StorageError(f"no committed checkpoint under {location.uri}; start without --resume")
+    return entry.folder
+
+
+def inspect(location: Location, folder: str) -> Manifest | str:
+    """The checkpoint's manifest when its inventory is whole, else why not (one line)."""
+    try:
+        manifest = catalog.read_manifest(location, folder)
+    except StorageError as e:
+        return f"{location.child_uri(folder)}/{MANIFEST_NAME} is damaged: {e}"
+    problems = size_problems(manifest, location.list_files(folder))
+    if problems:
+        return f"checkpoint {manifest.uri} is damaged: " + "; ".join(problems)
+    return manifest
