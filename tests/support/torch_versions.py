@@ -33,6 +33,9 @@ _STAGER = (
 _SAC = "selective activation checkpointing public in torch.utils.checkpoint (torch 2.4 release notes, pytorch#125795)"
 
 SINCE: dict[str, tuple[str, str]] = {
+    # -- fp8: the float8 GEMM the fp8 linear kinds run (and selective checkpointing keeps)
+    "torch.ops.aten._scaled_mm": ("2.1", "aten::_scaled_mm in native_functions.yaml of the v2.1.0 tag"),
+    "torch.ops.aten._scaled_mm.default": ("2.1", "aten::_scaled_mm in native_functions.yaml of the v2.1.0 tag"),
     # -- activation checkpointing
     "torch.utils.checkpoint.CheckpointPolicy": ("2.4", _SAC),
     "torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE": ("2.4", _SAC),
@@ -83,6 +86,7 @@ SINCE: dict[str, tuple[str, str]] = {
     f"{_DCP}.save(storage_writer=)": ("2.2", _DCP_2_2),
     f"{_DCP}.save(process_group=)": ("2.2", _DCP_2_2),
     f"{_DCP}.save(no_dist=)": ("2.3", "no_dist on save/load, torch 2.3 docs"),
+    f"{_DCP}.load(no_dist=)": ("2.3", "no_dist on save/load, torch 2.3 docs"),
     f"{_DCP}.load": ("2.2", _DCP_2_2),
     f"{_DCP}.load(storage_reader=)": ("2.2", _DCP_2_2),
     f"{_DCP}.load(process_group=)": ("2.2", _DCP_2_2),
