@@ -23,7 +23,7 @@ BENCH_PYTHON ?= $(PYTHON)
 ROWS ?=
 QUICK ?=
 
-.PHONY: install demo test test-main test-low ref-venv lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
+.PHONY: install demo test test-fast test-main test-low ref-venv lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
 
 # A wheel fetched from a network index can break off mid-download (seen on the development box:
 # pip's six resumes stuck at one byte count): three tries, 30 s apart, for a transient failure.
@@ -66,6 +66,12 @@ ref-venv:
 test: install slurm-deps ref-venv
 	@status=0; $(MAKE) --no-print-directory test-main || status=1; \
 	$(MAKE) --no-print-directory test-low || status=1; exit $$status
+
+# The inner loop's tier, under 5 minutes on 2 cores: one process per test (no gloo ranks, no
+# cluster, no reference venv, no second stack), none marked slow, and not the bad-input suite.
+FAST_MARKERS := not dist and not slow and not gpu and not bad_input
+test-fast: install
+	$(VPY) -m pytest -q --durations=10 -m "$(FAST_MARKERS)" tests
 
 test-main: install slurm-deps ref-venv
 	BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q --durations=15 tests

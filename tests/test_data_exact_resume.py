@@ -126,6 +126,7 @@ def test_resume_at_the_same_settings_continues_the_exact_stream(dataset, workers
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_resume_in_one_process_continues_the_exact_stream(dataset, workers):
     result = resume_from_every_step(0, 1, dataset, {"workers": workers})
     assert result["differed"] == {} and result["steps"] >= 20 and result["replanned_differs"]
@@ -140,6 +141,7 @@ def test_a_replanned_stream_continues_exactly_from_its_own_origin(dataset):
         assert same_batches(rest, batches[k:]) and rest_positions == positions[k:] and rest_final == final
 
 
+@pytest.mark.slow
 def test_resampled_stream_continues_exactly_at_the_same_settings(dataset):
     result = resume_from_every_step(0, 1, dataset, {"workers": 2, "resampled": True, "max_steps": 12})
     assert result["differed"] == {} and result["steps"] == 12

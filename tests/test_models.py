@@ -43,6 +43,7 @@ def test_state_dict_layout_matches_openclip(name):
 
 
 @pytest.mark.parametrize("name", ["tiny", "ViT-B-32"])
+@pytest.mark.slow
 def test_openclip_weights_give_same_features(name):
     torch.manual_seed(0)
     ref = open_clip_clip(name).eval()

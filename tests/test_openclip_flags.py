@@ -187,6 +187,7 @@ def test_openclips_distributed_guide_command_parses():
     assert (cfg.data.dataset_type, cfg.engine.precision, cfg.data.batch_size) == ("webdataset", "amp", 320)
 
 
+@pytest.mark.slow
 def test_a_refused_flag_exits_2_before_anything_is_built(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bigclip.cli", "train", "--logs", str(tmp_path), "--horovod"],

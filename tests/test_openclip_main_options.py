@@ -95,6 +95,7 @@ def test_torchcompile_mode_and_backend_reach_torch_compile_in_training(demo_data
     assert calls and all(c == {"mode": "max-autotune"} for c in calls)  # every block's graph, with the mode
 
 
+@pytest.mark.slow
 def test_scalars_every_metric_step_and_the_log_line_every_log_step(demo_data, tmp_path):
     from support.train_harness import train_worker
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -99,6 +99,7 @@ def test_forward_flops_of_bigg_and_patch_dropout() -> None:
     assert 0.5 < half / full < 0.6  # the vision tower is ~90% of the work and sees 129 of 257 tokens
 
 
+@pytest.mark.slow
 def test_s3_requests_per_save_match_a_real_save() -> None:
     """One rank saves through a counting proxy to a loopback S3; the request model must agree."""
     state = {"model": {f"w{i}": torch.randn(1000 + 700_000 * i) for i in range(6)}}

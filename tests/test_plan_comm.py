@@ -65,6 +65,7 @@ def _count_sent(rank: int, world: int) -> dict[tuple[str, str], dict[str, int]]:
     return counts
 
 
+@pytest.mark.slow
 def test_planned_bytes_equal_what_the_real_loss_sends() -> None:
     """Ring: the exact bytes of every send. All-gather: every collective the exchange runs, at
     NCCL's ring cost ((W-1)/W of the gathered output or reduced input per rank)."""

@@ -62,6 +62,7 @@ def test_rank_share_shrinks_with_the_world(dry_runs: dict) -> None:
     assert 3.5 < ratio["fsdp"] < 3.7
 
 
+@pytest.mark.slow
 def test_dry_run_refuses_engines_it_cannot_run() -> None:
     with pytest.raises(ConfigError, match="--gpus"):
         split_gpus(["--model", "tiny"])

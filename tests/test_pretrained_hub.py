@@ -91,6 +91,7 @@ ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs" 
 
 
 @pytest.mark.parametrize("engine", [[], ZERO3], ids=["fsdp", "deepspeed-zero3"])
+@pytest.mark.slow
 def test_hf_hub_model_loads_its_config_preprocessing_and_weights_offline(demo_data, tmp_path, engine):
     """OpenCLIP's layout: open_clip_config.json (model_cfg + preprocess_cfg) and the weights, the
     safetensors file preferred over open_clip_pytorch_model.bin; --cache-dir names the cache."""

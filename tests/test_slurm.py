@@ -64,6 +64,7 @@ def test_rendered_script_passes_shellcheck_and_its_command_parses(
     assert f'RUN_DIR="{cfg.log.logs}/{cfg.log.name}"' in text
 
 
+@pytest.mark.slow
 def test_checked_in_scripts_are_what_the_renderer_makes(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
     subprocess.run(["bash", "slurm/render_recipes.sh", str(tmp_path)], cwd=ROOT, env=env, check=True,

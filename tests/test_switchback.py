@@ -320,6 +320,7 @@ def fp32_losses() -> list[float]:
 
 
 @pytest.mark.parametrize("mode", list(INT8_MODES))
+@pytest.mark.slow
 def test_tiny_clip_trains_like_fp32(mode, fp32_losses):
     reference = fp32_losses
     int8 = _train_tiny(mode, TRAIN_STEPS)

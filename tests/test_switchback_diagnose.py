@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# The Triton interpreter takes minutes on CPU: make test runs it, test-fast does not.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,6 +33,9 @@ from bigclip.ops.int8 import torch_path  # noqa: E402
 from bigclip.ops.int8.interpreter_compat import bf16_round_to_nearest_even  # noqa: E402
 from bigclip.ops.int8.selfcheck import LayerCase, failures  # noqa: E402
 
+# The Triton interpreter takes minutes on CPU: make test runs it, test-fast does not.
+pytestmark = pytest.mark.slow
+
 # (M, N, K): M far above N, K masked on every tile; and K = 256, where the GPU drops the K masks.
 GEMM_SHAPES = [(1100, 48, 208), (300, 200, 256)]
 # (M, N, K) of the layer: N, K multiples of 16 (the layer's rule) and of no tile; M = 150 >> N.

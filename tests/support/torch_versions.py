@@ -35,7 +35,10 @@ _SAC = "selective activation checkpointing public in torch.utils.checkpoint (tor
 SINCE: dict[str, tuple[str, str]] = {
     # -- fp8: the float8 GEMM the fp8 linear kinds run (and selective checkpointing keeps)
     "torch.ops.aten._scaled_mm": ("2.1", "aten::_scaled_mm in native_functions.yaml of the v2.1.0 tag"),
-    "torch.ops.aten._scaled_mm.default": ("2.1", "aten::_scaled_mm in native_functions.yaml of the v2.1.0 tag"),
+    "torch.ops.aten._scaled_mm.default": (
+        "2.1",
+        "aten::_scaled_mm in native_functions.yaml of the v2.1.0 tag",
+    ),
     # -- activation checkpointing
     "torch.utils.checkpoint.CheckpointPolicy": ("2.4", _SAC),
     "torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE": ("2.4", _SAC),
