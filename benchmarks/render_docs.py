@@ -9,7 +9,8 @@ A region is the text between `<!-- rendered: NAME -->` and `<!-- /rendered -->`.
 - `gpu_results`: every results/*_gpu.json; `unlisted_results`: every other results file that no
   region names (so a new benchmark shows up somewhere before it gets a table of its own);
 - `plan_*`: a table of `bigclip plan` for the runbook's run, computed by the planner itself, so
-  the runbook and the planner cannot disagree.
+  the runbook and the planner cannot disagree;
+- `bad_input_counts`: the bad-input suite's cases per area, as pytest collects them.
 tests/test_docs.py runs the check.
 """
 
@@ -113,8 +114,18 @@ def plan_checkpointing() -> str:
     return doc_tables.table(["checkpointing", "activations GiB", "recomputed FLOPs", "fits 80 GiB"], rows)
 
 
+def bad_input_counts() -> str:
+    """The bad-input suite's cases per area, as pytest collects them (tests/support/bad_input_counts.py)."""
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
+    from bad_input_counts import counts
+
+    per_area = counts()
+    rows = [[f"`{area}`", n] for area, n in sorted(per_area.items())] + [["total", sum(per_area.values())]]
+    return doc_tables.table(["area (tests/test_bad_input_AREA.py)", "cases"], rows)
+
+
 PLANS: dict[str, Callable[[], str]] = {
-    f.__name__: f for f in (plan_vit_bigg_1024, plan_batch_sweep, plan_checkpointing)
+    f.__name__: f for f in (plan_vit_bigg_1024, plan_batch_sweep, plan_checkpointing, bad_input_counts)
 }
 
 
