@@ -17,7 +17,7 @@ from bigclip.checkpoint.catalog import read_manifest, step_folder
 from bigclip.cli_args import parse_train_args
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError
-from bigclip.models.transformer import ResidualAttentionBlock
+from bigclip.models.transformer import ResidualAttentionBlock, block_linears
 from bigclip.ops.int8.switchback import apply_int8
 from bigclip.plan.memory import (
     Tower,
@@ -41,6 +41,9 @@ class _OneBlock(torch.nn.Module):
 
     def blocks(self) -> list[torch.nn.Module]:
         return [self.block]
+
+    def swappable_linears(self) -> list:
+        return block_linears("block", self.block)
 
 
 def saved_bytes_per_token(block: torch.nn.Module, x: torch.Tensor) -> float:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from bigclip.distributed import spawn
-from bigclip.models.transformer import Transformer
+from bigclip.models.transformer import Transformer, block_linears
 from bigclip.ops.int8.switchback import SwitchBackLinear, SwitchBackProjection, apply_int8
 
 pytest.importorskip("deepspeed")
@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 class _Tower(nn.Module):
-    """Residual blocks and a scalar head: what apply_int8 needs (`blocks()`), nothing else."""
+    """Residual blocks and a scalar head: what apply_int8 needs (the model contract's
+    `swappable_linears()`), nothing else."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -24,6 +25,11 @@ class _Tower(nn.Module):
 
     def blocks(self) -> list[nn.Module]:
         return list(self.transformer.resblocks)
+
+    def swappable_linears(self) -> list:
+        return [
+            s for i, b in enumerate(self.blocks()) for s in block_linears(f"transformer.resblocks.{i}", b)
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.transformer(x)).pow(2).mean()

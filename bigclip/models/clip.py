@@ -17,7 +17,7 @@ from torch import nn
 from bigclip.models.contract import InitFn, LinearSlot, ScalarRange, initial_values
 from bigclip.models.named_configs import CLIPConfig, TextConfig, VisionConfig  # noqa: F401 (re-exported)
 from bigclip.models.text import build_text_modules, pool_end_of_text
-from bigclip.models.transformer import QuickGELU
+from bigclip.models.transformer import QuickGELU, block_linears
 from bigclip.models.vision import VisionTransformer
 
 # OpenCLIP's trainer clamps logit_scale to [0, ln 100] after every step (a temperature of 1/100).
@@ -96,36 +96,7 @@ class CLIP(nn.Module):
     def swappable_linears(self) -> list[LinearSlot]:
         """Per block: the MLP's c_fc and c_proj, the attention's fused QKV and output projection."""
         names = {id(module): name for name, module in self.named_modules()}
-        slots = []
-        for block in self.blocks():
-            prefix, attn, width = names[id(block)], block.attn, block.attn.out_proj.in_features
-            slots += [
-                LinearSlot(
-                    f"{prefix}.mlp.{a}",
-                    block.mlp,
-                    a,
-                    "mlp",
-                    in_features=getattr(block.mlp, a).in_features,
-                    out_features=getattr(block.mlp, a).out_features,
-                )
-                for a in ("c_fc", "c_proj")
-            ]
-            slots.append(
-                LinearSlot(
-                    f"{prefix}.attn.in_proj", attn, "in_proj", "attention", "projection", width, 3 * width
-                )
-            )
-            slots.append(
-                LinearSlot(
-                    f"{prefix}.attn.out_proj",
-                    attn,
-                    "out_proj",
-                    "attention",
-                    in_features=width,
-                    out_features=width,
-                )
-            )
-        return slots
+        return [slot for block in self.blocks() for slot in block_linears(names[id(block)], block)]
 
     def set_grad_checkpointing(self, enable: bool = True, *, every: int = 1, policy: str = "full") -> None:
         """OpenCLIP's switch, plus bigclip's selective options (see bigclip.models.checkpointing)."""

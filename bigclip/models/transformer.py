@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bigclip.models.checkpointing import BlockCheckpointing, block_plan
+from bigclip.models.contract import LinearSlot
 
 
 class LayerNorm(nn.LayerNorm):
@@ -95,6 +96,20 @@ class ResidualAttentionBlock(nn.Module):
     def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), causal=causal)
         return x + self.mlp(self.ln_2(x))
+
+
+def block_linears(prefix: str, block: ResidualAttentionBlock) -> list[LinearSlot]:
+    """The model contract's swappable linears of one block named `prefix`: the MLP's c_fc and
+    c_proj, the attention's fused QKV (a projection over `in_proj_weight`) and output projection.
+    Sizes come from the modules, not the parameters, which ZeRO-3 may have partitioned already."""
+    mlp, attn, width = block.mlp, block.attn, block.attn.out_proj.in_features
+    slots = [LinearSlot(f"{prefix}.mlp.{a}", mlp, a, "mlp", in_features=getattr(mlp, a).in_features,
+                        out_features=getattr(mlp, a).out_features) for a in ("c_fc", "c_proj")]  # fmt: skip
+    slots.append(
+        LinearSlot(f"{prefix}.attn.in_proj", attn, "in_proj", "attention", "projection", width, 3 * width)
+    )
+    slots.append(LinearSlot(f"{prefix}.attn.out_proj", attn, "out_proj", "attention", "linear", width, width))
+    return slots
 
 
 class Transformer(nn.Module):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from bigclip.config import EngineConfig, TrainConfig
+from bigclip.config.linear_kinds import linear_kind
 from bigclip.errors import ConfigError
 
 
@@ -53,6 +54,7 @@ def _check_tag_tokenizer(cfg: TrainConfig) -> None:
 def check_machine(cfg: TrainConfig) -> None:
     """Checks that need torch (and DeepSpeed for its engine), but no process group."""
     check_device(cfg.engine)
+    _check_linear_kind(cfg)
     if cfg.engine.engine == "deepspeed":
         _check_deepspeed(cfg, world_size=launch_world_size())
 
@@ -88,6 +90,15 @@ def _check_global_batch(cfg: TrainConfig, *, world_size: int) -> None:
             f"--accum-freq {k} x {world_size} rank(s) = {per_step}): no step could run; lower --batch-size "
             "or --accum-freq, or give more samples"
         )
+
+
+def _check_linear_kind(cfg: TrainConfig) -> None:
+    """fp8 kinds need an fp8 GPU where the run computes on a GPU (a CPU emulates them)."""
+    if linear_kind(cfg.model.linear_kind).family == "fp8":
+        from bigclip.models.from_config import run_device_type
+        from bigclip.ops.fp8.float8 import needs_emulation
+
+        needs_emulation(run_device_type(cfg))  # one line on a GPU without fp8
 
 
 def _check_deepspeed(cfg: TrainConfig, *, world_size: int) -> None:
