@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "consolidate": ("bigclip.weights.consolidate", "Stream a sharded checkpoint into safetensors."),
     "publish": ("bigclip.registry.cli:publish_main", "Publish an immutable named checkpoint."),
     "checkpoints": ("bigclip.registry.cli", "List, show, verify or remove published checkpoints."),
-    "plan": ("bigclip.plan.report", "Per-GPU memory, FLOPs and checkpoint plan for a run."),
+    "plan": ("bigclip.plan.command", "Per-GPU memory, FLOPs and checkpoint plan for a run."),
     "slurm": ("bigclip.launch.slurm", "Render an sbatch script for a multi-node run."),
 }
 
