@@ -6,51 +6,77 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.bad_input import Case, bigclip, check
+from support.bad_input import SETTLED_BEFORE_WORK_S, Case, bigclip, check
+from support.no_torch import refusals_without_torch
 
 PLAN = ("--gpus", "8")
-# plan, models, consolidate, publish, checkpoints and index-shards import torch before they parse
-# their options (their modules load it at import): 3-5 s on an idle 2-core box, 10 s at a load of 8.
-# Parsing before those imports is the owning areas' follow-up (issue 28's report); until then
-# these rows get this bound instead of the suite's 5 s.
+# doctor's checks of a location load torch (storage): 3-5 s on an idle 2-core box, 10 s at a load of 8.
+# The other commands parse and check their options before importing torch (tests/test_cli_no_torch.py).
 TORCH_FIRST_S = 15.0
 
 
 def late(name: str, *args: str, says: tuple[str, ...], **kw) -> Case:
-    """A row of a command that imports torch before parsing its options."""
+    """A row of a command that imports torch before its check."""
     return Case(name, bigclip(*args), says, max_s=TORCH_FIRST_S, **kw)
+
+
+def row(name: str, *args: str, says: tuple[str, ...], **kw) -> Case:
+    return Case(name, bigclip(*args), says, **kw)
 
 
 CASES = [
     Case("unknown-command", bigclip("trian"), ("unknown command 'trian'", "did you mean train?")),
     Case("unknown-command-far", bigclip("frobnicate"), ("unknown command 'frobnicate'", "listed above")),
-    late("plan-gpus-missing", "plan", "--model", "tiny", says=("required: --gpus",)),
-    late("plan-gpus-zero", "plan", "--gpus", "0", says=("--gpus", "must be at least 1")),
-    late("plan-model-unknown", "plan", *PLAN, "--model", "ViT-Q-99", says=("unknown model 'ViT-Q-99'",)),
-    late("plan-lr-nan", "plan", *PLAN, "--lr", "nan", says=("--lr nan", "finite number")),
-    late("plan-batch-zero", "plan", *PLAN, "--batch-size", "0", says=("--batch-size", "at least 1")),
-    late("plan-unknown-flag", "plan", *PLAN, "--bogus", says=("unrecognized arguments: --bogus",)),
-    late("models-with-options", "models", "--bogus", says=("bigclip models takes no options",)),
+    row("plan-gpus-missing", "plan", "--model", "tiny", says=("required: --gpus",)),
+    row("plan-gpus-zero", "plan", "--gpus", "0", says=("--gpus", "must be at least 1")),
+    row("plan-model-unknown", "plan", *PLAN, "--model", "ViT-Q-99", says=("unknown model 'ViT-Q-99'",)),
+    row("plan-lr-nan", "plan", *PLAN, "--lr", "nan", says=("--lr nan", "finite number")),
+    row("plan-batch-zero", "plan", *PLAN, "--batch-size", "0", says=("--batch-size", "at least 1")),
+    row("plan-unknown-flag", "plan", *PLAN, "--bogus", says=("unrecognized arguments: --bogus",)),
+    row("plan-mfu-above-one", "plan", *PLAN, "--mfu", "1.5", says=("--mfu must be in (0, 1]",)),
+    row("plan-peak-zero", "plan", *PLAN, "--peak-tflops", "0", says=("--peak-tflops 0", "positive number")),
+    row("plan-memory-nan", "plan", *PLAN, "--gpu-memory-gib", "nan", says=("--gpu-memory-gib nan", "positive")),
+    row("models-with-options", "models", "--bogus", says=("bigclip models takes no options",)),
     Case("doctor-location-missing", bigclip("doctor"), ("required: location", "bigclip doctor --help")),
     Case("doctor-size-negative", bigclip("doctor", "ckpt", "--size-mb", "-1"), ("--size-mb", "got -1")),
     Case("doctor-timeout-zero", bigclip("doctor", "ckpt", "--timeout-s", "0"), ("--timeout-s positive",)),
     late("doctor-file-in-the-way", "doctor", "notes.txt", "--size-mb", "0",  # its checks load torch
          says=("notes.txt: folder", "a file, not a folder", "give a folder"), code=1),
-    late("consolidate-args-missing", "consolidate", says=("required: src",)),
-    late("consolidate-source-missing", "consolidate", "nope", "out.safetensors",
-         says=("nope is neither a weights file", "manifest.json")),
-    late("publish-args-missing", "publish", says=("required: src, name",)),
-    late("checkpoints-command-missing", "checkpoints", says=("required: command",)),
-    late("checkpoints-command-unknown", "checkpoints", "frob", says=("invalid choice: 'frob'", "'list'")),
-    late("checkpoints-no-registry", "checkpoints", "list", says=("no registry given", "BIGCLIP_REGISTRY"),
-         env={"BIGCLIP_REGISTRY": ""}),
-    late("index-shards-pattern-missing", "index-shards", says=("required: pattern",)),
-    late("index-shards-no-shard", "index-shards", "nope/{00000..00003}.tar",
-         says=("matches no shard", "Check the path, the brace range")),
+    row("consolidate-args-missing", "consolidate", says=("required: src",)),
+    row("consolidate-unknown-flag", "consolidate", "nope", "out.safetensors", "--bogus",
+        says=("unrecognized arguments: --bogus",)),
+    row("consolidate-source-missing", "consolidate", "nope", "out.safetensors",
+        says=("nope does not exist", "neither a weights file", "manifest.json")),
+    row("consolidate-out-and-open-clip-dir", "consolidate", "notes.txt", "out.safetensors", "--open-clip-dir", "d",
+        says=("give OUT or --open-clip-dir DIR",)),
+    row("consolidate-dtype-unknown", "consolidate", "notes.txt", "o.safetensors", "--dtype", "fp8",
+        says=("--dtype", "invalid choice: 'fp8'")),
+    row("consolidate-piece-size-unreadable", "consolidate", "notes.txt", "o.safetensors", "--piece-size", "1.2.3",
+        says=("--piece-size", "cannot read size '1.2.3'", "5GB")),
+    row("consolidate-shard-size-zero", "consolidate", "notes.txt", "o.safetensors", "--max-shard-size", "0",
+        says=("--max-shard-size '0'", "positive size")),
+    row("consolidate-read-ahead-zero", "consolidate", "notes.txt", "o.safetensors", "--read-ahead", "0",
+        says=("--read-ahead 0", "at least 1")),
+    row("consolidate-registry-missing", "consolidate", "registry:tiny-v1", "o.safetensors",
+        says=("registry:tiny-v1: no registry given", "BIGCLIP_REGISTRY"), env={"BIGCLIP_REGISTRY": ""}),
+    row("publish-args-missing", "publish", says=("required: src, name",)),
+    row("publish-no-registry", "publish", "notes.txt", "v1", says=("no registry given", "BIGCLIP_REGISTRY"),
+        env={"BIGCLIP_REGISTRY": ""}),
+    row("publish-source-missing", "publish", "nope", "v1", "--registry", "reg",
+        says=("nope: no such file or folder", "s3://")),
+    row("checkpoints-command-missing", "checkpoints", says=("required: command",)),
+    row("checkpoints-command-unknown", "checkpoints", "frob", says=("invalid choice: 'frob'", "'list'")),
+    row("checkpoints-no-registry", "checkpoints", "list", says=("no registry given", "BIGCLIP_REGISTRY"),
+        env={"BIGCLIP_REGISTRY": ""}),
+    row("checkpoints-unknown-flag", "checkpoints", "list", "--bogus", says=("unrecognized arguments: --bogus",)),
+    row("index-shards-pattern-missing", "index-shards", says=("required: pattern",)),
+    row("index-shards-no-shard", "index-shards", "nope/{00000..00003}.tar",
+        says=("matches no shard", "Check the path, the brace range")),
+    row("index-shards-unbalanced-brace", "index-shards", "nope/{00000..00003.tar",
+        says=("'nope/{00000..00003.tar': unbalanced braces", "close each range")),
+    row("index-shards-threads-zero", "index-shards", "nope/0.tar", "--threads", "0",
+        says=("--threads 0", "at least 1")),
 ]  # fmt: skip
-NEEDS_DATA_FIX = [  # bigclip/data/index.py (the data area's): braceexpand's exception escapes
-    late("index-shards-unbalanced-brace", "index-shards", "nope/{00000..00003.tar", says=("unbalanced",)),
-]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +92,9 @@ def test_bad_command_option(case: Case, home: Path) -> None:
     assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]
 
 
-@pytest.mark.xfail(strict=True, reason="bigclip/data: expand_pattern lets UnbalancedBracesError escape")
-@pytest.mark.parametrize("case", NEEDS_DATA_FIX, ids=[c.name for c in NEEDS_DATA_FIX])
-def test_bad_command_option_the_data_code_must_fix(case: Case, home: Path) -> None:
-    check(case, cwd=home, protect=[home])
+def test_flag_settled_refusals_import_no_torch(home: Path) -> None:
+    """Every row above that flags settle is refused without importing torch (which alone costs seconds)."""
+    rows = [c for c in CASES if c.max_s <= SETTLED_BEFORE_WORK_S]
+    result = refusals_without_torch(rows, cwd=home)
+    assert result["torch"] is False, f"torch was imported by row {list(result['codes'])[-1]}"
+    assert result["codes"] == {c.name: c.code for c in rows}

@@ -8,13 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.bad_input import Case, bigclip, check
+from support.bad_input import SETTLED_BEFORE_WORK_S, Case, bigclip, check
+from support.no_torch import refusals_without_torch
 
 DATA = ("--train-data", "s3://bucket/laion/{00000..41407}.tar")
 JOB = ("--nodes", "2", "--gpus-per-node", "8")
 # Rows whose check needs the plan (`bigclip plan`): the planner imports torch, torch.distributed.tensor
 # (engines.optim) and builds the model on the meta device: about 4 s on an idle 2-core box, 10 s at a
-# load of 7. A torch-free planner would bring these under a second (see the report of issue 28).
+# load of 7. Every other row is settled by the flags, before torch (test_flag_settled_refusals_import_no_torch).
 PLAN_S = 15.0
 
 
@@ -74,6 +75,14 @@ def home(tmp_path_factory) -> Path:
 def test_bad_rendering(case: Case, home: Path) -> None:
     check(case, cwd=home, protect=[home])
     assert sorted(p.name for p in home.iterdir()) == ["job.sbatch", "notes.txt", "scripts"]
+
+
+def test_flag_settled_refusals_import_no_torch(home: Path) -> None:
+    """Every row but the plan's is refused without importing torch (which alone costs seconds)."""
+    rows = [c for c in CASES if c.max_s <= SETTLED_BEFORE_WORK_S]
+    result = refusals_without_torch(rows, cwd=home)
+    assert result["torch"] is False, f"torch was imported by row {list(result['codes'])[-1]}"
+    assert result["codes"] == {c.name: c.code for c in rows}
 
 
 def test_output_folder_is_created_and_force_replaces(home: Path, tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from bigclip.demo.data import Attributes, draw
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError
 from bigclip.models import create_model
-from bigclip.weights.consolidate import main as consolidate_main
+from bigclip.weights.consolidate_command import main as consolidate_main
 
 pytestmark = pytest.mark.dist
 

@@ -19,6 +19,7 @@ from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError
 from bigclip.models.transformer import ResidualAttentionBlock, block_linears
 from bigclip.ops.int8.switchback import apply_int8
+from bigclip.plan.command import main
 from bigclip.plan.memory import (
     Tower,
     activation_bytes,
@@ -27,7 +28,7 @@ from bigclip.plan.memory import (
     recomputed_flops,
     towers,
 )
-from bigclip.plan.report import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, main, s3_requests
+from bigclip.plan.report import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, s3_requests
 from bigclip.plan.spec import PlanSpec, from_train_config
 from bigclip.storage.s3 import S3Settings
 

@@ -19,19 +19,40 @@ each epoch read against its plan and what it lost) -> device
 who reads what (assignment), what has been consumed (position) and how to continue the same
 stream (reader_state, stream_state, randomness). transforms (+ augment: --aug-cfg), eval,
 tokenizer and index (`bigclip index-shards`) stand alone.
+
+The names below load on first use (PEP 562), so `bigclip index-shards` and the flag checks can
+import a module of this package (shards, index) without importing torch.
 """
 
-from bigclip.data.accounting import DataStats, EpochAccount
-from bigclip.data.augment import Augmentation
-from bigclip.data.decode import SampleKeys
-from bigclip.data.device import ImageNormalizer, image_normalizer
-from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set
-from bigclip.data.loader import TrainBatch, TrainLoader, build_train_loader
-from bigclip.data.shards import ShardList, expand_pattern, validate_shards
-from bigclip.data.tokenizer import HashingTokenizer, Tokenizer, build_tokenizer
-from bigclip.data.transforms import eval_transform, train_transform
-from bigclip.data.validation import validate_data
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE = {
+    "Augmentation": "augment",
+    "DataStats": "accounting",
+    "EpochAccount": "accounting",
+    "EvalSample": "eval",
+    "EvalSet": "eval",
+    "HashingTokenizer": "tokenizer",
+    "ImageNormalizer": "device",
+    "SampleKeys": "decode",
+    "ShardList": "shards",
+    "Tokenizer": "tokenizer",
+    "TrainBatch": "loader",
+    "TrainLoader": "loader",
+    "build_tokenizer": "tokenizer",
+    "build_train_loader": "loader",
+    "eval_transform": "transforms",
+    "expand_pattern": "shards",
+    "image_normalizer": "device",
+    "iter_eval_samples": "eval",
+    "load_eval_set": "eval",
+    "train_transform": "transforms",
+    "validate_data": "validation",
+    "validate_shards": "shards",
+}
 __all__ = [
     "Augmentation",
     "DataStats",
@@ -56,3 +77,21 @@ __all__ = [
     "validate_data",
     "validate_shards",
 ]
+
+if TYPE_CHECKING:
+    from bigclip.data.accounting import DataStats, EpochAccount
+    from bigclip.data.augment import Augmentation
+    from bigclip.data.decode import SampleKeys
+    from bigclip.data.device import ImageNormalizer, image_normalizer
+    from bigclip.data.eval import EvalSample, EvalSet, iter_eval_samples, load_eval_set
+    from bigclip.data.loader import TrainBatch, TrainLoader, build_train_loader
+    from bigclip.data.shards import ShardList, expand_pattern, validate_shards
+    from bigclip.data.tokenizer import HashingTokenizer, Tokenizer, build_tokenizer
+    from bigclip.data.transforms import eval_transform, train_transform
+    from bigclip.data.validation import validate_data
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'bigclip.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"bigclip.data.{_WHERE[name]}"), name)

@@ -44,7 +44,7 @@ from bigclip.data.tar_samples import (
     read_errors,
     recording_tarinfo,
 )
-from bigclip.errors import DataError
+from bigclip.errors import ConfigError, DataError
 from bigclip.storage.progress import progress_bar
 from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
 
@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: give at least 1 (shards counted at once; default 16)")
     s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
     counts = index_shards(args.pattern, threads=args.threads, s3=s3, progress=not args.no_progress)
     if args.check:

@@ -28,7 +28,7 @@ import posixpath
 from collections import defaultdict
 from dataclasses import dataclass
 
-from braceexpand import braceexpand
+from braceexpand import UnbalancedBracesError, braceexpand
 
 from bigclip.errors import DataError
 from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, join_s3_uri, split_s3_uri
@@ -105,11 +105,15 @@ class ShardList:
         return dataclasses.replace(self, weights=weights)
 
 
-def expand_pattern(pattern: str) -> list[str]:
+def expand_pattern(pattern: str, *, what: str = "shard pattern") -> list[str]:
     """'a/{0..2}.tar::b/x.tar' -> ['a/0.tar', 'a/1.tar', 'a/2.tar', 'b/x.tar'] (order kept, no duplicates)."""
     urls: list[str] = []
     for source in pattern.split("::"):
-        urls.extend(u.strip() for u in braceexpand(source.strip()) if u.strip())
+        try:
+            urls.extend(u.strip() for u in braceexpand(source.strip()) if u.strip())
+        except UnbalancedBracesError:
+            raise DataError(f"{what} {pattern!r}: unbalanced braces in {source.strip()!r}; close each range, "
+                            "e.g. /data/{00000..00099}.tar") from None  # fmt: skip
     return list(dict.fromkeys(urls))
 
 
@@ -117,7 +121,7 @@ def validate_shards(pattern: str, *, s3: S3Settings | None = None, what: str = "
     """The existing shards of `pattern`; `DataError` (in seconds) when none exists or S3 is unreachable."""
     if not pattern.strip():
         raise DataError(f"{what} is empty; give a shard pattern such as /data/{{00000..00099}}.tar")
-    urls = expand_pattern(pattern)
+    urls = expand_pattern(pattern, what=what)
     settings = (s3 or S3Settings.resolve()) if any(is_s3(u) for u in urls) else None
     found = _existing(urls, settings)
     existing = [u for u in urls if u in found]

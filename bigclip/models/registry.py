@@ -1,14 +1,14 @@
-"""Model configs (OpenCLIP's JSON schema) and the `create_model` factory."""
+"""Model configs (OpenCLIP's JSON schema) and the `create_model` factory (`bigclip models` lists them:
+listing.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from bigclip.errors import ConfigError
 from bigclip.models.clip import CLIP, init_weights
 from bigclip.models.named_configs import get_model_config, list_models
 
-__all__ = ["count_parameters", "create_model", "get_model_config", "list_models", "main"]
+__all__ = ["count_parameters", "create_model", "get_model_config", "list_models"]
 
 
 def create_model(
@@ -48,16 +48,3 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     image = sum(p.numel() for p in model.visual.parameters())
     return {"total": total, "image": image, "text": total - image}
-
-
-def main(argv: list[str]) -> int:
-    if argv and argv[0] not in ("-h", "--help"):
-        raise ConfigError(f"bigclip models takes no options, got {' '.join(argv)}; run `bigclip models`")
-    if argv:
-        print("usage: bigclip models    (lists the model configs with their parameter counts)")
-        return 0
-    print(f"{'model':<14}{'params (M)':>12}{'image (M)':>12}{'text (M)':>12}")
-    for name in list_models():
-        counts = count_parameters(create_model(name, device="meta"))
-        print(f"{name:<14}" + "".join(f"{counts[k] / 1e6:>12.2f}" for k in ("total", "image", "text")))
-    return 0

@@ -19,35 +19,22 @@ priced in bytes sent per GPU and seconds at --link-gbps (plan/comm.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bigclip.cli_args import parse_train_args
-from bigclip.errors import ConfigError
 from bigclip.models import get_model_config
 from bigclip.models.flops import forward_flops as model_forward_flops
 from bigclip.plan.comm import loss_exchange_bytes, transfer_seconds
 from bigclip.plan.memory import MemoryPlan, plan_memory, recomputed_flops
 from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
+from bigclip.plan.options import Hardware, PlanOptions
 from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes, from_train_config, model_params
 
 GiB = 2**30
 S3_WRITES_PER_PREFIX_PER_S = 3500  # AWS's documented PUT/COPY/POST/DELETE rate per partitioned prefix
 RANK0_EXTRA_REQUESTS = 12  # HEAD+LIST (clear the folder), .metadata (3 + HEAD x2, copy, delete), manifest (3)
-
-
-@dataclass(frozen=True)
-class Hardware:
-    gpu_memory_gib: float = 80.0
-    headroom: float = 0.08  # CUDA context, NCCL buffers, allocator fragmentation
-    peak_tflops: float = 989.0  # H100 SXM dense bf16
-    mfu: float = 0.40
-    part_size_mib: float = 8.0  # s3torchconnector's multipart part size
-    link_gbps: float = 400.0  # network per GPU between nodes: one 400 Gbit/s NIC per H100 (DGX H100)
 
 
 @dataclass(frozen=True)
@@ -225,38 +212,6 @@ def to_json(plan: Plan) -> dict[str, Any]:
     }
 
 
-def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bigclip plan",
-        description="Plan a run: takes --gpus and the planner options below, plus any `bigclip train` flag.",
-    )
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the run (one rank each).")
-    p.add_argument("--gpu-memory-gib", type=float, default=Hardware.gpu_memory_gib, help="Memory per GPU.")
-    p.add_argument("--headroom", type=float, default=Hardware.headroom,
-                   help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")  # fmt: skip
-    p.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, help="Dense bf16 peak per GPU.")
-    p.add_argument("--mfu", type=float, default=Hardware.mfu, help="Model FLOPs utilisation to assume.")
-    p.add_argument(
-        "--part-size-mib", type=float, default=Hardware.part_size_mib, help="S3 multipart part size."
-    )
-    p.add_argument("--link-gbps", type=float, default=Hardware.link_gbps,
-                   help="Network bandwidth per GPU between nodes, Gbit/s (prices the loss exchange).")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
-    p.add_argument("--markdown", action="store_true", help="Print the table as Markdown.")
-    p.add_argument("--dry-run", action="store_true",
-                   help="Also build rank 0's real sharded model under a fake process group and compare.")  # fmt: skip
-    return p
-
-
-def hardware_from(args: argparse.Namespace) -> Hardware:
-    if not 0 < args.mfu <= 1 or not 0 <= args.headroom < 1 or args.link_gbps <= 0:
-        raise ConfigError("--mfu must be in (0, 1], --headroom in [0, 1) and --link-gbps above 0")
-    return Hardware(
-        gpu_memory_gib=args.gpu_memory_gib, headroom=args.headroom, peak_tflops=args.peak_tflops,
-        mfu=args.mfu, part_size_mib=args.part_size_mib, link_gbps=args.link_gbps,
-    )  # fmt: skip
-
-
 def dry_run_rows(plan: Plan, train_argv: list[str]) -> list[tuple[str, str]]:
     from bigclip.plan.dryrun import run_dry_run
 
@@ -269,20 +224,15 @@ def dry_run_rows(plan: Plan, train_argv: list[str]) -> list[tuple[str, str]]:
     return rows
 
 
-def main(argv: list[str]) -> int:
-    args, train_argv = plan_parser().parse_known_args(argv)
-    cfg = parse_train_args(train_argv)
-    plan = build_plan(from_train_config(cfg, gpus=args.gpus), hardware_from(args))
-    if args.json:
+def print_plan(options: PlanOptions) -> int:
+    """`bigclip plan`'s output for options parsed and checked by plan/options.py."""
+    plan = build_plan(from_train_config(options.train, gpus=options.gpus), options.hardware)
+    if options.json:
         print(json.dumps(to_json(plan), indent=2))
         return 0
     rows = report_rows(plan)
-    if args.dry_run:
-        rows += dry_run_rows(plan, train_argv)
+    if options.dry_run:
+        rows += dry_run_rows(plan, options.train_argv)
     print(f"{plan.spec.model} on {plan.spec.gpus} GPUs, {plan.spec.engine}, {plan.spec.precision}, rank 0:")
-    print(format_rows(rows, markdown=args.markdown))
+    print(format_rows(rows, markdown=options.markdown))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

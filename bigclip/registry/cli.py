@@ -7,20 +7,27 @@ bigclip checkpoints show NAME                 the manifest: source, files, sizes
 bigclip checkpoints verify NAME               re-hash every object (or PATH: a checkpoint folder)
 bigclip checkpoints rm NAME [--break-stale-leases]
 bigclip checkpoints gc                        delete blobs no published NAME holds (rm does this too)
+
+The options are parsed and checked (a registry given, a local SRC that exists) before the
+registry's code, and with it torch, is imported: a bad option fails in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
-from bigclip.errors import ConfigError
-from bigclip.registry.leases import list_leases
-from bigclip.registry.store import Registry
+from bigclip.errors import ConfigError, StorageError
+from bigclip.registry.git_source import GIT_PREFIX
 from bigclip.storage.progress import human_bytes
 from bigclip.storage.s3 import S3Settings
-from bigclip.weights.sources import registry_uri
+from bigclip.weights.schemes import registry_uri
+
+if TYPE_CHECKING:
+    from bigclip.registry.store import Registry
 
 
 def add_registry_args(parser: argparse.ArgumentParser) -> None:
@@ -28,13 +35,32 @@ def add_registry_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
 
+def require_registry(args: argparse.Namespace) -> str:
+    """The registry's URI; checked here, before the registry's code (and torch) is imported."""
+    uri = registry_uri(args.registry or "")
+    if not uri:
+        raise ConfigError(
+            "no registry given: pass --registry PATH|s3://bucket/prefix or set BIGCLIP_REGISTRY"
+        )
+    return uri
+
+
 def open_registry(args: argparse.Namespace) -> Registry:
+    from bigclip.registry.store import Registry  # torch: only once the options hold
+
     s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
-    return Registry(registry_uri(args.registry or ""), s3=s3)
+    return Registry(require_registry(args), s3=s3)
+
+
+def is_path(target: str) -> bool:
+    """`checkpoints verify` takes a NAME or a checkpoint folder / run root (a path or URI)."""
+    return "/" in target or target.startswith(".")
 
 
 def list_command(registry: Registry) -> None:
     """LOGICAL: the files' total size; UNIQUE: bytes no other NAME shares (what `rm` frees)."""
+    from bigclip.registry.leases import list_leases
+
     unique, stored = registry.usage()
     rows = [("NAME", "KIND", "MODEL", "STEP", "LOGICAL", "UNIQUE", "LEASES", "CREATED")]
     logical = 0
@@ -62,6 +88,8 @@ def list_command(registry: Registry) -> None:
 
 
 def show_command(registry: Registry, name: str) -> None:
+    from bigclip.registry.leases import list_leases
+
     p = registry.get(name)
     print(f"name      {p.name}\nuri       {p.uri}\nkind      {p.kind} (entry: {p.entry or '-'})")
     print(f"model     {p.model or '-'}\nstep      {'-' if p.step is None else p.step}\nsource    {p.source}")
@@ -77,7 +105,7 @@ def show_command(registry: Registry, name: str) -> None:
 
 def verify_command(args: argparse.Namespace) -> None:
     target = args.name
-    if "/" in target or target.startswith("."):  # a checkpoint folder or run root, not a NAME
+    if is_path(target):  # a checkpoint folder or run root, not a NAME
         from bigclip.checkpoint.store import CheckpointStore
 
         s3 = S3Settings.resolve(endpoint=args.s3_endpoint, region=args.s3_region)
@@ -113,6 +141,8 @@ def main(argv: list[str]) -> int:
                              help="Delete leases of runs that died (expired, or dead pid on this host).")  # fmt: skip
         add_registry_args(sub)
     args = parser.parse_args(argv)
+    if args.command != "verify" or not is_path(args.name):
+        require_registry(args)
     if args.command == "verify":
         verify_command(args)
         return 0
@@ -143,6 +173,14 @@ def publish_main(argv: list[str]) -> int:
     parser.add_argument("--model", default="", help="Model config name to record when SRC does not say.")
     add_registry_args(parser)
     args = parser.parse_args(argv)
+    require_registry(args)
+    if (
+        "://" not in args.src
+        and not args.src.startswith(GIT_PREFIX)
+        and not Path(args.src).expanduser().exists()
+    ):
+        raise StorageError(f"{args.src}: no such file or folder; give a checkpoint, a weights file, a folder, "
+                           "an archive, or an s3://, http(s):// or git+ URI")  # fmt: skip
     registry = open_registry(args)
     published = registry.publish(args.src, args.name, model=args.model, progress=not args.no_progress)
     print(f"published {published.name} ({published.kind}, {len(published.objects)} files, "

@@ -1,12 +1,26 @@
-"""Progress bars for the offline tools (tqdm, on stderr) and human-readable byte counts."""
+"""Progress bars for the offline tools (tqdm, on stderr) and human-readable byte counts, both ways
+(`human_bytes` writes them, `parse_size` reads the sizes users give, e.g. --max-shard-size 5GB)."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 from tqdm import tqdm
 
+from bigclip.errors import ConfigError
+
 NON_TTY_INTERVAL_S = 30.0  # in CI logs and files a redrawn bar is noise: one line every 30 s
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9 bytes, '512MiB' -> 2**29 (decimal and binary units, as Hugging Face)."""
+    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ConfigError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 def human_bytes(n: float) -> str:

@@ -24,20 +24,17 @@ OpenCLIP's `local-dir:` loader and the Hugging Face Hub take instead (see open_c
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from typing import Any
 
 import torch
 
-from bigclip.cli_args import add_config_flags
-from bigclip.config import CheckpointConfig
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.progress import human_bytes, progress_bar
+from bigclip.storage.progress import human_bytes, parse_size, progress_bar
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import PIECE_BYTES, TensorInfo
-from bigclip.weights.safetensors_writer import WriteResult, parse_size, plan_output, write_safetensors
+from bigclip.weights.safetensors_writer import WriteResult, plan_output, write_safetensors
 from bigclip.weights.sources import WeightSource, open_weights, weights_tokenizer
 
 log = logging.getLogger("bigclip.consolidate")
@@ -128,49 +125,3 @@ def consolidate(
         "consolidated %s -> %s (%d files, %s)", source.uri, plan.folder, len(plan.files), human_bytes(total)
     )
     return result
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bigclip consolidate", description=__doc__.split("\n")[0])
-    parser.add_argument("src", help="Checkpoint (path, s3:// URI, run checkpoint root) or registry:NAME.")
-    parser.add_argument("out", nargs="?", default="", help="OUT.safetensors, or a folder / s3:// prefix.")
-    parser.add_argument(
-        "--open-clip-dir",
-        default="",
-        help="Instead of OUT: a folder OpenCLIP loads as local-dir:DIR and the Hugging Face Hub takes as it is.",
-    )
-    parser.add_argument("--model", default="", help="With --open-clip-dir: the model, if SRC does not say.")
-    parser.add_argument(
-        "--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the weights written."
-    )
-    parser.add_argument(
-        "--max-shard-size", default="", help="Split into shards of at most this size, e.g. 5GB."
-    )
-    parser.add_argument(
-        "--with-optimizer", action="store_true", help="Also write Adam state and train state."
-    )
-    parser.add_argument("--overwrite", action="store_true", help="Replace existing output files.")
-    parser.add_argument(
-        "--piece-size", default="16MiB", help="Bytes read per request (memory: pieces in flight)."
-    )
-    parser.add_argument("--read-ahead", type=int, default=4, help="Pieces read ahead on threads.")
-    add_config_flags(parser, CheckpointConfig, ("registry", "s3_endpoint", "s3_region"))
-    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    args = parser.parse_args(argv)
-    if bool(args.out) == bool(args.open_clip_dir):
-        parser.error("give OUT or --open-clip-dir DIR (one of them)")
-    if args.open_clip_dir and (args.max_shard_size or args.with_optimizer):
-        parser.error(
-            "--open-clip-dir writes one weights file (OpenCLIP's loader reads one), without optimizer state"
-        )
-    s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
-    result = consolidate(
-        args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        with_optimizer=args.with_optimizer, overwrite=args.overwrite, s3=s3, registry=args.registry or "",
-        progress=not args.no_progress, piece_bytes=parse_size(args.piece_size), read_ahead=args.read_ahead,
-        open_clip_dir=args.open_clip_dir, model=args.model,
-    )  # fmt: skip
-    plan = result.plan
-    for name in plan.names():
-        print(f"{plan.folder.rstrip('/')}/{name}  {human_bytes(result.records[name].size)}")
-    return 0

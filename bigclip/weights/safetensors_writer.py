@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bigclip.errors import ConfigError, StorageError
+from bigclip.errors import StorageError
 from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.locations import Location, open_location
 from bigclip.storage.s3 import S3Settings
@@ -34,16 +33,6 @@ from bigclip.weights.safetensors_format import INDEX_SUFFIX, encode_header
 
 MANIFEST_SUFFIX = ".manifest.json"
 FORMAT = "bigclip-consolidated"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9 bytes, '512MiB' -> 2**29 (decimal and binary units, as Hugging Face)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).upper() not in _UNITS:
-        raise ConfigError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 @dataclass

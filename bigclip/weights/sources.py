@@ -41,7 +41,7 @@ from bigclip.storage.redact import redact_text
 from bigclip.storage.s3 import S3Settings, is_s3
 from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, SafetensorsReader
-from bigclip.weights.schemes import REGISTRY_SCHEME
+from bigclip.weights.schemes import REGISTRY_SCHEME, registry_uri
 
 if TYPE_CHECKING:
     from bigclip.registry.store import Published, Registry
@@ -58,11 +58,6 @@ class WeightSource:
     prefix: str = ""  # where the model's weights are ("model." in a bigclip checkpoint)
     model: str = ""
     step: int | None = None
-
-
-def registry_uri(explicit: str = "") -> str:
-    """The registry `registry:NAME` refers to: --registry, else $BIGCLIP_REGISTRY."""
-    return explicit or os.environ.get("BIGCLIP_REGISTRY", "")
 
 
 def open_weights(
