@@ -294,3 +294,75 @@ def test_the_damage_helpers_hit_tensor_bytes(run):
     """The rows above damage what they say: the byte chosen lies inside a tensor's stored bytes."""
     path, offset = tensor_byte(run / "step_00000008", "model.")
     assert path.suffix == ".distcp" and 0 < offset < path.stat().st_size
+
+
+@pytest.fixture(scope="module")
+def consolidated(run, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The step-8 weights as a consolidated safetensors file, with its checksum manifest beside it."""
+    from bigclip.weights.consolidate import consolidate
+
+    out = tmp_path_factory.mktemp("consolidated") / "tiny.safetensors"
+    consolidate(str(run / "step_00000008"), str(out), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def st_registry(consolidated, tmp_path_factory: pytest.TempPathFactory) -> Registry:
+    registry = Registry(str(tmp_path_factory.mktemp("st-registry") / "reg"))
+    assert registry.publish(str(consolidated), "tiny-st").kind == "safetensors"
+    return registry
+
+
+def damaged_st_registry(registry: Registry, tmp_path: Path, hurt: Callable[[Path], None]) -> Path:
+    """A copy of the registry whose safetensors blob is damaged by `hurt`."""
+    copy = tmp_path / "registry"
+    shutil.copytree(registry.location.root, copy)
+    sha = registry.get("tiny-st").objects["tiny.safetensors"].sha256
+    hurt(copy / "blobs" / sha[:2] / sha)
+    return copy
+
+
+def flip_last_tensor(path: Path) -> None:
+    """A byte in the middle of the file's data: ranged reads of any one tensor would not see the
+    header change, only the file's SHA-256 does."""
+    flip(path, path.stat().st_size - 20)
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+ST_ROWS = {
+    "flipped byte": (flip_last_tensor, ("registry:tiny-st tiny.safetensors", "is damaged", "SHA-256",
+                                        "checkpoints verify tiny-st")),  # fmt: skip
+    "truncated": (truncate, ("registry:tiny-st is damaged", "manifest says", "checkpoints verify tiny-st")),
+}
+
+
+@pytest.mark.parametrize("row", list(ST_ROWS))
+def test_a_damaged_safetensors_blob_is_refused_by_pretrained_and_consolidate(
+    demo_data, st_registry, tmp_path, row
+):
+    hurt, says = ST_ROWS[row]
+    copy = damaged_st_registry(st_registry, tmp_path, hurt)
+    out = tmp_path / "out.safetensors"
+    consolidate = Case(f"consolidate registry safetensors, {row}", bigclip("consolidate", "registry:tiny-st",
+                       str(out), "--registry", str(copy), "--no-progress"), says, max_s=WORK_S)  # fmt: skip
+    check(consolidate, cwd=tmp_path, protect=[copy])
+    assert not list(tmp_path.glob("out*"))  # no file, no manifest
+    pretrained = Case(f"--pretrained registry safetensors, {row}", train(demo_data, tmp_path, "--pretrained",
+                      "registry:tiny-st", "--registry", str(copy), "--checkpoint-dir", str(tmp_path / "new")),
+                      says, max_s=WORK_S)  # fmt: skip
+    check(pretrained, cwd=tmp_path, protect=[copy])
+    assert not (tmp_path / "new").exists() or not list((tmp_path / "new").rglob("manifest.json"))
+
+
+def test_a_damaged_consolidated_file_is_refused_by_pretrained(demo_data, consolidated, tmp_path):
+    """A local file with the checksum manifest `bigclip consolidate` wrote beside it is checked too."""
+    folder = tmp_path / "weights"
+    shutil.copytree(consolidated.parent, folder)
+    flip_last_tensor(folder / consolidated.name)
+    case = Case("--pretrained consolidated file, flipped byte", train(demo_data, tmp_path, "--pretrained",
+                str(folder / consolidated.name), "--checkpoint-dir", str(tmp_path / "new")),
+                (f"{folder / consolidated.name} is damaged", "SHA-256", "bigclip consolidate"), max_s=WORK_S)  # fmt: skip
+    check(case, cwd=tmp_path, protect=[folder])

@@ -11,6 +11,10 @@ GIL and runs at ~3.5 GB/s per core here.
 What the checks cover: a chunk's every record (tensor bytes and pickle), and, through the
 manifest's SHA-256, `.metadata` (`check_object`). A flipped byte in a zip's own headers fails
 to parse or moves a record, and then fails its CRC.
+
+Whole files whose writer recorded only a SHA-256 (a registry blob, a consolidated safetensors
+file) are checked by `StreamDigest`: the reader feeds it every byte of the file in file order as
+it reads them, and checks it before handing out the file's last bytes, so nothing is read twice.
 """
 
 from __future__ import annotations
@@ -127,14 +131,63 @@ def tensor_of(data: memoryview, records: list[ZipRecord], *, where: str, key: st
     return flat.view(meta.dtype).as_strided(meta.shape, meta.stride(), meta.storage_offset())
 
 
-def check_object(data: bytes, record: ObjectRecord | None, *, where: str) -> None:
+def check_object(data: bytes, record: ObjectRecord | None, *, where: str, advice: str = ADVICE) -> None:
     """A whole object (`.metadata`, a blob) against the size and SHA-256 its manifest lists."""
     if record is None:
         return
     if ObjectRecord(len(data), hashlib.sha256(data).hexdigest()) != record:
         raise CheckpointDamaged(
-            f"{where} is damaged: its size or SHA-256 differs from the manifest; {ADVICE}"
+            f"{where} is damaged: its size or SHA-256 differs from the manifest; {advice}"
         )
+
+
+def size_differs(
+    where: str, size: int | None, record: ObjectRecord, *, advice: str = ADVICE
+) -> CheckpointDamaged:
+    """An object missing or of another size than its writer recorded (found from a listing)."""
+    found = "is missing" if size is None else f"holds {size} bytes"
+    return CheckpointDamaged(f"{where} is damaged: it {found}, its writer recorded {record.size}; {advice}")
+
+
+class StreamDigest:
+    """Size and SHA-256 of one object's bytes, fed in file order from the reads that use them."""
+
+    def __init__(self, record: ObjectRecord, *, where: str, advice: str = ADVICE) -> None:
+        self.record, self.where, self.advice = record, where, advice
+        self._hash, self.size = hashlib.sha256(), 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._hash.update(data)  # releases the GIL: read-ahead threads keep reading meanwhile
+        self.size += memoryview(data).nbytes
+
+    def check(self) -> None:
+        """Raise unless every byte was fed and they are the ones the writer recorded."""
+        found = ObjectRecord(self.size, self._hash.hexdigest())
+        if found != self.record:
+            raise CheckpointDamaged(
+                f"{self.where} is damaged: its {found.size} bytes have SHA-256 {found.sha256[:16]}..., its "
+                f"writer recorded {self.record.size} bytes with {self.record.sha256[:16]}...; {self.advice}"
+            )
+
+
+def read_checked(
+    stream: io.IOBase, digest: StreamDigest, *, sink: io.IOBase | None = None, chunk_bytes: int = 16 << 20
+) -> None:
+    """Read `stream` to its end once, feeding `digest` (and `sink`, e.g. a download), then check it."""
+    buffer = memoryview(bytearray(chunk_bytes))
+    while n := _read_into(stream, buffer):
+        digest.update(buffer[:n])
+        if sink is not None:
+            sink.write(buffer[:n])
+    digest.check()
+
+
+def _read_into(stream: io.IOBase, buffer: memoryview) -> int:
+    if hasattr(stream, "readinto"):
+        return stream.readinto(buffer) or 0
+    data = stream.read(len(buffer))  # streams without readinto (some HTTP and fsspec files)
+    buffer[: len(data)] = data
+    return len(data)
 
 
 class SeekableView(io.RawIOBase):

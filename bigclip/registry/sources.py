@@ -24,7 +24,6 @@ import hashlib
 import io
 import json
 import posixpath
-import re
 import shutil
 import tarfile
 import tempfile
@@ -44,9 +43,7 @@ from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.locations import LocalLocation, Location, open_location
 from bigclip.storage.redact import redact_text
 from bigclip.storage.s3 import S3Settings
-from bigclip.weights.safetensors_format import INDEX_SUFFIX
-from bigclip.weights.safetensors_writer import FORMAT as CONSOLIDATED_FORMAT
-from bigclip.weights.safetensors_writer import MANIFEST_SUFFIX
+from bigclip.weights.output_manifest import manifest_beside
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
 ARCHIVE_SUFFIXES = (*TAR_SUFFIXES, ".zip")
@@ -132,23 +129,6 @@ def _consolidated_files(location: Location, manifest_name: str) -> tuple[SourceI
     return info, files()
 
 
-def _consolidated_manifest(location: Location, file_name: str) -> str | None:
-    """The consolidation manifest beside `file_name` that lists it (or that it is), if any."""
-    shard = re.fullmatch(r"(.*)-\d{5}-of-\d{5}\.safetensors", file_name)
-    stem = shard.group(1) if shard else file_name
-    for suffix in (MANIFEST_SUFFIX, INDEX_SUFFIX, ".safetensors"):
-        stem = stem.removesuffix(suffix)
-    candidate = stem + MANIFEST_SUFFIX
-    if not location.exists(candidate):
-        return None
-    try:
-        body = json.loads(location.read_bytes(candidate))
-    except ValueError:
-        return None
-    listed = file_name == candidate or file_name in body.get("files", {})
-    return candidate if body.get("format") == CONSOLIDATED_FORMAT and listed else None
-
-
 def _bytes_file(path: str, data: bytes) -> SourceFile:
     """A small file already in memory: its hash is known before anything is sent."""
     return SourceFile(
@@ -178,7 +158,7 @@ def _walk(root: Path) -> Iterator[SourceFile]:
 
 def _file_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
     location = open_location(str(path.parent))
-    manifest = _consolidated_manifest(location, path.name)
+    manifest = manifest_beside(location, path.name)
     if manifest:
         return _consolidated_files(location, manifest)
     info = SourceInfo(str(path.absolute()))
@@ -205,7 +185,7 @@ def _remote_source(src: str, *, s3: S3Settings | None) -> tuple[SourceInfo, Iter
     parent_uri, _, name = src.rpartition("/")
     parent = open_location(parent_uri, s3=s3, any_scheme=True)
     if parent.exists(name):
-        manifest = _consolidated_manifest(parent, name)
+        manifest = manifest_beside(parent, name)
         if manifest:
             return _consolidated_files(parent, manifest)
         if name.endswith(ARCHIVE_SUFFIXES):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+from bigclip.checkpoint.integrity import check_object
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
 from bigclip.errors import ConfigError, StorageError
 from bigclip.registry.blobs import BlobStore, blob_path
@@ -40,6 +41,7 @@ from bigclip.storage.locations import open_location
 from bigclip.storage.progress import human_bytes, progress_bar
 from bigclip.storage.s3 import S3Settings
 from bigclip.storage.sinks import create_exclusive
+from bigclip.weights.safetensors_format import Checked
 
 log = logging.getLogger("bigclip.registry")
 
@@ -99,6 +101,28 @@ class Registry:
             if p.startswith(prefix)
         }
         return BlobFolder(self.location, "", names=names)
+
+    def damage_advice(self, name: str) -> str:
+        """What to do about a damaged blob of NAME (a publication never changes; its blobs can be restored)."""
+        return (
+            f"delete that blob and publish {name}'s source again under any new name (publish re-sends "
+            f"missing blobs, which {name} shares); `bigclip checkpoints verify {name}` lists every damaged file"
+        )
+
+    def checked_files(self, published: Published, *, root: str | None = None) -> dict[str, Checked]:
+        """The records readers check each file of `blob_folder(published, root=root)` against."""
+        root = published.root if root is None else root
+        prefix = f"{root}/" if root else ""
+        advice = self.damage_advice(published.name)
+        return {
+            path[len(prefix) :]: Checked(record, self._where(published, path), advice)
+            for path, record in published.objects.items()
+            if path.startswith(prefix)
+        }
+
+    def _where(self, published: Published, path: str) -> str:
+        key = self.blob_key(published, published.objects[path].sha256)
+        return f"registry:{published.name} {path} (blob {self.location.child_uri(key)})"
 
     def size_problems(self, published: Published) -> list[str]:
         """Objects missing or of the wrong size (one listing per blob shard; cheap)."""
@@ -202,7 +226,10 @@ class Registry:
             and not (published.model and published.step is not None)
         ):
             key = self.blob_key(published, objects[checkpoint_manifest].sha256)
-            saved = Manifest.from_json(self.location.read_bytes(key), uri=key)
+            data = self.location.read_bytes(key)
+            check_object(data, objects[checkpoint_manifest], where=self._where(published, checkpoint_manifest),
+                         advice=self.damage_advice(name))  # fmt: skip
+            saved = Manifest.from_json(data, uri=key)
             published.model, published.step = published.model or saved.model, saved.step
         return published
 

@@ -125,6 +125,10 @@ class DcpReader:
             full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = piece
         return full
 
+    def read_each(self, names: list[str], *, window: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole tensors in the order given, `window` read ahead on threads."""
+        yield from prefetch(names, self.read, window=window)
+
     def stream(
         self, infos: list[TensorInfo], *, piece_bytes: int = PIECE_BYTES, window: int = 4
     ) -> Iterator[tuple[TensorInfo, torch.Tensor]]:

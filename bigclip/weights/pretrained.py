@@ -33,7 +33,6 @@ from bigclip.engines import Engine
 from bigclip.errors import BigclipError, ConfigError, StorageError
 from bigclip.models.hf_hub import is_hub_model
 from bigclip.storage.s3 import S3Settings
-from bigclip.weights.dcp_reader import prefetch
 from bigclip.weights.named import weights_of
 from bigclip.weights.sources import (
     REGISTRY_SCHEME,
@@ -81,7 +80,7 @@ def match_weights(source: WeightSource, shapes: dict[str, tuple[int, ...]], *, m
         lines += _listing("unexpected in the weights", unexpected, 20)
         lines += _listing("shape mismatches", mismatched, 20)
         raise ConfigError("\n".join(lines))
-    names = [n for n in shapes if n in available]
+    names = [n for n in available if n in shapes]  # the source's order: a checked file streams in order
     return WeightPlan(names, [source.prefix + n for n in names], kept)
 
 
@@ -157,5 +156,5 @@ def load_pretrained(engine: Engine, cfg: TrainConfig, runtime: Runtime, s3: S3Se
 
 
 def _read_all(source: WeightSource, plan: WeightPlan) -> Iterator[torch.Tensor]:
-    for _, tensor in prefetch(plan.source_names, source.reader.read, window=2):
+    for _, tensor in source.reader.read_each(plan.source_names, window=2):
         yield tensor

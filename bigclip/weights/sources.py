@@ -8,10 +8,15 @@
 Readers: `DcpReader` (bigclip checkpoints, either engine, any world size), `SafetensorsReader`
 (a file or an index's shards; ranged reads, local or S3) and `TorchFileReader` (`.pt`/`.bin`/
 `.pth` through `torch.load(weights_only=True, mmap=True)`: pages are read on first touch, so a
-big file is never loaded whole). A bigclip checkpoint is checked before use: object sizes
-against its manifest (names truncated objects) and `.metadata` against its SHA-256. Remote
-`.pt`/`.bin` files (S3, HTTP) are downloaded once into a cache (`$BIGCLIP_CACHE`, default
-~/.cache/bigclip), since torch's zip reader needs a local file to map.
+big file is never loaded whole). Remote `.pt`/`.bin` files (S3, HTTP) are downloaded once into
+a cache (`$BIGCLIP_CACHE`, default ~/.cache/bigclip), since torch's zip reader needs a local file.
+
+Every byte with a record is checked as it is read (see docs/checkpoints.md, "Integrity on
+load"): a bigclip checkpoint's sizes and `.metadata` SHA-256 up front and its chunks' CRC-32s
+as they stream; a registry publication's sizes up front and each file's SHA-256 in the pass that
+reads it; a consolidated safetensors file against the manifest `bigclip consolidate` wrote
+beside it. A `.pt` with a record is hashed in one sequential read before torch maps it (the
+pages torch then touches come from the page cache), or while it downloads.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bigclip.checkpoint import catalog
-from bigclip.checkpoint.integrity import CheckpointDamaged
+from bigclip.checkpoint.integrity import CheckpointDamaged, StreamDigest, read_checked
 from bigclip.checkpoint.lookup import inspect
 from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.data.tokenizer import saved_tokenizer
@@ -40,7 +45,8 @@ from bigclip.storage.locations import LocalLocation, Location, open_location
 from bigclip.storage.redact import redact_text
 from bigclip.storage.s3 import S3Settings, is_s3
 from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
-from bigclip.weights.safetensors_format import INDEX_SUFFIX, SafetensorsReader
+from bigclip.weights.output_manifest import checked_files
+from bigclip.weights.safetensors_format import INDEX_SUFFIX, Checked, SafetensorsReader
 from bigclip.weights.schemes import REGISTRY_SCHEME, registry_uri
 
 if TYPE_CHECKING:
@@ -75,8 +81,7 @@ def open_weights(
     stripped = uri.rstrip("/")
     parent_uri, _, leaf = stripped.rpartition("/")
     if leaf.endswith((".safetensors", INDEX_SUFFIX)):
-        blobs = BlobFolder(open_location(parent_uri or ".", s3=s3))
-        return _safetensors_source(SafetensorsReader(blobs, leaf), uri)
+        return _consolidated_source(open_location(parent_uri or ".", s3=s3), leaf, uri)
     if not is_s3(uri) and Path(uri).is_file():
         return _from_file(Path(uri), uri=uri)
     return _from_checkpoint(open_location(stripped, s3=s3), uri)
@@ -85,7 +90,7 @@ def open_weights(
 def _from_checkpoint(location: Location, uri: str) -> WeightSource:
     for consolidated in ("model" + INDEX_SUFFIX, "model.safetensors"):  # `bigclip consolidate SRC FOLDER`
         if location.exists(consolidated):
-            return _safetensors_source(SafetensorsReader(BlobFolder(location), consolidated), uri)
+            return _consolidated_source(location, consolidated, uri)
     if location.exists(MANIFEST_NAME):
         parent_uri, _, folder = location.uri.rpartition("/")
         location = open_location(parent_uri or "/", s3=getattr(location, "settings", None))
@@ -104,35 +109,46 @@ def _from_checkpoint(location: Location, uri: str) -> WeightSource:
     return WeightSource(reader, manifest.uri, "dcp", "model.", manifest.model, manifest.step)
 
 
+def _consolidated_source(location: Location, name: str, uri: str) -> WeightSource:
+    """A safetensors file or index, checked against the consolidation manifest beside it, if any."""
+    reader = SafetensorsReader(BlobFolder(location), name, checked=checked_files(location, name))
+    return _safetensors_source(reader, uri)
+
+
 def _from_registry(registry: Registry, name: str) -> WeightSource:
     published = registry.get(name)
     problems = registry.size_problems(published)
     if problems:
-        raise StorageError(f"published checkpoint {name} is damaged:\n  " + "\n  ".join(problems))
+        raise CheckpointDamaged(
+            f"registry:{name} is damaged: {'; '.join(problems)}; {registry.damage_advice(name)}"
+        )
     blobs = registry.blob_folder(published)
+    checked = registry.checked_files(published)
     entry = published.entry.rpartition("/")[2]
     common = {"uri": f"registry:{name}", "model": published.model, "step": published.step}
     if published.kind == "dcp":
         reader = DcpReader(blobs, metadata_record=published.objects[published.entry])
         return WeightSource(reader, kind="dcp", prefix="model.", **common)
     if published.kind == "safetensors":
-        source = _safetensors_source(SafetensorsReader(blobs, entry), common["uri"])
+        source = _safetensors_source(SafetensorsReader(blobs, entry, checked=checked), common["uri"])
         source.model, source.step = (
             published.model or source.model,
             published.step if published.step is not None else source.step,
         )
         return source
     if published.kind == "torch":
-        return WeightSource(TorchFileReader(_registry_file(registry, published)), kind="torch", **common)
+        reader = _registry_torch_file(registry, published, checked[entry])
+        return WeightSource(reader, kind="torch", **common)
     raise StorageError(f"{name} holds {len(published.objects)} files but no weights file bigclip can load "
                        "(a checkpoint, .safetensors, .pt or .bin)")  # fmt: skip
 
 
-def _registry_file(registry: Registry, published: Published) -> Path:
+def _registry_torch_file(registry: Registry, published: Published, checked: Checked) -> TorchFileReader:
     key = registry.blob_key(published, published.objects[published.entry].sha256)
     if isinstance(registry.location, LocalLocation):
-        return Path(registry.location.root) / key  # content-addressed: safe to map in place
-    return download(registry.location.child_uri(key), s3=registry.s3, suffix=".pt")
+        return TorchFileReader(Path(registry.location.root) / key, checked=checked)  # mapped in place
+    path = download(registry.location.child_uri(key), s3=registry.s3, suffix=".pt", checked=checked)
+    return TorchFileReader(path)  # checked as it downloaded
 
 
 def weights_tokenizer(source: WeightSource) -> str:
@@ -162,10 +178,14 @@ def _from_file(path: Path, *, uri: str) -> WeightSource:
 
 
 class TorchFileReader:
-    """A `.pt`/`.bin`/`.pth` state dict (or OpenCLIP's {'state_dict': ...} checkpoint), memory-mapped."""
+    """A `.pt`/`.bin`/`.pth` state dict (or OpenCLIP's {'state_dict': ...} checkpoint), memory-mapped.
+    `checked`: the file's record, checked in one sequential read before torch maps the file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, checked: Checked | None = None) -> None:
         self.path = path
+        if checked is not None:
+            with open(path, "rb") as stream:
+                read_checked(stream, StreamDigest(checked.record, where=checked.where, advice=checked.advice))
         try:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
@@ -189,6 +209,10 @@ class TorchFileReader:
 
     def read(self, name: str) -> torch.Tensor:
         return self.tensors_by_name[name]
+
+    def read_each(self, names: list[str], *, window: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            yield name, self.read(name)
 
     def stream(
         self, infos: list[TensorInfo], *, piece_bytes: int = PIECE_BYTES, window: int = 0
@@ -223,21 +247,47 @@ def cache_dir(explicit: str = "") -> Path:
     )
 
 
-def download(uri: str, *, s3: S3Settings | None = None, suffix: str = "", cache: str = "") -> Path:
-    """A local copy of a remote file, downloaded once (streamed to a temporary name, then renamed)."""
+def download(
+    uri: str,
+    *,
+    s3: S3Settings | None = None,
+    suffix: str = "",
+    cache: str = "",
+    checked: Checked | None = None,
+) -> Path:
+    """A local copy of a remote file, downloaded once (streamed to a temporary name, then renamed).
+    `checked`: its record, checked as it downloads (a cached copy: as it is read again here)."""
     leaf = uri.rstrip("/").rpartition("/")[2].split("?")[0] or "download"
     target = cache_dir(cache) / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{leaf}{suffix}"
+    digest = StreamDigest(checked.record, where=checked.where, advice=checked.advice) if checked else None
     if target.exists():
+        if checked is not None:
+            _check_cached(target, checked)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
         with _open_remote(uri, s3) as stream, open(tmp, "wb") as out:
-            shutil.copyfileobj(stream, out, 16 << 20)
+            if digest is None:
+                shutil.copyfileobj(stream, out, 16 << 20)
+            else:
+                read_checked(stream, digest, sink=out)  # a damaged download never enters the cache
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def _check_cached(path: Path, checked: Checked) -> None:
+    """A copy downloaded (and checked) earlier, checked again: local disks rot too."""
+    advice = "it was deleted: run again to download it anew"
+    digest = StreamDigest(checked.record, where=f"{path} (the cached copy of {checked.where})", advice=advice)
+    try:
+        with open(path, "rb") as stream:
+            read_checked(stream, digest)
+    except CheckpointDamaged:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def _open_remote(uri: str, s3: S3Settings | None) -> Any:
