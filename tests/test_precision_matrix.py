@@ -11,7 +11,7 @@ be refused with bigclip's one line instead; they are also run with fp16 withheld
 
 A precision also means the same on both engines: amp_bf16's losses under FSDP2 and ZeRO agree to
 a tolerance set by the one thing DeepSpeed's bf16 mode rounds that FSDP2 keeps in fp32 (the logit
-scale's working copy; see README "Precision").
+scale's working copy; see docs/engines-and-precision.md "Precision").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ weights, through one `MixedPrecisionPolicy` on the blocks and on the root group 
 embeddings, final norms, projections), and gradients are reduced in fp32. That is what DeepSpeed's
 bf16/fp16 modes compute too, so a precision means the same on both engines (tests/test_precision_matrix.py);
 the loss then runs in fp32 on the features. (Keeping the root in fp32 was measured no closer to OpenCLIP's autocast:
-benchmarks/precision_vs_autocast.py; README "Precision and activation checkpointing".)
+benchmarks/precision_vs_autocast.py; docs/engines-and-precision.md "Precision".)
 
 FSDP2 cannot shard 0-dim parameters, and OpenCLIP's `logit_scale`/`logit_bias` are 0-dim; they are
 left replicated (`ignored_params`) and this engine averages their gradients itself in `step`.

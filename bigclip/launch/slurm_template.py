@@ -3,7 +3,7 @@
 Kept as Python text rather than a package data file: it is rendered, never run, as is. Every
 rendered script passes shellcheck (tests/test_slurm.py) and runs under a real Slurm in the tests
 (tests/test_slurm_cluster.py). Why each line is there is said in the script itself, since that is
-what users read; slurm/README.md has the table of which signal comes from where.
+what users read; docs/scale-and-slurm.md has the table of which signal comes from where.
 """
 
 HEADER = """\

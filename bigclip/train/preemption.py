@@ -1,6 +1,7 @@
 """Preemption: a signal asks the run to checkpoint and exit with the code that requeues it.
 
-Which signal comes how (slurm/README.md has the table, tested against a real Slurm):
+Which signal comes how (docs/scale-and-slurm.md "Preemption and requeue" has the table, tested
+against a real Slurm):
 SLURM sends SIGUSR1 ahead of the time limit with `#SBATCH --signal=USR1@SECONDS`, and SIGTERM
 when it preempts (to the job steps), requeues or cancels (to every process of the job); torchrun
 passes what it receives on to each rank's whole process group. signals.py catches them from the
