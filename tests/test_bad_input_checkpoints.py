@@ -333,8 +333,10 @@ def truncate(path: Path) -> None:
 
 
 ST_ROWS = {
-    "flipped byte": (flip_last_tensor, ("registry:tiny-st tiny.safetensors", "is damaged", "SHA-256",
-                                        "checkpoints verify tiny-st")),  # fmt: skip
+    "flipped byte": (
+        flip_last_tensor,
+        ("registry:tiny-st tiny.safetensors", "is damaged", "SHA-256", "checkpoints verify tiny-st"),
+    ),  # fmt: skip
     "truncated": (truncate, ("registry:tiny-st is damaged", "manifest says", "checkpoints verify tiny-st")),
 }
 

@@ -52,7 +52,7 @@ def test_block_activations_are_bf16_and_attention_is_fused(engine, int8):
         **{
             "engine.precision": "amp_bf16",
             "model.force_patch_dropout": 0.5,
-            "model.int8": int8,
+            "model.linear_kind": int8,
             "model.int8_attention": int8 != "none",
         },
     )

@@ -78,7 +78,15 @@ class DeepSpeedEngine(Engine):
         self.deepspeed = import_deepspeed()
         self.precision = Precision.from_name(cfg.engine.precision)
         self.raw_config = load_ds_config(cfg.engine.deepspeed_config)
-        self.plan: DeepSpeedPlan | None = None  # resolved against the model by `resolve_plan`
+        # Checked now, before any model; the "auto" sizes that follow the model's width are filled
+        # by `resolve_plan` at build.
+        self.plan: DeepSpeedPlan = resolve_ds_config(
+            self.raw_config,
+            cfg,
+            world_size=runtime.world_size,
+            model_width=None,
+            path=cfg.engine.deepspeed_config,
+        )
         check_supported(cfg, accelerator=self._accelerator())
         self._pending_moments: dict[int, dict[str, torch.Tensor]] = {}  # see _set_full_moments
 

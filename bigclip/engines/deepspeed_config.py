@@ -112,9 +112,16 @@ def load_ds_config(path: str) -> dict[str, Any]:
 
 
 def resolve_ds_config(
-    raw: dict[str, Any], cfg: TrainConfig, *, world_size: int, model_width: int, path: str = "ds_config"
+    raw: dict[str, Any],
+    cfg: TrainConfig,
+    *,
+    world_size: int,
+    model_width: int | None,
+    path: str = "ds_config",
 ) -> DeepSpeedPlan:
-    """Check placement, fill "auto" from flags, refuse contradictions; returns what DeepSpeed gets."""
+    """Check placement, fill "auto" from flags, refuse contradictions; returns what DeepSpeed gets.
+    `model_width` None: check everything but leave the "auto" sizes that follow the model's width
+    (the engine checks its config when made, before any model, and fills them at `build`)."""
     check_placement(raw, path=path)
     out = copy.deepcopy(raw)
     if "bfloat16" in out:  # DeepSpeed's legacy spelling of "bf16"
@@ -212,7 +219,7 @@ class _Zero:
     offload_param: dict | None
 
 
-def _resolve_zero(out: dict, *, model_width: int, path: str) -> _Zero:
+def _resolve_zero(out: dict, *, model_width: int | None, path: str) -> _Zero:
     zero = out.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (1, 2, 3):
@@ -224,11 +231,12 @@ def _resolve_zero(out: dict, *, model_width: int, path: str) -> _Zero:
         if value == AUTO:
             if key not in WIDTH_AUTO:
                 raise ConfigError(f'{path}: "auto" is not understood for "zero_optimization.{key}"')
-            zero[key] = WIDTH_AUTO[key](model_width)
+            if model_width is not None:
+                zero[key] = WIDTH_AUTO[key](model_width)
     offloads = {
         name: _offload(zero, name, stage=stage, path=path) for name in ("offload_optimizer", "offload_param")
     }
-    validate_with_deepspeed(zero, "zero_optimization", path=path)
+    validate_with_deepspeed({k: v for k, v in zero.items() if v != AUTO}, "zero_optimization", path=path)
     return _Zero(stage, offloads["offload_optimizer"], offloads["offload_param"])
 
 

@@ -26,6 +26,8 @@ def tiny_config(**overrides: object) -> TrainConfig:
     cfg.loss.local_loss = cfg.loss.gather_with_grad = True  # the exact global loss
     for key, value in overrides.items():
         section, name = key.split(".")
+        if not hasattr(getattr(cfg, section), name):  # a renamed field must not pass unnoticed
+            raise AttributeError(f"tiny_config: {key} is no config field")
         setattr(getattr(cfg, section), name, value)
     return cfg.validate()
 
