@@ -220,8 +220,8 @@ def demo_data_learnability(d: Json) -> str:
 
 
 def test_times(d: Json) -> str:
-    rows = [[r["tier"], f"{r['seconds'] / 60:.1f}"] for r in d["rows"]]
-    return table(["tier", "minutes"], rows)
+    rows = [[f"`make {r['tier']}`", f"{r['seconds'] / 60:.1f}", r.get("set_up", "")] for r in d["rows"]]
+    return table(["tier", "minutes", "set-up"], rows)
 
 
 def generic(d: Json) -> str:
@@ -248,7 +248,7 @@ HOW = {  # how each result is made, where that is not `python benchmarks/NAME.py
     "plan_vs_measured_cpu": "`python benchmarks/plan_vs_measured.py --link` (root)",
     "faults": "`python benchmarks/faults.py` (root, a real Slurm)",
     "loss_exchange_link": "`python benchmarks/loss_exchange_link.py` (root)",
-    "test_times": "timing each test tier on a fresh clone, set-up included",
+    "test_times": "`python benchmarks/test_times.py` (each tier on a fresh clone)",
 }
 
 

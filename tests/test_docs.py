@@ -78,7 +78,7 @@ def test_test_times_render_from_their_file_or_say_not_yet_measured(tmp_path):
     }
     (tmp_path / "test_times.json").write_text(json.dumps(payload))
     table = doc_tables.render("test_times", tmp_path)
-    assert "| test-fast | 4.0 |" in table and "| test | 38.0 |" in table
+    assert "| `make test-fast` | 4.0 |" in table and "| `make test` | 38.0 |" in table
     assert "2030-01-02 at commit abc1234 on CI, 2 cores" in table
 
 

@@ -1,0 +1,51 @@
+"""Time each test tier on a fresh clone: writes benchmarks/results/test_times.json.
+
+    python benchmarks/test_times.py            # clone this checkout, then `make test` and `make test-fast`
+
+`make test` runs first and its time includes the set-up of every environment (.venv, .venv-ref,
+.venv-low); `make test-fast` then reuses that .venv, so its time is the tier's own. docs/testing.md
+renders the table (benchmarks/render_docs.py). Takes as long as the tiers: about an hour on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import git_commit, print_table, write_results  # noqa: E402
+
+
+def timed_make(clone: Path, tier: str) -> dict:
+    start = time.monotonic()
+    env = {**os.environ, "CI": "true"}  # as CI runs it: a missing reference fails instead of skipping
+    done = subprocess.run(["make", tier], cwd=clone, env=env, capture_output=True, text=True)
+    seconds = round(time.monotonic() - start)
+    tail = [line for line in done.stdout.splitlines() if " passed" in line or " failed" in line]
+    return {"tier": tier, "seconds": seconds, "exit": done.returncode, "summary": " / ".join(tail[-2:])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        clone = Path(tmp) / "bigclip"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        rows = [
+            {**timed_make(clone, "test"), "set_up": "included"},
+            {**timed_make(clone, "test-fast"), "set_up": "excluded (make test's .venv)"},
+        ]
+    print_table(rows, ["tier", "seconds", "exit", "set_up", "summary"])
+    write_results("test_times", rows, cloned_commit=git_commit())
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
