@@ -248,7 +248,7 @@ HOW = {  # how each result is made, where that is not `python benchmarks/NAME.py
     "plan_vs_measured_cpu": "`python benchmarks/plan_vs_measured.py --link` (root)",
     "faults": "`python benchmarks/faults.py` (root, a real Slurm)",
     "loss_exchange_link": "`python benchmarks/loss_exchange_link.py` (root)",
-    "test_times": "`python benchmarks/test_times.py` (each tier on a fresh clone)",
+    "test_times": "each tier timed on a fresh clone (`python benchmarks/test_times.py` repeats it)",
 }
 
 
