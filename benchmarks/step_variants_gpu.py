@@ -69,11 +69,10 @@ def bigclip_step(model_name: str, batch: int, side: str, ckpt: str, every: int, 
     cfg.model.grad_checkpointing = ckpt != "none"
     cfg.model.grad_checkpointing_every = every
     cfg.model.grad_checkpointing_policy = "ops" if ckpt == "ops" else "full"
+    cfg.model.linear_kind = side if side.startswith("fp8-") else "none"
     cfg.validate()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    cfg.model.linear_kind = side if side.startswith("fp8-") else "none"
-    cfg.validate()
     eng = build_engine(cfg, init_distributed())
     eng.build(build_model(cfg), rebuild=model_factory(cfg))
     loss_fn = build_loss(cfg.loss)

@@ -18,16 +18,18 @@ which is how the CPU tests check the numerics.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from bigclip.config.linear_kinds import LINEAR_KINDS
 from bigclip.errors import ConfigError
 from bigclip.models.contract import LinearSlot
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = tuple(k.variant for k in LINEAR_KINDS.values() if k.family == "fp8")  # torchao recipe names
 _ALIGNMENT = 16  # torch._scaled_mm needs both sizes in multiples of 16
 Model = TypeVar("Model", bound=nn.Module)
 
@@ -61,15 +63,7 @@ def float8_config(recipe: str, *, emulate: bool = False) -> Any:
     from torchao.float8 import Float8LinearConfig
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if emulate:
-        config = _replace(config, emulate=True)
-    return config
-
-
-def _replace(config: Any, **changes: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
+    return dataclasses.replace(config, emulate=True) if emulate else config
 
 
 class Float8Projection:
