@@ -52,7 +52,7 @@ from bigclip.distributed import free_port, init_distributed  # noqa: E402
 from bigclip.engines import build_engine  # noqa: E402
 from bigclip.models.from_config import build_model, model_factory, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
-from bigclip.plan.report import Hardware, Plan, build_plan  # noqa: E402
+from bigclip.plan.planner import Hardware, Plan, build_plan  # noqa: E402
 from bigclip.plan.spec import from_train_config  # noqa: E402
 from bigclip.train.step import train_step  # noqa: E402
 

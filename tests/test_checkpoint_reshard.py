@@ -22,7 +22,7 @@ from bigclip.checkpoint import CheckpointStore
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.models.clip import CLIP, init_weights
-from bigclip.models.registry import get_model_config
+from bigclip.models.factory import get_model_config
 
 CHAIN = [2, 3, 1, 4]
 BATCH = 4

@@ -28,7 +28,7 @@ from bigclip.plan.memory import (
     recomputed_flops,
     towers,
 )
-from bigclip.plan.report import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, s3_requests
+from bigclip.plan.planner import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, s3_requests
 from bigclip.plan.spec import PlanSpec, from_train_config
 from bigclip.storage.s3 import S3Settings
 

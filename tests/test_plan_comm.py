@@ -18,7 +18,7 @@ from bigclip.ops.loss import exchange as exchange_module
 from bigclip.ops.loss.contrastive import ChunkedContrastiveLoss
 from bigclip.plan.comm import ExchangeShape, exchange_bytes, loss_exchange_bytes, transfer_seconds
 from bigclip.plan.command import main
-from bigclip.plan.report import Hardware, build_plan
+from bigclip.plan.planner import Hardware, build_plan
 from bigclip.plan.spec import PlanSpec
 
 WORLD, LOCAL, DIM, CHUNK = 3, 10, 8, 4

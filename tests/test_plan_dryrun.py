@@ -11,7 +11,7 @@ import pytest
 from bigclip.cli_args import parse_train_args
 from bigclip.errors import ConfigError
 from bigclip.plan.dryrun import run_dry_run, split_gpus
-from bigclip.plan.report import Hardware, build_plan
+from bigclip.plan.planner import Hardware, build_plan
 from bigclip.plan.spec import from_train_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 The table the GPU stack broke: on torch < 2.13, FSDP2 amp_bf16 with --grad-checkpointing crashed in
 the first backward ("mat1 and mat2 must have the same dtype, Float and BFloat16": the recompute of
 a checkpoint taken around an FSDP2 unit skipped its input cast). The checkpoint now sits inside
-each block (bigclip.models.checkpointing), and this file runs on both CI stacks (torch 2.11 and the
+each block (bigclip.models.activation_checkpointing), and this file runs on both CI stacks (torch 2.11 and the
 default): each engine trains 2 steps at every precision with and without checkpointing, and the
 checkpointed losses equal the plain ones bit for bit (recomputation on CPU is deterministic).
 Where this CPU lacks fp16 (support/machine.py asks DeepSpeed's accelerator), ZeRO's fp16 rows must

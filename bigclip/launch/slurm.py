@@ -40,7 +40,7 @@ from bigclip.errors import ConfigError
 from bigclip.launch.slurm_template import BODY, DEEPSPEED_LAUNCH, HEADER, SRUN_LAUNCH, TORCHRUN_LAUNCH, fill
 
 if TYPE_CHECKING:
-    from bigclip.plan.report import Plan
+    from bigclip.plan.planner import Plan
 
 LAUNCHERS = {"srun": SRUN_LAUNCH, "torchrun": TORCHRUN_LAUNCH, "deepspeed": DEEPSPEED_LAUNCH}
 NODE_UPLOAD_BYTES_PER_S = 500e6  # a conservative S3 upload rate for one node's checkpoint shards
@@ -168,7 +168,7 @@ def _check_time(job: Job) -> None:
 def job_plan(cfg: TrainConfig, job: Job) -> Plan:
     """`bigclip plan` for this job, sized with FSDP2's sharding: ZeRO's per-rank share is within 15%
     of it, and planning ZeRO would import DeepSpeed to resolve its config (seconds) just to render."""
-    from bigclip.plan.report import Hardware, build_plan
+    from bigclip.plan.planner import Hardware, build_plan
     from bigclip.plan.spec import from_train_config
 
     as_fsdp = copy.deepcopy(cfg)
@@ -181,7 +181,7 @@ def planned_checkpoint_seconds(plan: Plan, job: Job) -> int:
     (at NODE_UPLOAD_BYTES_PER_S, S3 requests at the per-prefix rate), twice over, at least 120."""
     if job.checkpoint_seconds:
         return job.checkpoint_seconds
-    from bigclip.plan.report import S3_WRITES_PER_PREFIX_PER_S
+    from bigclip.plan.planner import S3_WRITES_PER_PREFIX_PER_S
 
     upload = plan.checkpoint_rank0_bytes * job.ranks / NODE_UPLOAD_BYTES_PER_S
     requests = plan.s3_requests_per_save / S3_WRITES_PER_PREFIX_PER_S

@@ -25,8 +25,8 @@ _WHERE = {
     "CLIPConfig": "named_configs",
     "get_model_config": "named_configs",
     "list_models": "named_configs",
-    "count_parameters": "registry",
-    "create_model": "registry",
+    "count_parameters": "factory",
+    "create_model": "factory",
 }
 __all__ = [
     "CLIP",
@@ -46,8 +46,8 @@ __all__ = [
 if TYPE_CHECKING:
     from bigclip.models.clip import CLIP, MAX_LOGIT_SCALE, init_weights, param_initializers
     from bigclip.models.contract import TrainableModel, initial_values, param_generator
+    from bigclip.models.factory import count_parameters, create_model
     from bigclip.models.named_configs import CLIPConfig, get_model_config, list_models
-    from bigclip.models.registry import count_parameters, create_model
 
 
 def __getattr__(name: str) -> Any:

@@ -99,7 +99,7 @@ class CLIP(nn.Module):
         return [slot for block in self.blocks() for slot in block_linears(names[id(block)], block)]
 
     def set_grad_checkpointing(self, enable: bool = True, *, every: int = 1, policy: str = "full") -> None:
-        """OpenCLIP's switch, plus bigclip's selective options (see bigclip.models.checkpointing)."""
+        """OpenCLIP's switch, plus bigclip's selective options (see bigclip.models.activation_checkpointing)."""
         self.visual.transformer.set_grad_checkpointing(enable, every=every, policy=policy)
         self.transformer.set_grad_checkpointing(enable, every=every, policy=policy)
 

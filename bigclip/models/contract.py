@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from bigclip.models.checkpointing import skip_recompute_check
+from bigclip.models.activation_checkpointing import skip_recompute_check
 
 InitFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 ScalarRange = tuple[float | None, float | None]

@@ -15,8 +15,8 @@ import torch
 from bigclip.config import TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.models.clip import CLIP, CLIPConfig
+from bigclip.models.factory import create_model, get_model_config
 from bigclip.models.lock import apply_locks
-from bigclip.models.registry import create_model, get_model_config
 
 SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}  # OpenCLIP's SigLIP init
 

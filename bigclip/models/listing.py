@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
     if argv:
         print("usage: bigclip models    (lists the model configs with their parameter counts)")
         return 0
-    from bigclip.models.registry import count_parameters, create_model  # torch: only to count
+    from bigclip.models.factory import count_parameters, create_model  # torch: only to count
 
     print(f"{'model':<14}{'params (M)':>12}{'image (M)':>12}{'text (M)':>12}")
     for name in list_models():

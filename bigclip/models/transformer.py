@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bigclip.models.checkpointing import BlockCheckpointing, block_plan
+from bigclip.models.activation_checkpointing import BlockCheckpointing, block_plan
 from bigclip.models.contract import LinearSlot
 
 
@@ -83,7 +83,7 @@ class ResidualAttentionBlock(nn.Module):
                 c_proj=nn.Linear(mlp_width, width, device=device),
             )
         )
-        self.checkpointing: BlockCheckpointing | None = None  # see bigclip.models.checkpointing
+        self.checkpointing: BlockCheckpointing | None = None  # see bigclip.models.activation_checkpointing
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
         ckpt = self.checkpointing

@@ -14,7 +14,7 @@ from bigclip.plan.options import parse_plan_args
 
 def main(argv: list[str]) -> int:
     options = parse_plan_args(argv)
-    from bigclip.plan.report import print_plan  # torch: only for options that hold
+    from bigclip.plan.planner import print_plan  # torch: only for options that hold
 
     return print_plan(options)
 

@@ -18,99 +18,27 @@ import torch.distributed as dist
 
 from bigclip import data
 from bigclip.config import TrainConfig
-from bigclip.distributed import init_distributed
-from bigclip.engines import build_engine
 from bigclip.errors import NonFiniteLossError
-from bigclip.models.from_config import build_model, model_config, model_factory
-from bigclip.ops.loss.contrastive import build_loss
-from bigclip.storage.s3 import S3Settings
-from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import (
     at_epoch_start,
-    attach,
-    check_resume_target,
     checkpoint_contents,
     manifest_meta,
-    open_store,
     regular_save_due,
-    resume,
     save_due,
 )
 from bigclip.train.evaluate import held_out_retrieval, val_due
 from bigclip.train.metrics import (
     Average,
-    Scalars,
     StepTimer,
     get_logger,
 )
-from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
-from bigclip.train.preflight import check_flags, check_machine
+from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, announce_requeue
 from bigclip.train.run import Run
 from bigclip.train.schedule import lr_at
-from bigclip.train.setup import (
-    prepare_run_dir,
-    requested_device,
-    seed_everything,
-    start_logging,
-    write_config,
-)
+from bigclip.train.setup import setup
 from bigclip.train.step import train_step, verify_inputs
 from bigclip.train.step_log import log_step
-from bigclip.train.watchdog import StepWatchdog, between_steps
-from bigclip.train.zeroshot import ZeroShot
-from bigclip.weights import pretrained
-from bigclip.weights.named import apply_preprocess
-from bigclip.weights.openclip_resume import is_openclip_checkpoint
-
-
-def setup(cfg: TrainConfig) -> Run:
-    """Check everything that can fail cheaply (data, storage) before building the model."""
-    check_flags(cfg)
-    check_machine(cfg)  # before the process group: the device, world size, DeepSpeed's accelerator
-    preemption = PreemptionWatcher()
-    runtime = init_distributed(
-        backend=cfg.engine.dist_backend,
-        device=requested_device(cfg.engine),
-        timeout_s=cfg.engine.dist_timeout,
-    )
-    run_dir = prepare_run_dir(cfg, runtime)
-    log = start_logging(cfg.log, run_dir, runtime)
-    seed_everything(cfg.optim.seed, runtime.rank)
-    apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
-    text_cfg = model_config(cfg).text_cfg
-    tokenizer = data.build_tokenizer(
-        cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
-    )
-    s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
-    shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
-    zeroshot = ZeroShot.open(cfg, s3)
-    store = open_store(cfg, run_dir, s3)
-    sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
-    check_resume_target(
-        store, cfg, which, global_batch=cfg.data.batch_size * cfg.optim.accum_freq * runtime.world_size
-    )
-    write_config(cfg, run_dir, runtime)
-    log.info(
-        f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "
-        f"rank 0 on {runtime.device}"
-    )
-    engine = build_engine(cfg, runtime)
-    engine.build(build_model(cfg), rebuild=model_factory(cfg))
-    # Before --resume, which wins; a resumed run does not read the initial weights at all.
-    applies = not which and pretrained.applies(cfg, store)
-    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
-    scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
-    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
-    run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
-    run.zeroshot = zeroshot
-    attach(store, cfg, sync)  # and starts the sync
-    if which:
-        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
-        # Never saved again over the checkpoint just loaded (an OpenCLIP .pt is not in the store).
-        run.step_from_epoch = is_openclip_checkpoint(which)
-        run.last_saved_step = -1 if run.step_from_epoch else run.state.step
-    run.watchdog = StepWatchdog.start_for(cfg, runtime, run_dir)
-    return run
+from bigclip.train.watchdog import between_steps
 
 
 @between_steps

@@ -1,58 +1,33 @@
-"""Everything a run does once before its first step: its name, directory, log file, device, seeds."""
+"""Everything a run does once before its first step, cheapest checks first: flags, machine,
+process group, run folder, data, storage, resume target; then the engine and the model.
+"""
 
 from __future__ import annotations
 
-import datetime
-import logging
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import yaml
 
-from bigclip.config import EngineConfig, LogConfig, TrainConfig
-from bigclip.distributed import Runtime
-from bigclip.train.metrics import log_file_name, setup_logging
-
-
-def run_name(cfg: TrainConfig, runtime: Runtime) -> str:
-    """OpenCLIP's default name (date-model-lr-batch-workers-precision), agreed on by all ranks."""
-    if cfg.log.name:
-        return cfg.log.name
-    date = datetime.datetime.now().strftime("%Y_%m_%d-%H_%M_%S")
-    name = "-".join(
-        [
-            date,
-            f"model_{cfg.model.model.replace('/', '-')}",
-            f"lr_{cfg.optim.lr}",
-            f"b_{cfg.data.batch_size}",
-            f"j_{cfg.data.workers}",
-            f"p_{cfg.engine.precision}",
-        ]
-    )
-    if runtime.world_size > 1:
-        box = [name]
-        dist.broadcast_object_list(box, src=0)  # ranks may straddle a second boundary
-        name = box[0]
-    return name
-
-
-def prepare_run_dir(cfg: TrainConfig, runtime: Runtime) -> Path:
-    """logs/NAME (rank 0 creates it); `write_config` fills it once the run may start."""
-    cfg.log.name = run_name(cfg, runtime)
-    run_dir = Path(cfg.log.logs) / cfg.log.name
-    if runtime.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
-def write_config(cfg: TrainConfig, run_dir: Path, runtime: Runtime) -> None:
-    """The resolved config beside the logs (rank 0), written after the checks that may refuse the
-    run, so a refused run leaves an earlier run's config.yaml as it was."""
-    if runtime.is_main:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+from bigclip import data
+from bigclip.config import EngineConfig, TrainConfig
+from bigclip.distributed import init_distributed
+from bigclip.engines import build_engine
+from bigclip.models.from_config import build_model, model_config, model_factory
+from bigclip.ops.loss.contrastive import build_loss
+from bigclip.storage.s3 import S3Settings
+from bigclip.train.backup import prepare_backup
+from bigclip.train.checkpointing import attach, check_resume_target, open_store, resume
+from bigclip.train.metrics import Scalars
+from bigclip.train.preemption import PreemptionWatcher
+from bigclip.train.preflight import check_flags, check_machine
+from bigclip.train.run import Run
+from bigclip.train.run_dir import prepare_run_dir, start_logging, write_config
+from bigclip.train.watchdog import StepWatchdog
+from bigclip.train.zeroshot import ZeroShot
+from bigclip.weights import pretrained
+from bigclip.weights.named import apply_preprocess
+from bigclip.weights.openclip_resume import is_openclip_checkpoint
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -62,16 +37,59 @@ def seed_everything(seed: int, rank: int) -> None:
     random.seed(seed + rank)
 
 
-def start_logging(log: LogConfig, run_dir: Path, runtime: Runtime) -> logging.Logger:
-    """The run's logger: out.log on rank 0; with --log-local, out-RANK.log on each node's local rank 0 too."""
-    name = log_file_name(rank=runtime.rank, local_rank=runtime.local_rank, log_local=log.log_local)
-    return setup_logging(rank=runtime.rank, log_file=run_dir / name if name else None,
-                         local_rank=runtime.local_rank, log_local=log.log_local, debug=log.debug)  # fmt: skip
-
-
 def requested_device(engine: EngineConfig) -> str:
     """--device, else with --no-set-device-rank the first visible GPU (OpenCLIP: cuda:0, for one
     GPU per process), else '' (cuda:LOCAL_RANK, or the CPU)."""
     if engine.device or engine.set_device_rank or not torch.cuda.is_available():
         return engine.device
     return "cuda:0"
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Check everything that can fail cheaply (data, storage) before building the model."""
+    check_flags(cfg)
+    check_machine(cfg)  # before the process group: the device, world size, DeepSpeed's accelerator
+    preemption = PreemptionWatcher()
+    runtime = init_distributed(
+        backend=cfg.engine.dist_backend,
+        device=requested_device(cfg.engine),
+        timeout_s=cfg.engine.dist_timeout,
+    )
+    run_dir = prepare_run_dir(cfg, runtime)
+    log = start_logging(cfg.log, run_dir, runtime)
+    seed_everything(cfg.optim.seed, runtime.rank)
+    apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
+    text_cfg = model_config(cfg).text_cfg
+    tokenizer = data.build_tokenizer(
+        cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
+    )
+    s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
+    shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
+    zeroshot = ZeroShot.open(cfg, s3)
+    store = open_store(cfg, run_dir, s3)
+    sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
+    check_resume_target(
+        store, cfg, which, global_batch=cfg.data.batch_size * cfg.optim.accum_freq * runtime.world_size
+    )
+    write_config(cfg, run_dir, runtime)
+    log.info(
+        f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "
+        f"rank 0 on {runtime.device}"
+    )
+    engine = build_engine(cfg, runtime)
+    engine.build(build_model(cfg), rebuild=model_factory(cfg))
+    # Before --resume, which wins; a resumed run does not read the initial weights at all.
+    applies = not which and pretrained.applies(cfg, store)
+    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
+    scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
+    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
+    run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
+    run.zeroshot = zeroshot
+    attach(store, cfg, sync)  # and starts the sync
+    if which:
+        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
+        # Never saved again over the checkpoint just loaded (an OpenCLIP .pt is not in the store).
+        run.step_from_epoch = is_openclip_checkpoint(which)
+        run.last_saved_step = -1 if run.step_from_epoch else run.state.step
+    run.watchdog = StepWatchdog.start_for(cfg, runtime, run_dir)
+    return run

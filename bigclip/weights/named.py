@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from bigclip.config import ModelConfig, TrainConfig
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from bigclip.models.factory import get_model_config
 from bigclip.models.hf_hub import hub_config, hub_repo, hub_weights, is_hub_model, tag_weights
 from bigclip.models.pretrained_tags import get_tag
-from bigclip.models.registry import get_model_config
 
 OPENCLIP_PREPROCESS = {  # OpenCLIP's PreprocessCfg defaults, under what a tag or repository says
     "mean": list(OPENAI_CLIP_MEAN),

@@ -27,7 +27,7 @@ from bigclip.data.device import channel_values
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from bigclip.errors import ConfigError, StorageError
 from bigclip.models.clip import CLIP, CLIPConfig
-from bigclip.models.registry import get_model_config
+from bigclip.models.factory import get_model_config
 from bigclip.storage.locations import open_location
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import TensorInfo

@@ -24,7 +24,8 @@ def demo_argv(demo_data, tmp_path, *extra: str, name: str = "run") -> list[str]:
 
 def train_and_weights(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """Worker: train, then return the summary with the full weights (rank 0)."""
-    from bigclip.train.loop import fit, setup
+    from bigclip.train.loop import fit
+    from bigclip.train.setup import setup
 
     run = setup(parse_train_args(argv))
     summary = fit(run)
@@ -34,7 +35,7 @@ def train_and_weights(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
 
 def resume_and_inspect(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """Worker: set up with --resume and report what was restored, before any step."""
-    from bigclip.train.loop import setup
+    from bigclip.train.setup import setup
 
     run = setup(parse_train_args(argv))
     weights = run.engine.full_state_dict()
