@@ -173,6 +173,36 @@ def test_engines_and_linear_kinds_see_models_only_through_the_contract():
     assert not problems, "use bigclip.models.contract instead:\n" + "\n".join(problems)
 
 
+# What of models/ the planner (plan/) and consolidation (weights/consolidate*.py and its OpenCLIP
+# export) may import, with the reason: the contract's static half, which describes a model by its
+# --model name without torch and without building it.
+STATIC_CONTRACT = {
+    "bigclip.models.shape": "ModelShape and its parts, ModelOptions, ModelFamily: what a model is",
+    "bigclip.models.families": "the family a --model name belongs to, and its shape: the lookup",
+    "bigclip.models.flops": "the one FLOP count, derived from a shape (the training log's MFU uses it too)",
+}
+MODEL_BUILDERS = {  # (importer, imported): why it builds the real model
+    ("bigclip.plan.dryrun", "bigclip.models.from_config"): "the dry run builds the model the training loop "
+    "builds, through the same entry (build_model, model_factory), and shards it with the real engines",
+}
+SEES_MODELS_STATICALLY = ("bigclip.plan", "bigclip.weights.consolidate", "bigclip.weights.open_clip_export")
+
+
+def test_the_planner_and_consolidation_see_models_only_through_the_static_contract():
+    """plan/ and consolidation import nothing of models/ but STATIC_CONTRACT (and MODEL_BUILDERS):
+    they price and check any model family from its shape, CLIP or not."""
+    problems = []
+    for path in all_modules():
+        source = module_name(path)
+        if not source.startswith(SEES_MODELS_STATICALLY):
+            continue
+        for target, _ in bigclip_imports(path, include_type_only=True):
+            allowed = target in STATIC_CONTRACT or (source, target) in MODEL_BUILDERS
+            if target.startswith("bigclip.models") and not allowed:
+                problems.append(f"{source} imports {target}")
+    assert not problems, f"use {', '.join(STATIC_CONTRACT)} instead:\n" + "\n".join(problems)
+
+
 def test_no_import_cycles():
     """Modules import each other in one direction only. Every import counts: module-level ones,
     those inside functions (a lazy import still makes the two modules depend on each other; it

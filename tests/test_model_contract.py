@@ -1,6 +1,9 @@
-"""The model contract (bigclip/models/contract.py) is all an engine or a linear kind needs: a dual
-encoder that is not CLIP, implementing the contract and nothing more, trains on FSDP2 and ZeRO-3
-over two gloo ranks to the same losses, and takes the fp8 and int8 linear kinds."""
+"""The model contract is all an engine, a linear kind, the planner and consolidation need: a dual
+encoder that is not CLIP (tests/support/dual_encoder.py), implementing the contract and nothing
+more, trains on FSDP2 and ZeRO-3 over two gloo ranks to the same losses, takes the fp8 and int8
+linear kinds, is priced by the planner from its family's static shape (parameters per rank as the
+engines hold them, FLOPs as torch counts them, a block's activations as autograd saves them) and
+consolidates from both engines' checkpoints."""
 
 from __future__ import annotations
 
@@ -10,98 +13,29 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from support.engine_harness import run_steps, tiny_config
-from torch import nn
+from safetensors.torch import load_file
+from support.dual_encoder import FAMILY, NAME, WIDTH, DualEncoder, MLPBlock
+from support.engine_harness import global_batch, run_steps, tiny_config
+from test_plan import saved_bytes_per_token
+from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
+from bigclip.checkpoint import CheckpointStore
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import build_engine
-from bigclip.models.contract import InitFn, LinearSlot, ScalarRange, TrainableModel
+from bigclip.errors import ConfigError
+from bigclip.models import families
+from bigclip.models.contract import TrainableModel, param_shapes
+from bigclip.plan.memory import block_saved_per_token
+from bigclip.plan.planner import Hardware, build_plan
+from bigclip.plan.spec import PlanSpec
+from bigclip.weights.consolidate import consolidate
+from bigclip.weights.open_clip_export import model_config
 
 os.environ["DS_ACCELERATOR"] = "cpu"
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
-PATCH, WIDTH, LAYERS = 8, 32, 2
-
-
-class MLPBlock(nn.Module):
-    def __init__(self, width: int, device: torch.device | str | None) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width, device=device)
-        self.mlp = nn.Sequential()
-        self.mlp.add_module("c_fc", nn.Linear(width, 4 * width, device=device))
-        self.mlp.add_module("act", nn.GELU())
-        self.mlp.add_module("c_proj", nn.Linear(4 * width, width, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
-
-
-class DualEncoder(nn.Module):
-    """Patches and tokens through residual MLP blocks (no attention), mean-pooled: not CLIP."""
-
-    def __init__(self, *, device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.patch_embed = nn.Linear(3 * PATCH * PATCH, WIDTH, device=device)
-        self.token_embed = nn.Embedding(50000, WIDTH, device=device)
-        self.image_blocks = nn.ModuleList(MLPBlock(WIDTH, device) for _ in range(LAYERS))
-        self.text_blocks = nn.ModuleList(MLPBlock(WIDTH, device) for _ in range(LAYERS))
-        self.temperature = nn.Parameter(torch.empty((), device=device))
-
-    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None) -> dict:
-        out = {"logit_scale": self.temperature.exp()}
-        if images is not None:
-            x = self.patch_embed(F.unfold(images.to(self.input_dtype), PATCH, stride=PATCH).transpose(1, 2))
-            for block in self.image_blocks:
-                x = block(x)
-            out["image_features"] = F.normalize(x.mean(1), dim=-1)
-        if texts is not None:
-            x = self.token_embed(texts)
-            for block in self.text_blocks:
-                x = block(x)
-            out["text_features"] = F.normalize(x.mean(1), dim=-1)
-        return out
-
-    # The model contract.
-    def blocks(self) -> list[nn.Module]:
-        return [*self.image_blocks, *self.text_blocks]
-
-    def param_initializers(self) -> dict[str, InitFn]:
-        def init(name: str) -> InitFn:
-            if name == "temperature":
-                return lambda t, g: t.fill_(math.log(10))
-            if name.endswith("bias"):
-                return lambda t, g: t.zero_()
-            if ".norm." in name:
-                return lambda t, g: t.fill_(1.0)
-            return lambda t, g: t.normal_(0.0, 0.05, generator=g)
-
-        return {name: init(name) for name, _ in self.named_parameters()}
-
-    @property
-    def input_dtype(self) -> torch.dtype:
-        return self.patch_embed.weight.dtype
-
-    @property
-    def hidden_width(self) -> int:
-        return WIDTH
-
-    def replicated_scalars(self) -> dict[str, ScalarRange]:
-        return {"temperature": (0.0, math.log(100))}
-
-    def swappable_linears(self) -> list[LinearSlot]:
-        names = {id(m): n for n, m in self.named_modules()}
-        return [
-            LinearSlot(
-                f"{names[id(b)]}.mlp.{a}",
-                b.mlp,
-                a,
-                "mlp",
-                in_features=getattr(b.mlp, a).in_features,
-                out_features=getattr(b.mlp, a).out_features,
-            )  # fmt: skip
-            for b in self.blocks()
-            for a in ("c_fc", "c_proj")
-        ]
+BATCH = 8
 
 
 def engine_config(engine: str, **overrides: object):  # noqa: ANN201
@@ -113,8 +47,18 @@ def engine_config(engine: str, **overrides: object):  # noqa: ANN201
     return tiny_config(**overrides)
 
 
-def train(rank: int, world: int, engine: str, linear_kind: str = "none") -> list[float]:
-    """Worker: the dual encoder through the real engine, 4 optimizer steps."""
+def local_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds: FSDP2's local shards, ZeRO-3's partitions."""
+    total = 0
+    for p in model.parameters():
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def train(rank: int, world: int, engine: str, linear_kind: str = "none", save_to: str = "") -> dict:
+    """Worker: the dual encoder through the real engine, 4 optimizer steps; with `save_to`, a
+    checkpoint of them through CheckpointStore. Rank 0 returns losses, full weights, held bytes."""
     cfg = engine_config(engine)
     runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     built = build_engine(cfg, runtime)
@@ -132,7 +76,28 @@ def train(rank: int, world: int, engine: str, linear_kind: str = "none") -> list
         return model
 
     built.build(make("meta"), rebuild=make)
-    return run_steps(built, cfg, range(4), 8)
+    losses = run_steps(built, cfg, range(4), BATCH)
+    if save_to:
+        store = CheckpointStore(save_to)
+        store.save({**built.checkpoint_state(), "train": {"step": 4}}, step=4, meta={"model": NAME})
+        store.close()
+    out = {"losses": losses, "weights": built.full_state_dict(), "held": local_parameter_bytes(built.module)}
+    return out if rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    root = tmp_path_factory.mktemp("dual_encoder")
+    return root, {
+        engine: spawn(train, 2, engine, "none", str(root / engine))[0] for engine in ("fsdp", "zero3")
+    }
+
+
+@pytest.fixture
+def registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dual encoder's family, registered for this test only."""
+    monkeypatch.setattr(families, "FAMILIES", list(families.FAMILIES))
+    families.register_family(FAMILY)
 
 
 def test_the_dual_encoder_implements_the_contract():
@@ -140,9 +105,8 @@ def test_the_dual_encoder_implements_the_contract():
 
 
 @pytest.mark.dist
-def test_a_model_that_is_not_clip_trains_the_same_on_fsdp2_and_zero3():
-    fsdp = spawn(train, 2, "fsdp")[0]
-    zero3 = spawn(train, 2, "zero3")[0]
+def test_a_model_that_is_not_clip_trains_the_same_on_fsdp2_and_zero3(trained):
+    fsdp, zero3 = trained[1]["fsdp"]["losses"], trained[1]["zero3"]["losses"]
     assert all(math.isfinite(x) for x in fsdp) and len(set(fsdp)) == len(fsdp), fsdp  # it trained
     assert zero3 == pytest.approx(fsdp, rel=1e-4)
 
@@ -152,6 +116,40 @@ def test_a_model_that_is_not_clip_trains_the_same_on_fsdp2_and_zero3():
 def test_a_model_that_is_not_clip_takes_the_linear_kinds(kind):
     if kind.startswith("fp8"):
         pytest.importorskip("torchao")
-    plain, swapped = spawn(train, 1, "fsdp")[0], spawn(train, 1, "fsdp", kind)[0]
+    plain, swapped = spawn(train, 1, "fsdp")[0]["losses"], spawn(train, 1, "fsdp", kind)[0]["losses"]
     assert all(math.isfinite(x) for x in swapped) and swapped != plain
     assert swapped == pytest.approx(plain, rel=0.05)
+
+
+def test_the_planner_prices_a_model_that_is_not_clip_from_its_shape(registered):
+    """Its family's shape lists the module's parameters; the planner's FLOPs are torch's count of
+    its forward and a block's activations what autograd saves (LayerNorm statistics: fp32 on
+    GPUs, the plan's assumption; bf16 on the CPU, 4 bytes per token less)."""
+    spec = PlanSpec(model=NAME, gpus=2, batch_size=4)
+    shape = spec.model_shape()
+    assert shape.params == param_shapes(DualEncoder(device="meta"))
+    plan = build_plan(spec, Hardware())
+    images, texts = global_batch(0, 1)
+    with FlopCounterMode(display=False) as counted, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        DualEncoder(device="cpu")(images, texts)
+    assert plan.forward_flops_per_sample == counted.get_total_flops() > 0
+    block = MLPBlock(WIDTH, "cpu").to(torch.bfloat16)
+    x = torch.randn(2, 17, WIDTH, dtype=torch.bfloat16, requires_grad=True)
+    assert block_saved_per_token(shape.towers["image"], spec) - saved_bytes_per_token(block, x) == 4
+    assert plan.memory.activations > 0 and plan.checkpoint_total_bytes == 12 * shape.numel
+    with pytest.raises(ConfigError, match="no OpenCLIP config"):
+        model_config(NAME, {}, {p.name: p.shape for p in shape.params})
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_a_model_that_is_not_clip_is_planned_and_consolidated(trained, registered, engine, tmp_path):
+    """Rank 0's parameters as the engine holds them are the plan's; the checkpoint consolidates to
+    the engine's own full weights, bit for bit."""
+    root, runs = trained
+    spec = PlanSpec(model=NAME, gpus=2, batch_size=BATCH // 2, engine=engine, precision="fp32")
+    assert build_plan(spec, Hardware()).memory.state.parameters == runs[engine]["held"]
+    consolidate(str(root / engine), str(tmp_path / "dual.safetensors"))
+    state = load_file(tmp_path / "dual.safetensors")
+    assert state.keys() == runs[engine]["weights"].keys()
+    assert all(torch.equal(state[k], v) for k, v in runs[engine]["weights"].items())

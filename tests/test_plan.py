@@ -17,11 +17,11 @@ from bigclip.checkpoint.catalog import read_manifest, step_folder
 from bigclip.cli_args import parse_train_args
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError
+from bigclip.models.shape import TowerShape
 from bigclip.models.transformer import ResidualAttentionBlock, block_linears
 from bigclip.ops.int8.switchback import apply_int8
 from bigclip.plan.command import main
 from bigclip.plan.memory import (
-    Tower,
     activation_bytes,
     block_saved_per_token,
     loss_buffer_bytes,
@@ -76,7 +76,7 @@ def test_activation_formula_matches_saved_tensors_of_the_real_block(int8: str, a
     x = torch.randn(batch, seq, width, dtype=torch.bfloat16, requires_grad=True)
     measured = saved_bytes_per_token(block, x)
     spec = PlanSpec(model="tiny", gpus=1, batch_size=batch, linear_kind=int8, int8_attention=attention)
-    planned = block_saved_per_token(Tower(1, width, mlp, heads, seq), spec)
+    planned = block_saved_per_token(TowerShape(1, width, mlp, heads, seq), spec)
     # The plan counts LayerNorm statistics in fp32 (CUDA); CPU keeps them in bf16: 8 bytes/token.
     assert planned - measured == pytest.approx(8, abs=0.5)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from support.engine_harness import tiny_config
 
-from bigclip.models import get_model_config
+from bigclip.models.families import model_shape
 from bigclip.models.flops import forward_flops
+from bigclip.models.shape import ModelOptions
 from bigclip.train import throughput
 
 
@@ -22,9 +23,9 @@ def test_datasheet_peaks_are_matched_by_device_name(name, peak):
 
 def test_flops_per_sample_are_the_planners_count_with_patch_dropout():
     cfg = tiny_config(**{"model.force_patch_dropout": 0.5})
-    expected = 3 * forward_flops(get_model_config("tiny"), patch_dropout=0.5)
+    expected = 3 * forward_flops(model_shape("tiny", ModelOptions(patch_dropout=0.5)))
     assert throughput.train_flops_per_sample(cfg) == expected
-    assert expected < 3 * forward_flops(get_model_config("tiny"))
+    assert expected < 3 * forward_flops(model_shape("tiny"))
 
 
 def test_mfu_and_eta_from_the_pace():

@@ -2,7 +2,9 @@
 and `build_model(cfg)` (from_config), which applies a run's model options; OpenCLIP's pretrained
 tags (pretrained_tags) and `hf-hub:ORG/REPO` files through the Hugging Face cache (hf_hub).
 No distributed code. What engines and the linear kinds may use of a model is the model contract
-(contract.py): they import nothing else of this package.
+(contract.py): they import nothing else of this package. The planner and consolidation use its
+static half, without torch: a model family's `ModelShape` (shape.py, families.py) and the FLOP
+count derived from it (flops.py).
 May import config, errors and ops (int8/fp8 swaps); never engines, data or train.
 
 The names below load on first use (PEP 562), so `bigclip.models.named_configs` (the configs,

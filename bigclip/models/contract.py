@@ -17,6 +17,11 @@ importing anything else of models/.
   swappable_linears()   the linears a low-precision kind may swap, block by block (`LinearSlot`).
 A model's forward takes (images, texts) and returns the dict the contrastive losses read
 (`image_features`, `text_features`, `logit_scale`, optional `logit_bias`).
+
+The planner and consolidation see a model through the contract's static half, which needs no
+instance and no torch: its family's `ModelShape` (shape.py, looked up by name in families.py).
+`param_shapes(model)` lists a built model as a shape lists it, so a family's test can hold the two
+together.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from torch import nn
 
 from bigclip.models.activation_checkpointing import skip_recompute_check
+from bigclip.models.shape import ParamShape
 
 InitFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 ScalarRange = tuple[float | None, float | None]
@@ -41,6 +47,7 @@ __all__ = [
     "TrainableModel",
     "initial_values",
     "param_generator",
+    "param_shapes",
     "skip_recompute_check",  # a block's checkpointing switch ZeRO-3 turns (see there)
 ]
 
@@ -92,3 +99,10 @@ def initial_values(
         full = torch.empty(shape, dtype=torch.float32, device=device)
         rules[name](full, param_generator(name, seed, device))
         yield name, full
+
+
+def param_shapes(model: nn.Module) -> tuple[ParamShape, ...]:
+    """A built model's parameters as its family's `ModelShape.params` must list them: name, shape
+    and residual block (the index in `blocks()`, -1 outside them), in `named_parameters()` order."""
+    block_of = {id(p): i for i, block in enumerate(model.blocks()) for p in block.parameters()}
+    return tuple(ParamShape(n, tuple(p.shape), block_of.get(id(p), -1)) for n, p in model.named_parameters())

@@ -1,28 +1,28 @@
-"""Model FLOPs of a CLIP forward pass, counted from its config (2 per multiply-add of every matmul).
+"""Model FLOPs of a forward pass, counted from a model's static shape (2 per multiply-add of every matmul).
 
-The planner's step time and the benchmarks' MFU both divide by this, so they share one count.
+The planner's step time and the training log's MFU both divide by this, so they share one count;
+it equals what torch's FlopCounterMode counts on the real model (tests/test_model_shape.py).
 A training step costs 3x the forward (backward is twice the forward).
 """
 
 from __future__ import annotations
 
-from bigclip.models.clip import CLIPConfig
-from bigclip.models.vision import kept_patches
+from bigclip.models.shape import ModelShape, TowerShape
 
 
-def tower_flops(*, width: int, layers: int, mlp: int, tokens: int) -> float:
-    """Residual blocks: QKV + out projection (4 w^2), MLP (2 w m), attention scores and values (2 s w)."""
-    return layers * tokens * (2 * (4 * width * width + 2 * width * mlp) + 4 * tokens * width)
+def block_flops_per_token(tower: TowerShape) -> int:
+    """One block, per token: the MLP (2 w m per linear); with attention the QKV and output
+    projections (4 w^2) and the scores and values over the sequence (2 s w)."""
+    w, s = tower.width, tower.tokens
+    attention = 2 * 4 * w * w + 4 * s * w if tower.heads else 0
+    return 2 * 2 * w * tower.mlp + attention
 
 
-def forward_flops(cfg: CLIPConfig, *, patch_dropout: float = 0.0) -> float:
-    """Forward FLOPs of one image-text pair; patch dropout shortens the image tower's sequence."""
-    v, t = cfg.vision_cfg, cfg.text_cfg
-    patches = (v.image_size // v.patch_size) ** 2
-    image = tower_flops(width=v.width, layers=v.layers, mlp=int(v.width * v.mlp_ratio),
-                        tokens=1 + kept_patches(patches, patch_dropout))  # fmt: skip
-    text = tower_flops(
-        width=t.width, layers=t.layers, mlp=int(t.width * t.mlp_ratio), tokens=t.context_length
-    )
-    embed = 2 * 3 * v.patch_size**2 * v.width * patches  # the patch embedding sees every patch
-    return image + text + embed + 2 * (v.width + t.width) * cfg.embed_dim
+def tower_flops(tower: TowerShape) -> int:
+    """The tower's residual blocks for one sample."""
+    return tower.layers * tower.tokens * block_flops_per_token(tower)
+
+
+def forward_flops(shape: ModelShape) -> int:
+    """Forward FLOPs of one image-text pair: every tower's blocks and what lies outside them."""
+    return sum(tower_flops(t) + t.outside_flops for t in shape.towers.values())

@@ -7,7 +7,6 @@ while `clip.py` and friends stay plain modules that know neither.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -15,20 +14,19 @@ import torch
 from bigclip.config import TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.models.clip import CLIP, CLIPConfig
+from bigclip.models.clip_family import SIGLIP_INIT
 from bigclip.models.factory import create_model, get_model_config
+from bigclip.models.families import model_options
 from bigclip.models.lock import apply_locks
-
-SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}  # OpenCLIP's SigLIP init
 
 
 def forced(cfg: TrainConfig) -> dict[str, int | bool]:
     """OpenCLIP's --force-quick-gelu/--force-image-size/--force-context-length as config overrides."""
-    m = cfg.model
-    size = m.force_image_size[0] if m.force_image_size else 0
+    options = model_options(cfg)
     return {
-        "force_quick_gelu": m.force_quick_gelu,
-        "force_image_size": size,
-        "force_context_length": m.force_context_length,
+        "force_quick_gelu": options.quick_gelu,
+        "force_image_size": options.image_size,
+        "force_context_length": options.context_length,
     }
 
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bigclip.models.clip_family import kept_patches
 from bigclip.models.transformer import LayerNorm, Transformer
-
-
-def kept_patches(num_patches: int, prob: float) -> int:
-    """Patches a patch-dropout rate keeps per image (at least one)."""
-    return max(1, int(num_patches * (1.0 - prob))) if prob else num_patches
 
 
 class PatchDropout(nn.Module):

@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigclip.errors import ConfigError
-from bigclip.models import get_model_config
 from bigclip.plan.spec import PlanSpec, dtype_bytes
 
 FP32 = 4
@@ -87,7 +86,7 @@ def loss_exchange_bytes(spec: PlanSpec) -> int | None:
         exchange=spec.loss_exchange,
         local=spec.batch_size * spec.accum_freq,
         world=spec.gpus,
-        dim=get_model_config(spec.model).embed_dim,
+        dim=spec.model_shape().embed_dim,
         feature_bytes=dtype_bytes(spec.dtypes.compute_dtype),
         backend=spec.dist_backend,
     )

@@ -1,21 +1,23 @@
 """Per-GPU memory of a training step: model state, activations, loss and communication buffers.
 
-Activations come from what each residual block saves for backward on a GPU (bf16 compute,
-flash attention), per token of width W, MLP width M, H heads, a bytes per compute element:
-    ln_1 input, ln_1 output (QKV input), QKV output (q, k, v are views of it), attention output
-    (SDPA's output, also out_proj's input), ln_2 input, ln_2 output (c_fc input): 8 W x a
-    c_fc output (GELU input), GELU output (c_proj input):                          2 M x a
-    LayerNorm mean and rstd (2 x 2 fp32) and the attention log-sum-exp (H fp32):   (4 + H) x 4
+The model is its static shape (models/shape.py): towers of pre-norm residual blocks.
+Activations come from what each block saves for backward on a GPU (bf16 compute, flash
+attention), per token of width W, MLP width M, H heads, a bytes per compute element:
+    MLP: ln_2 input, ln_2 output (c_fc input), c_fc output (GELU input), GELU output
+    (c_proj input); ln_2's mean and rstd:                                     (2 W + 2 M) x a + 2 x 4
+    attention (H > 0): ln_1 input, ln_1 output (QKV input), QKV output (q, k, v are views of
+    it), attention output (SDPA's output, also out_proj's input); ln_1's mean and rstd and
+    the attention log-sum-exp (H fp32):                                       6 W x a + (2 + H) x 4
 SwitchBack int8 `memefficient` saves an int8 copy (+ an fp32 absmax per row) of each swapped
 linear's input instead of the 16-bit one (the attention output stays, SDPA keeps it); `global`
 and `vectorwise` save the same as a plain linear. With --grad-checkpointing a checkpointed block
 keeps only its input (W x a; policy `ops` also keeps the QKV output, SDPA's output and log-sum-exp
-and c_fc's output: 5 W + M elements + H fp32), the blocks left out by --grad-checkpointing-every
-keep everything, and one block at a time is recomputed in backward. Outside the blocks:
-the vision tower keeps ln_pre's input and its last block's
-output (ln_post reads the class token through a view of it); the inputs themselves (fp32 images,
-int64 tokens). Backward needs a workspace of about one block's MLP and residual gradients
-(2 M + 3 W per token x a). Patch dropout shortens the vision sequence to 1 + kept patches.
+and c_fc's output: 5 W + M elements + H fp32; W + M without attention), the blocks left out by --grad-checkpointing-every
+keep everything, and one block at a time is recomputed in backward. Outside the blocks: what
+each tower's shape says it saves per token (CLIP's vision tower: ln_pre's input and its last
+block's output), and the inputs themselves. Backward needs a workspace of about one block's MLP
+and residual gradients (2 M + 3 W per token x a). A tower's tokens are its sequence after patch
+dropout.
 
 Loss buffers follow bigclip/ops/loss/ (chunked.py, exchange.py) (n local rows, N global, d embed dim, c chunk,
 fp32): ring 2nd + 3n + 2cd + 3c(d+1) + 3c^2; allgather Nd + N(d+1) + 2nd + 3c^2; OpenCLIP's
@@ -32,23 +34,13 @@ partition).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bigclip.models import get_model_config
-from bigclip.models.vision import kept_patches
+from bigclip.models.flops import block_flops_per_token
+from bigclip.models.shape import ParamShape, TowerShape
 from bigclip.plan.model_state import StateBytes, model_state
-from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes
-
-TEXT_TOKEN_BYTES = 8  # int64 token ids
-
-
-@dataclass(frozen=True)
-class Tower:
-    layers: int
-    width: int
-    mlp: int
-    heads: int
-    tokens: int  # sequence length per sample
+from bigclip.plan.spec import PlanSpec, dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -77,39 +69,38 @@ class MemoryPlan:
         return max(self.forward_peak, self.step_peak)
 
 
-def towers(spec: PlanSpec) -> dict[str, Tower]:
-    cfg = get_model_config(spec.model)
-    v, t = cfg.vision_cfg, cfg.text_cfg
-    patches = (v.image_size // v.patch_size) ** 2
-    kept = kept_patches(patches, spec.patch_dropout)
-    return {
-        "vision": Tower(v.layers, v.width, int(v.width * v.mlp_ratio), v.width // v.head_width, 1 + kept),
-        "text": Tower(t.layers, t.width, int(t.width * t.mlp_ratio), t.heads, t.context_length),
-    }
+def towers(spec: PlanSpec) -> dict[str, TowerShape]:
+    return spec.model_shape().towers
 
 
-def block_saved_per_token(tower: Tower, spec: PlanSpec) -> int:
+def block_saved_per_token(tower: TowerShape, spec: PlanSpec) -> int:
     """Bytes one residual block saves for backward per token (see the module docstring)."""
     a = dtype_bytes(spec.dtypes.compute_dtype)
     w, m = tower.width, tower.mlp
-    saved = a * (8 * w + 2 * m) + 4 * (4 + tower.heads)
-    if spec.linear_kind == "switchback-memefficient":
+    memefficient = spec.linear_kind == "switchback-memefficient"
+    saved = a * (2 * w + 2 * m) + 2 * 4
+    if memefficient:
         saved -= (a - 1) * (w + m) - 2 * 4  # c_fc and c_proj inputs as int8 + absmax
-        if spec.int8_attention:
-            saved -= (a - 1) * w - 4  # QKV input as int8
-            saved += w + 4  # out_proj's int8 copy, beside SDPA's saved output
+    if tower.heads:
+        saved += a * 6 * w + 4 * (2 + tower.heads)
+    if tower.heads and memefficient and spec.int8_attention:
+        saved -= (a - 1) * w - 4  # QKV input as int8
+        saved += w + 4  # out_proj's int8 copy, beside SDPA's saved output
     return saved
 
 
-def checkpointed_saved_per_token(tower: Tower, spec: PlanSpec) -> int:
+def checkpointed_saved_per_token(tower: TowerShape, spec: PlanSpec) -> int:
     """Bytes a checkpointed block keeps per token until its backward (module docstring)."""
     a = dtype_bytes(spec.dtypes.compute_dtype)
-    if spec.checkpoint_policy == "ops":
-        return a * (5 * tower.width + tower.mlp) + 4 * tower.heads
-    return a * tower.width
+    if spec.checkpoint_policy != "ops":
+        return a * tower.width
+    kept = a * (tower.width + tower.mlp)  # the block's input, c_fc's output
+    if tower.heads:
+        kept += a * 4 * tower.width + 4 * tower.heads  # QKV and SDPA's outputs, the log-sum-exp
+    return kept
 
 
-def checkpointed_blocks(tower: Tower, spec: PlanSpec) -> int:
+def checkpointed_blocks(tower: TowerShape, spec: PlanSpec) -> int:
     """Blocks of the tower checkpointed: 0, or one in --grad-checkpointing-every (blocks 0, k, 2k...)."""
     return -(-tower.layers // spec.checkpoint_every) if spec.grad_checkpointing else 0
 
@@ -118,15 +109,13 @@ def activation_bytes(spec: PlanSpec) -> int:
     """Saved activations of one micro-batch on one rank, both towers and outside the blocks."""
     a = dtype_bytes(spec.dtypes.compute_dtype)
     total = 0
-    for name, tower in towers(spec).items():
+    for tower in towers(spec).values():
         tokens = spec.batch_size * tower.tokens
         per_block = block_saved_per_token(tower, spec)
         ckpt = checkpointed_blocks(tower, spec)
         kept = ckpt * checkpointed_saved_per_token(tower, spec) + (tower.layers - ckpt) * per_block
         recomputing = per_block if ckpt else 0  # one block's activations, rebuilt in backward
-        total += tokens * (kept + recomputing)
-        if name == "vision":
-            total += tokens * tower.width * 2 * a  # ln_pre's input and the last block's output
+        total += tokens * (kept + recomputing + tower.saved_outside * a)
     return total + input_bytes(spec)
 
 
@@ -137,17 +126,16 @@ def recomputed_flops(spec: PlanSpec) -> float:
     for tower in towers(spec).values():
         w, m, s = tower.width, tower.mlp, tower.tokens
         if spec.checkpoint_policy == "ops":
-            per_token = 2 * (w * w + m * w)
+            out_proj = w * w if tower.heads else 0
+            per_token = 2 * (out_proj + m * w)
         else:
-            per_token = 2 * (4 * w * w + 2 * m * w) + 4 * s * w  # QKV, out, MLP; QK^T and AV
+            per_token = block_flops_per_token(tower)  # QKV, out, MLP; QK^T and AV
         total += checkpointed_blocks(tower, spec) * spec.global_batch * s * per_token
     return total
 
 
 def input_bytes(spec: PlanSpec) -> int:
-    cfg = get_model_config(spec.model)
-    image = 3 * cfg.vision_cfg.image_size**2 * 4
-    return spec.batch_size * (image + cfg.text_cfg.context_length * TEXT_TOKEN_BYTES)
+    return spec.batch_size * sum(t.input_bytes for t in towers(spec).values())
 
 
 def backward_workspace(spec: PlanSpec) -> int:
@@ -157,7 +145,7 @@ def backward_workspace(spec: PlanSpec) -> int:
 
 def loss_buffer_bytes(spec: PlanSpec) -> int:
     """fp32 buffers of the contrastive loss on one rank (formulas in the module docstring)."""
-    d = get_model_config(spec.model).embed_dim
+    d = spec.model_shape().embed_dim
     n = spec.batch_size * spec.accum_freq  # the last accumulation pass sees every cached feature
     big_n, c = n * spec.gpus, min(spec.loss_chunk_size, n) if spec.loss_chunk_size else 0
     tiles = 3 * c * c
@@ -172,7 +160,7 @@ def loss_buffer_bytes(spec: PlanSpec) -> int:
     return 4 * floats
 
 
-def communication_bytes(spec: PlanSpec, params: list[ParamInfo]) -> int:
+def communication_bytes(spec: PlanSpec, params: Sequence[ParamShape]) -> int:
     """Gathered parameters and unsharded gradients in flight (engine buffers), per rank."""
     a = dtype_bytes(spec.dtypes.compute_dtype)
     blocks: dict[int, int] = {}
@@ -198,7 +186,7 @@ def _fsdp_communication(spec: PlanSpec, blocks: dict[int, int], root: int, large
     return a * (gathered + root) + reduce_scatter  # the root stays gathered, in the compute dtype
 
 
-def persistent_gradient_bytes(spec: PlanSpec, state: StateBytes, params: list[ParamInfo]) -> int:
+def persistent_gradient_bytes(spec: PlanSpec, state: StateBytes, params: Sequence[ParamShape]) -> int:
     if spec.engine == "fsdp":
         # Under no_sync, FSDP2 accumulates unsharded gradients (reduce dtype) across passes.
         reduce_b = dtype_bytes(spec.dtypes.reduce_dtype)
@@ -214,7 +202,7 @@ def step_temporary_bytes(spec: PlanSpec, state: StateBytes) -> int:
     return state.optimizer // 3  # ZeRO's fp32 gradient partition (optimizer: fp32 master + 2 moments)
 
 
-def plan_memory(spec: PlanSpec, params: list[ParamInfo]) -> MemoryPlan:
+def plan_memory(spec: PlanSpec, params: Sequence[ParamShape]) -> MemoryPlan:
     state = model_state(spec, params)
     return MemoryPlan(
         state=state,

@@ -23,11 +23,12 @@ steps each local shard (so at large N many shards are small), under DeepSpeed th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from bigclip.engines.optim import excluded_from_weight_decay
-from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes
+from bigclip.models.shape import ParamShape
+from bigclip.plan.spec import PlanSpec, dtype_bytes
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer2State's default min_8bit_size
 BNB_BLOCK = 256
@@ -54,7 +55,7 @@ class StateBytes:
         return self.host_parameters + self.host_gradients + self.host_optimizer
 
 
-def fsdp_shard_numel(param: ParamInfo, world: int) -> int:
+def fsdp_shard_numel(param: ParamShape, world: int) -> int:
     """Elements of `param` on rank 0 under FSDP2 (dim-0 chunks; 0-dim parameters replicated)."""
     if not param.shape:
         return 1
@@ -62,7 +63,7 @@ def fsdp_shard_numel(param: ParamInfo, world: int) -> int:
     return min(math.ceil(rows / world), rows) * (param.numel // rows)
 
 
-def zero3_partition_numel(param: ParamInfo, world: int) -> int:
+def zero3_partition_numel(param: ParamShape, world: int) -> int:
     return math.ceil(param.numel / world)
 
 
@@ -79,7 +80,7 @@ def adam_state_bytes(numels: Iterable[int], *, optimizer: str, state_bytes: int)
     return total
 
 
-def fsdp_state(spec: PlanSpec, params: list[ParamInfo]) -> StateBytes:
+def fsdp_state(spec: PlanSpec, params: Sequence[ParamShape]) -> StateBytes:
     shards = [fsdp_shard_numel(p, spec.gpus) for p in params]
     b = dtype_bytes(spec.dtypes.param_dtype)
     return StateBytes(
@@ -89,7 +90,7 @@ def fsdp_state(spec: PlanSpec, params: list[ParamInfo]) -> StateBytes:
     )
 
 
-def zero3_state(spec: PlanSpec, params: list[ParamInfo]) -> StateBytes:
+def zero3_state(spec: PlanSpec, params: Sequence[ParamShape]) -> StateBytes:
     parts = sum(zero3_partition_numel(p, spec.gpus) for p in params)
     compute = dtype_bytes(spec.dtypes.compute_dtype)
     master = dtype_bytes(spec.dtypes.param_dtype)
@@ -98,7 +99,7 @@ def zero3_state(spec: PlanSpec, params: list[ParamInfo]) -> StateBytes:
     return _offloaded(spec, parameters, gradients, optimizer)
 
 
-def zero12_state(spec: PlanSpec, params: list[ParamInfo]) -> StateBytes:
+def zero12_state(spec: PlanSpec, params: Sequence[ParamShape]) -> StateBytes:
     compute = dtype_bytes(spec.dtypes.compute_dtype)
     master = dtype_bytes(spec.dtypes.param_dtype)
     groups = [sum(p.numel for p in group) for group in weight_decay_groups(params)]
@@ -122,7 +123,7 @@ def _offloaded(spec: PlanSpec, parameters: int, gradients: int, optimizer: int) 
     return StateBytes(parameters - host_p, gradients - host_g, optimizer - host_o, host_p, host_g, host_o)
 
 
-def weight_decay_groups(params: list[ParamInfo]) -> list[list[ParamInfo]]:
+def weight_decay_groups(params: Sequence[ParamShape]) -> list[list[ParamShape]]:
     """bigclip's two optimizer groups (no decay, decay), in `param_groups` order."""
     no_decay, decay = [], []
     for p in params:
@@ -130,14 +131,14 @@ def weight_decay_groups(params: list[ParamInfo]) -> list[list[ParamInfo]]:
     return [no_decay, decay]
 
 
-def _no_decay(p: ParamInfo) -> bool:
+def _no_decay(p: ParamShape) -> bool:
     class _Shape:  # excluded_from_weight_decay reads only .shape (or ZeRO-3's ds_shape)
         shape = p.shape
 
     return excluded_from_weight_decay(p.name, _Shape())  # type: ignore[arg-type]
 
 
-def model_state(spec: PlanSpec, params: list[ParamInfo]) -> StateBytes:
+def model_state(spec: PlanSpec, params: Sequence[ParamShape]) -> StateBytes:
     if spec.engine == "fsdp":
         return fsdp_state(spec, params)
     if spec.engine == "zero3":

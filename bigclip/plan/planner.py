@@ -4,6 +4,8 @@
         --grad-checkpointing --loss-chunk-size 1024 [any other training flag]   [--dry-run] [--json]
 
 It takes the training command's own flags, so the plan describes the run they would start.
+All it knows of the model is the model's static shape (`ModelShape`, models/shape.py, from the
+--model name's family): it builds no model, except for --dry-run.
 Memory (rank 0, the largest shard) comes from `plan_state` (model state, replaying each engine's
 sharding; checked against a fake-process-group dry run of the real engines, `--dry-run`) and
 `plan_memory` (activations from each block's saved tensors, loss and communication buffers).
@@ -21,16 +23,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bigclip.models import get_model_config
 from bigclip.models.flops import forward_flops as model_forward_flops
+from bigclip.models.shape import ParamShape
 from bigclip.plan.comm import loss_exchange_bytes, transfer_seconds
 from bigclip.plan.memory import MemoryPlan, plan_memory, recomputed_flops
 from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
 from bigclip.plan.options import Hardware, PlanOptions
-from bigclip.plan.spec import ParamInfo, PlanSpec, dtype_bytes, from_train_config, model_params
+from bigclip.plan.spec import PlanSpec, dtype_bytes, from_train_config
 
 GiB = 2**30
 S3_WRITES_PER_PREFIX_PER_S = 3500  # AWS's documented PUT/COPY/POST/DELETE rate per partitioned prefix
@@ -77,10 +80,10 @@ class Plan:
 
 def forward_flops(spec: PlanSpec) -> float:
     """Forward FLOPs of one image-text pair of the planned model (see models/flops.py)."""
-    return model_forward_flops(get_model_config(spec.model), patch_dropout=spec.patch_dropout)
+    return model_forward_flops(spec.model_shape())
 
 
-def rank0_numel(spec: PlanSpec, params: list[ParamInfo]) -> int:
+def rank0_numel(spec: PlanSpec, params: Sequence[ParamShape]) -> int:
     """Elements of model state rank 0 owns (and so checkpoints)."""
     if spec.engine == "fsdp":
         return sum(fsdp_shard_numel(p, spec.gpus) for p in params)
@@ -95,7 +98,7 @@ def s3_requests(object_sizes: list[int], *, part_size: int) -> int:
 
 
 def build_plan(spec: PlanSpec, hardware: Hardware) -> Plan:
-    params = model_params(spec)
+    params = spec.model_shape().params
     per_element = 3 * dtype_bytes(spec.dtypes.param_dtype)  # master weight + two moments
     rank0 = rank0_numel(spec, params) * per_element
     files = [math.ceil(rank0 / spec.io_threads)] * spec.io_threads

@@ -1,14 +1,14 @@
-"""What the planner plans: a run's shape (`PlanSpec`) and its model's parameter shapes.
+"""What the planner plans: a run's shape (`PlanSpec`) and its model's static shape.
 
 A PlanSpec is built from the same flags as training (`from_train_config`), so `bigclip plan`
 describes exactly the run a training command would start: the engine and ZeRO stage come from
 --engine and the DeepSpeed JSON (resolved by the engine's own `resolve_ds_config`, which fills
-bucket sizes and checks the file), sizes from the model config built on the meta device.
+bucket sizes and checks the file), sizes from the model's `ModelShape`, which its family derives
+from the config without building the model (the model contract's static half, models/shape.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -16,21 +16,11 @@ import torch
 from bigclip.config import TrainConfig
 from bigclip.engines.optim import Precision
 from bigclip.errors import ConfigError
-from bigclip.models import get_model_config
+from bigclip.models.families import model_options, model_shape
+from bigclip.models.shape import ModelOptions, ModelShape
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 ENGINE_KINDS = ("fsdp", "zero1", "zero2", "zero3")
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    name: str
-    shape: tuple[int, ...]
-    block: int  # index into CLIP.blocks(), or -1 for the root (embeddings, norms, projections)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -77,12 +67,16 @@ class PlanSpec:
     def global_batch(self) -> int:
         return self.batch_size * self.accum_freq * self.gpus
 
+    def model_shape(self) -> ModelShape:
+        """The planned model's static shape (its family's, with the run's patch dropout and loss)."""
+        return model_shape(self.model, ModelOptions(patch_dropout=self.patch_dropout, loss=self.loss))
+
     def validate(self) -> PlanSpec:
         if self.gpus < 1 or self.batch_size < 1 or self.accum_freq < 1:
             raise ConfigError("--gpus, --batch-size and --accum-freq must be at least 1")
         if self.engine not in ENGINE_KINDS:
             raise ConfigError(f"engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}")
-        get_model_config(self.model)  # raises, listing the valid names
+        self.model_shape()  # raises, listing the valid names
         return self
 
 
@@ -108,7 +102,7 @@ def _deepspeed_settings(cfg: TrainConfig, gpus: int) -> tuple[str, ZeroSettings]
     from bigclip.engines.deepspeed_config import load_ds_config, resolve_ds_config
 
     path = cfg.engine.deepspeed_config
-    width = model_width(cfg.model.model)
+    width = model_shape(cfg.model.model, model_options(cfg)).hidden_width
     plan = resolve_ds_config(load_ds_config(path), cfg, world_size=gpus, model_width=width, path=path)
     z = plan.config["zero_optimization"]
     settings = ZeroSettings(
@@ -119,26 +113,6 @@ def _deepspeed_settings(cfg: TrainConfig, gpus: int) -> tuple[str, ZeroSettings]
         offload_param=plan.offload_param,
     )
     return f"zero{plan.stage}", settings
-
-
-def model_width(name: str) -> int:
-    cfg = get_model_config(name)
-    return max(cfg.vision_cfg.width, cfg.text_cfg.width)
-
-
-def model_params(spec: PlanSpec) -> list[ParamInfo]:
-    """Every parameter of the model with its shape and residual block (built on the meta device)."""
-    from bigclip.models import create_model
-
-    model = create_model(spec.model, device="meta", **_loss_init(spec.loss))
-    block_of = {id(p): i for i, block in enumerate(model.blocks()) for p in block.parameters()}
-    return [ParamInfo(n, tuple(p.shape), block_of.get(id(p), -1)) for n, p in model.named_parameters()]
-
-
-def _loss_init(loss: str) -> dict[str, float]:
-    from bigclip.models.from_config import SIGLIP_INIT
-
-    return dict(SIGLIP_INIT) if loss == "siglip" else {}
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

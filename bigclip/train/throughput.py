@@ -43,10 +43,10 @@ def device_peak_tflops(device: torch.device) -> float | None:
 
 
 def train_flops_per_sample(cfg: TrainConfig) -> float:
+    from bigclip.models.families import model_options, model_shape
     from bigclip.models.flops import forward_flops
-    from bigclip.models.from_config import model_config
 
-    return 3 * forward_flops(model_config(cfg), patch_dropout=cfg.model.force_patch_dropout)
+    return 3 * forward_flops(model_shape(cfg.model.model, model_options(cfg)))
 
 
 @dataclass(frozen=True)

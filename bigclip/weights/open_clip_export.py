@@ -11,7 +11,9 @@ work with no network, and DIR can be uploaded to the Hugging Face Hub as it is. 
                                 the tokenizer they were trained with
   vocab.json, merges.txt, ...   that tokenizer in Hugging Face's format, as push_to_hf_hub uploads it
 The model config is the run's (--model, and its --force-* overrides when the checkpoint saved
-its config), checked against every weight's shape before anything is written. Weights trained
+its config), from the model's family, and checked against every weight's shape in the family's
+static shape (models/shape.py) before anything is written; a family OpenCLIP has no config for
+is refused. Weights trained
 with another tokenizer (bigclip's opt-in hashing one) are refused: OpenCLIP tokenizes differently, so its ids would
 mean nothing to the text tower. The config file is written last: a folder without it is not
 an export (OpenCLIP's loader needs it).
@@ -19,15 +21,14 @@ an export (OpenCLIP's loader needs it).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
 from bigclip.data.device import channel_values
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from bigclip.errors import ConfigError, StorageError
-from bigclip.models.clip import CLIP, CLIPConfig
-from bigclip.models.factory import get_model_config
+from bigclip.models.families import family_of
+from bigclip.models.shape import ModelOptions, ModelShape
 from bigclip.storage.locations import open_location
 from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import TensorInfo
@@ -48,23 +49,28 @@ def saved_run_config(source: WeightSource) -> dict[str, Any]:
 
 
 def model_config(name: str, run: dict[str, Any], weights: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """OpenCLIP's `model_cfg` for the weights: the named config with the run's --force-* options."""
+    """OpenCLIP's `model_cfg` for the weights: the model family's, for the named config with the
+    run's --force-* options (a learned logit bias: SigLIP), checked against the family's shape."""
     model = run.get("model", {})
     size = model.get("force_image_size") or 0
-    cfg = get_model_config(
-        name, force_quick_gelu=bool(model.get("force_quick_gelu")),
-        force_image_size=size[0] if isinstance(size, list) else int(size),
-        force_context_length=int(model.get("force_context_length") or 0),
-    )  # fmt: skip
-    cfg.init_logit_bias = -10.0 if "logit_bias" in weights else None  # OpenCLIP's SigLIP value
-    check_shapes(cfg, weights, name=name)
-    out = dataclasses.asdict(cfg)
-    out.pop("init_logit_scale")  # an initial value; the weights hold the trained one
-    return {k: v for k, v in out.items() if v is not None and v is not False}
+    options = ModelOptions(
+        quick_gelu=bool(model.get("force_quick_gelu")),
+        image_size=size[0] if isinstance(size, list) else int(size),
+        context_length=int(model.get("force_context_length") or 0),
+        loss="siglip" if "logit_bias" in weights else "clip",
+    )
+    family = family_of(name)
+    if family.open_clip_config is None:
+        raise ConfigError(
+            f"model {name} ({family.name} family) has no OpenCLIP config, so OpenCLIP cannot load it: "
+            "consolidate it to a .safetensors file instead of --open-clip-dir"
+        )
+    check_shapes(family.shape(name, options), weights, name=name)
+    return family.open_clip_config(name, options)
 
 
-def check_shapes(cfg: CLIPConfig, weights: dict[str, tuple[int, ...]], *, name: str) -> None:
-    expected = {n: tuple(p.shape) for n, p in CLIP(cfg, device="meta").named_parameters()}
+def check_shapes(shape: ModelShape, weights: dict[str, tuple[int, ...]], *, name: str) -> None:
+    expected = {p.name: p.shape for p in shape.params}
     wrong = [f"{n}: weights {weights.get(n)}, config {s}" for n, s in expected.items() if weights.get(n) != s]
     wrong += [f"{n}: not in model {name}" for n in weights if n not in expected]
     if wrong:
