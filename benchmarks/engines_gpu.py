@@ -34,7 +34,7 @@ from common import gpu_info, mfu, missing_package, print_table, write_gpu_result
 from bigclip.config import TrainConfig  # noqa: E402
 from bigclip.distributed import free_port, init_distributed  # noqa: E402
 from bigclip.engines import Engine, build_engine  # noqa: E402
-from bigclip.models import get_model_config  # noqa: E402
+from bigclip.models.families import model_shape  # noqa: E402
 from bigclip.models.flops import forward_flops  # noqa: E402
 from bigclip.models.from_config import build_model, model_factory, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
@@ -128,7 +128,7 @@ def measure(engine_name: str, *, steps: int, batch: int = 0) -> dict:
         batch, engine = batch - 8, build(cfg)
         times, peak = step_times(engine, cfg, batch, steps)
     step_s = statistics.median(times)
-    flops_per_s = 3 * forward_flops(get_model_config(MODEL)) * batch / step_s
+    flops_per_s = 3 * forward_flops(model_shape(MODEL)) * batch / step_s
     row = {"engine": engine_name, "model": MODEL, "batch": batch, "step_s": step_s}
     row |= {"samples_per_s": batch / step_s, "peak_memory_GiB": peak / 2**30, **mfu(flops_per_s, info)}
     return {**row, **found, "model_TFLOPs_per_s": flops_per_s / 1e12}

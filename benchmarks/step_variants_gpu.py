@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from common import PEAK_ENV, gpu_info, mfu, print_table, write_gpu_results  # noqa: E402
 
-from bigclip.models import get_model_config  # noqa: E402
+from bigclip.models.families import model_shape  # noqa: E402
 from bigclip.models.flops import forward_flops  # noqa: E402
 
 SIDES = ("openclip", "bigclip", "fp8-tensorwise", "fp8-rowwise")
@@ -148,7 +148,7 @@ def main() -> int:
         return 0
     info, start = gpu_info(), time.monotonic()
     os.environ[PEAK_ENV] = str(info["bf16_peak_measured_TFLOPs"])  # measured once, for every row
-    flops = 3 * forward_flops(get_model_config(args.model)) * args.batch
+    flops = 3 * forward_flops(model_shape(args.model)) * args.batch
     rows: list[dict] = []
     name = args.name or f"step_variants_{args.model.replace('-', '_')}_{args.engine}"
     for variant in args.variants:

@@ -39,6 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common import gpu_info, mfu, missing_package, print_table, write_gpu_results  # noqa: E402
 
 from bigclip.models import create_model, get_model_config  # noqa: E402
+from bigclip.models.families import model_shape  # noqa: E402
 from bigclip.models.flops import forward_flops  # noqa: E402
 
 DEFAULT_BATCH = {"ViT-H-14": 128, "ViT-bigG-14": 64}
@@ -134,7 +135,7 @@ def judge(rows: list[dict]) -> None:
 
 
 def peers(model_name: str, batch: int, steps: int) -> list[dict]:
-    info, flops = gpu_info(), 3 * forward_flops(get_model_config(model_name)) * batch
+    info, flops = gpu_info(), 3 * forward_flops(model_shape(model_name)) * batch
     rows = []
     for impl in ("openclip", "bigclip"):
         argv = [sys.executable, __file__, "--side", impl, "--model", model_name, "--batch", str(batch)]

@@ -78,11 +78,11 @@ def block_saved_per_token(tower: TowerShape, spec: PlanSpec) -> int:
     a = dtype_bytes(spec.dtypes.compute_dtype)
     w, m = tower.width, tower.mlp
     memefficient = spec.linear_kind == "switchback-memefficient"
-    saved = a * (2 * w + 2 * m) + 2 * 4
+    saved = a * (2 * w + 2 * m) + 2 * 4  # the MLP half: ln_2's input and output, c_fc's and GELU's outputs
     if memefficient:
         saved -= (a - 1) * (w + m) - 2 * 4  # c_fc and c_proj inputs as int8 + absmax
     if tower.heads:
-        saved += a * 6 * w + 4 * (2 + tower.heads)
+        saved += a * 6 * w + 4 * (2 + tower.heads)  # ln_1's input and output, QKV, SDPA's output and LSE
     if tower.heads and memefficient and spec.int8_attention:
         saved -= (a - 1) * w - 4  # QKV input as int8
         saved += w + 4  # out_proj's int8 copy, beside SDPA's saved output
