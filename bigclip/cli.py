@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import sys
 
 from bigclip import __version__
@@ -42,8 +43,22 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+# A reader that closed the pipe (`bigclip models | head`) ends the command as SIGPIPE ends `yes | head`.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _dispatch(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then this handler's, not a traceback
+        return code
+    except BrokenPipeError:
+        # Python's documented way: what is still buffered goes to devnull, so exit writes nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

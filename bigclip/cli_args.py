@@ -1,8 +1,9 @@
 """Build the training argument parser from the config dataclasses, and parse into a TrainConfig.
 
 Precedence: dataclass defaults < `--config FILE.yaml` < command-line flags. OpenCLIP options
-bigclip refuses are declared from `bigclip.openclip_flags.REFUSED` and fail as they are parsed;
-OpenCLIP's other spellings of values are converted (or refused) by `resolve_value`.
+bigclip refuses are declared from `bigclip.openclip_flags.REFUSED` and fail as they are parsed
+(`--help` leaves them out; `--help-openclip` lists them); OpenCLIP's other spellings of values are
+converted (or refused) by `resolve_value`. The help screens are `bigclip.cli_help`'s.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import ast
 import dataclasses
 import difflib
 import re
-import types
 import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
 
-from bigclip import openclip_flags
+from bigclip import cli_help, openclip_flags
+from bigclip.cli_help import field_type, flag_of, metavar, spelled
 from bigclip.config import TrainConfig, section_of
 from bigclip.errors import ConfigError
 
@@ -48,17 +49,6 @@ class ArgumentParser(argparse.ArgumentParser):
         return ""
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _scalar_type(f: dataclasses.Field, owner: type) -> type:
-    hint = typing.get_type_hints(owner)[f.name]
-    if isinstance(hint, types.UnionType):  # e.g. `int | None`
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
-
 class _KeyValues(argparse.Action):
     """OpenCLIP's `ParseKwargs`: KEY=VALUE words -> dict, values read with ast.literal_eval."""
 
@@ -73,6 +63,20 @@ class _KeyValues(argparse.Action):
             except (ValueError, SyntaxError):
                 result[key] = value  # a plain string needs no quotes, as in OpenCLIP
         setattr(namespace, self.dest, result)
+
+
+class _Help(argparse.Action):
+    """`--help [SECTION]`: every section, or one; then exit 0."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        print(cli_help.train_help(section=values or "", prog=parser.prog))
+        parser.exit()
+
+
+class _HelpOpenclip(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        print(cli_help.openclip_help())
+        parser.exit()
 
 
 class _Refuse(argparse.Action):
@@ -90,45 +94,41 @@ def _choices(f: dataclasses.Field) -> list[str] | None:
 
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type) -> None:
     meta = f.metadata
-    kind = _scalar_type(f, owner)
-    names = [_flag(f.name)]
+    kind = field_type(f, owner)
+    names = [flag_of(f.name)]
     origin = typing.get_origin(kind) or kind
     if origin is list:  # e.g. --image-mean 0.5 0.5 0.5
         (item,) = typing.get_args(kind)
-        group.add_argument(*names, dest=f.name, type=item, nargs="+", default=None, help=meta.get("help"))
+        group.add_argument(*names, dest=f.name, type=item, nargs="+", default=None, metavar=metavar(item),
+                           help=meta.get("help"))  # fmt: skip
     elif origin is dict:  # e.g. --aug-cfg scale='(0.4, 1.0)'
-        group.add_argument(
-            *names, dest=f.name, nargs="*", action=_KeyValues, default=None, help=meta.get("help")
-        )
+        group.add_argument(*names, dest=f.name, nargs="*", action=_KeyValues, default=None, metavar="KEY=VALUE",
+                           help=meta.get("help"))  # fmt: skip
     elif kind is bool:
         group.add_argument(
             *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=meta.get("help")
         )
     else:
-        group.add_argument(
-            *names, dest=f.name, type=kind, default=None, choices=_choices(f), help=meta.get("help")
-        )
+        choices = _choices(f)
+        group.add_argument(*names, dest=f.name, type=kind, default=None, choices=choices,
+                           metavar=None if choices else metavar(kind), help=meta.get("help"))  # fmt: skip
     for alias in meta.get("aliases", ()):
         # Aliases take their own spelling of the value and convert it (OpenCLIP compatibility).
-        group.add_argument(alias, dest=f"_alias_{f.name}", default=None, help=f"alias of {names[0]}")
+        group.add_argument(
+            alias, dest=f"_alias_{f.name}", default=None, metavar="VALUE", help=f"alias of {names[0]}"
+        )
     for switch, value in meta.get("switches", {}).items():
         # OpenCLIP flags without a value that mean one value of this field (e.g. --fsdp).
         group.add_argument(switch, dest=f"_switch_{f.name}", action="store_const", const=value, default=None,
-                           help=f"OpenCLIP's spelling of {_spelled(names[0], value)}")  # fmt: skip
-
-
-def _spelled(flag: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return flag if value else "--no-" + flag.removeprefix("--")
-    return f"{flag} {value}"
+                           help=f"OpenCLIP's spelling of {spelled(names[0], value)}")  # fmt: skip
 
 
 def _apply_switch(section: Any, f: dataclasses.Field, switched: Any, given: Any) -> None:
     """An OpenCLIP switch sets its value; the field's own flag may agree but not contradict it."""
     if given is not None and given != switched:
         (switch,) = [s for s, v in f.metadata["switches"].items() if v == switched][:1]
-        raise ConfigError(f"{switch} means {_spelled(_flag(f.name), switched)}, which contradicts "
-                          f"{_spelled(_flag(f.name), given)}: give one of them")  # fmt: skip
+        raise ConfigError(f"{switch} means {spelled(flag_of(f.name), switched)}, which contradicts "
+                          f"{spelled(flag_of(f.name), given)}: give one of them")  # fmt: skip
     setattr(section, f.name, switched)
 
 
@@ -141,17 +141,30 @@ def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
         _add_field(parser, fields[name], owner)
 
 
+class TrainArgumentParser(ArgumentParser):
+    """The training parser: its help is `bigclip.cli_help`'s screen, by section."""
+
+    def format_help(self) -> str:
+        return cli_help.train_help(prog=self.prog) + "\n"
+
+
 def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog=prog, description="Train a CLIP model with bigclip.")
-    parser.add_argument("--config", default=None, help="YAML file of options (flat or by section).")
-    for section in dataclasses.fields(TrainConfig):
-        cls = section.default_factory
-        group = parser.add_argument_group(section.name)
-        for f in dataclasses.fields(cls):
-            _add_field(group, f, cls)
-    refused = parser.add_argument_group("OpenCLIP options bigclip refuses (each fails, saying why)")
-    for flag, why in openclip_flags.REFUSED.items():
-        refused.add_argument(flag, nargs="*", metavar="VALUE", action=_Refuse, help=why)
+    parser = TrainArgumentParser(
+        prog=prog, add_help=False, usage=f"{prog} [--config FILE.yaml] [--OPTION VALUE ...]"
+    )
+    parser.add_argument("-h", "--help", nargs="?", const="", metavar="SECTION", action=_Help,
+                        help="This screen, or one section of it.")  # fmt: skip
+    parser.add_argument("--help-openclip", nargs=0, action=_HelpOpenclip,
+                        help="The OpenCLIP options bigclip refuses, with the reasons.")  # fmt: skip
+    parser.add_argument(
+        "--config", default=None, metavar="FILE.yaml", help="YAML file of options (flat or by section)."
+    )
+    for name, owner in cli_help.sections().items():
+        group = parser.add_argument_group(name, cli_help.describe(owner))
+        for f in dataclasses.fields(owner):
+            _add_field(group, f, owner)
+    for flag in openclip_flags.REFUSED:  # not in --help: --help-openclip lists them
+        parser.add_argument(flag, nargs="*", metavar="VALUE", action=_Refuse, help=argparse.SUPPRESS)
     return parser
 
 
@@ -173,8 +186,8 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 
 def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
-    if _flag(name) in openclip_flags.REFUSED:
-        raise ConfigError(openclip_flags.refusal(_flag(name)))
+    if flag_of(name) in openclip_flags.REFUSED:
+        raise ConfigError(openclip_flags.refusal(flag_of(name)))
     try:
         section = getattr(cfg, section_of(name))
     except KeyError:
@@ -215,11 +228,11 @@ def to_argv(cfg: TrainConfig) -> list[str]:
             if value == getattr(base, f.name):
                 continue
             if isinstance(value, bool):
-                argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+                argv.append(flag_of(f.name) if value else "--no-" + f.name.replace("_", "-"))
             elif isinstance(value, list):
-                argv += [_flag(f.name), *(str(v) for v in value)]
+                argv += [flag_of(f.name), *(str(v) for v in value)]
             elif isinstance(value, dict):
-                argv += [_flag(f.name), *(f"{k}={v!r}" for k, v in value.items())]
+                argv += [flag_of(f.name), *(f"{k}={v!r}" for k, v in value.items())]
             else:
-                argv += [_flag(f.name), str(value)]
+                argv += [flag_of(f.name), str(value)]
     return argv

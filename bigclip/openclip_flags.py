@@ -3,8 +3,9 @@
 Every option of `open_clip_train.params` is either a field of the config dataclasses
 (`bigclip/config/`, same name and meaning) or listed here with why bigclip refuses it and
 what to use instead; `tests/test_openclip_flags.py` walks OpenCLIP's parser to keep it so.
-A refused flag is declared in the parser like any other (so `--help` lists it with its reason),
-and giving it fails while the command line is parsed, before anything is built, exit code 2.
+A refused flag is declared in the parser like any other (`--help` leaves it out, `--help-openclip`
+lists it with its reason), and giving it fails while the command line is parsed, before anything
+is built, exit code 2.
 
 Three kinds of entry:
   REFUSED         flags with no bigclip meaning (DDP/Horovod, CSV data, CoCa, distillation...)

@@ -34,6 +34,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distrib
 
 BUCKET = "bad-input-ckpt"
 WORK_S = 120.0  # rows that build the model and start loading before the damage shows
+# Those runs have started: their folder (config.yaml, the log naming the damage) stays. A registry
+# keeps the folder of a checkpoint's leases once the run's lease is released.
+STARTED = ("resumed",)
+LEASED = (*STARTED, "registry/leases")
 # Rows the manifest settles before the model is built (the test checks the run line never came).
 # The suite's 5 s bound also needs a start without torch's import, which the CLI's bad-flag path
 # works on; until then, on a busy 2-core box, start-up alone took 7-14 s.
@@ -163,7 +167,7 @@ def test_resume_from_a_damaged_checkpoint_is_refused(demo_data, run, s3, tmp_pat
     target = f"{uri}/step_00000008"
     ckpt = tmp_path / "new-checkpoints"
     case = Case(f"{damage} ({where})", train(demo_data, tmp_path, "--resume", target, "--checkpoint-dir",
-                str(ckpt) if where == "local" else f"{uri}-new"), says, max_s=WORK_S, env=s3.env)  # fmt: skip
+                str(ckpt) if where == "local" else f"{uri}-new"), says, max_s=WORK_S, leaves=STARTED, env=s3.env)  # fmt: skip
     check(case, cwd=tmp_path, protect=[root])  # (the new run's own folder may be created)
 
 
@@ -173,7 +177,7 @@ def test_resume_latest_with_every_checkpoint_damaged_is_refused(demo_data, run, 
     uri = str(root) if where == "local" else upload(s3, root)
     case = Case(f"every checkpoint damaged ({where})",
                 train(demo_data, tmp_path, "--resume", "latest", "--checkpoint-dir", uri),
-                ("step_00000004/__0_", "is damaged: model.", "CRC-32"), max_s=WORK_S, env=s3.env)  # fmt: skip
+                ("step_00000004/__0_", "is damaged: model.", "CRC-32"), max_s=WORK_S, leaves=STARTED, env=s3.env)  # fmt: skip
     check(case, cwd=tmp_path, protect=[root])
 
 
@@ -192,7 +196,7 @@ def test_a_checkpoint_with_nan_weights_is_refused_naming_the_tensor(demo_data, r
     store.close()
     case = Case("NaN in a saved tensor", train(demo_data, tmp_path, "--resume", str(root / "step_00000009"),
                 "--checkpoint-dir", str(tmp_path / "new")), (name, "NaN or inf", "older checkpoint"),
-                max_s=WORK_S)  # fmt: skip
+                max_s=WORK_S, leaves=STARTED)  # fmt: skip
     check(case, cwd=tmp_path, protect=[root])
 
 
@@ -270,7 +274,7 @@ def test_pretrained_from_a_damaged_registry_blob_is_refused(demo_data, registry,
     what, says = REGISTRY_ROWS[row]
     copy = damaged_registry(registry, tmp_path, what)
     case = Case(f"--pretrained registry, {row}", train(demo_data, tmp_path, "--pretrained", "registry:tiny-v1",
-                "--registry", str(copy), "--checkpoint-dir", str(tmp_path / "new")), says, max_s=WORK_S)  # fmt: skip
+                "--registry", str(copy), "--checkpoint-dir", str(tmp_path / "new")), says, max_s=WORK_S, leaves=LEASED)  # fmt: skip
     check(case, cwd=tmp_path, protect=[copy])
 
 
@@ -286,7 +290,7 @@ def test_pretrained_and_consolidate_from_a_damaged_checkpoint_are_refused(demo_d
     check(consolidate, cwd=tmp_path, protect=[root])
     assert not out.exists()
     pretrained = Case(f"--pretrained, {damage}", train(demo_data, tmp_path, "--pretrained", str(root / "step_00000008"),
-                      "--checkpoint-dir", str(tmp_path / "new")), says, max_s=WORK_S)  # fmt: skip
+                      "--checkpoint-dir", str(tmp_path / "new")), says, max_s=WORK_S, leaves=STARTED)  # fmt: skip
     check(pretrained, cwd=tmp_path, protect=[root])
 
 
@@ -354,7 +358,7 @@ def test_a_damaged_safetensors_blob_is_refused_by_pretrained_and_consolidate(
     assert not list(tmp_path.glob("out*"))  # no file, no manifest
     pretrained = Case(f"--pretrained registry safetensors, {row}", train(demo_data, tmp_path, "--pretrained",
                       "registry:tiny-st", "--registry", str(copy), "--checkpoint-dir", str(tmp_path / "new")),
-                      says, max_s=WORK_S)  # fmt: skip
+                      says, max_s=WORK_S, leaves=LEASED)  # fmt: skip
     check(pretrained, cwd=tmp_path, protect=[copy])
     assert not (tmp_path / "new").exists() or not list((tmp_path / "new").rglob("manifest.json"))
 
@@ -366,5 +370,5 @@ def test_a_damaged_consolidated_file_is_refused_by_pretrained(demo_data, consoli
     flip_last_tensor(folder / consolidated.name)
     case = Case("--pretrained consolidated file, flipped byte", train(demo_data, tmp_path, "--pretrained",
                 str(folder / consolidated.name), "--checkpoint-dir", str(tmp_path / "new")),
-                (f"{folder / consolidated.name} is damaged", "SHA-256", "bigclip consolidate"), max_s=WORK_S)  # fmt: skip
+                (f"{folder / consolidated.name} is damaged", "SHA-256", "bigclip consolidate"), max_s=WORK_S, leaves=STARTED)  # fmt: skip
     check(case, cwd=tmp_path, protect=[folder])

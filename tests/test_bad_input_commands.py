@@ -1,12 +1,16 @@
 """Bad options of the other commands (the command name, plan, models, doctor, consolidate, publish,
-checkpoints, index-shards): one line naming the option and the fix; nothing written."""
+checkpoints, index-shards): one line naming the option and the fix; nothing written. And a reader
+that closed the pipe (`bigclip models | head`) ends a command quietly."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from support.bad_input import SETTLED_BEFORE_WORK_S, Case, bigclip, check
+from support.bad_input import ROOT, SETTLED_BEFORE_WORK_S, Case, bigclip, check
 from support.no_torch import refusals_without_torch
 
 PLAN = ("--gpus", "8")
@@ -98,3 +102,25 @@ def test_flag_settled_refusals_import_no_torch(home: Path) -> None:
     result = refusals_without_torch(rows, cwd=home)
     assert result["torch"] is False, f"torch was imported by row {list(result['codes'])[-1]}"
     assert result["codes"] == {c.name: c.code for c in rows}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--help",), ("--version",), ("models",), ("train", "--help"), ("train", "--help-openclip"), ("plan", "--help"),
+     ("consolidate", "--help"), ("checkpoints", "--help"), ("doctor", "--help"), ("index-shards", "--help")],
+    ids=" ".join,
+)  # fmt: skip
+def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(args: tuple[str, ...], home: Path) -> None:
+    """`bigclip models | head`: when the reader has gone, the command stops as `yes | head` does
+    (exit 141, SIGPIPE's), with no traceback and nothing written. (argparse's own help screens
+    ignore the failed write and exit 0, as silently.)"""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte
+    try:
+        done = subprocess.run([sys.executable, *bigclip(*args)], stdout=write, stderr=subprocess.PIPE, text=True,
+                              cwd=home, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)  # fmt: skip
+    finally:
+        os.close(write)
+    argparse_help = args[0] not in ("train", "models") and args[1:] == ("--help",)
+    assert (done.returncode, done.stderr) == (0 if argparse_help else 141, "")
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]

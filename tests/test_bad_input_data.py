@@ -31,7 +31,11 @@ BASE = ("--model", "tiny", "--precision", "fp32", "--batch-size", "8", "--worker
 
 
 def train(name: str, data: str, *flags: str, says: tuple[str, ...], max_s: float = STARTUP_S) -> Case:
-    return Case(name, bigclip("train", "--train-data", data, *BASE, *flags), says, max_s=max_s)
+    # A run found bad only by reading has started: its folder (the log saying what failed) stays.
+    started = ("logs/run",) if max_s == READ_S else ()
+    return Case(
+        name, bigclip("train", "--train-data", data, *BASE, *flags), says, max_s=max_s, leaves=started
+    )
 
 
 def index(name: str, data: str, *flags: str, says: tuple[str, ...]) -> Case:

@@ -33,6 +33,8 @@ def train(name: str, *flags: str, says: tuple[str, ...], base: tuple[str, ...] =
 CASES = [
     train("unknown-flag", "--bogus-flag", says=("unrecognized arguments: --bogus-flag", "bigclip train --help")),
     train("misspelt-flag", "--batch-sise", "8", says=("--batch-sise", "did you mean --batch-size?")),
+    train("help-unknown-section", "--help", "dta", says=("--help dta: no such section", "did you mean data?",
+                                                         "the sections are model, data")),
     train("lr-not-a-number", "--lr", "abc", says=("--lr", "invalid float value: 'abc'")),
     train("lr-nan", "--lr", "nan", says=("--lr nan", "finite number")),
     train("lr-inf", "--lr", "inf", says=("--lr inf", "finite number")),

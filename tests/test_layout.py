@@ -22,6 +22,7 @@ LAYER = {
     "bigclip.errors": 0,
     "bigclip.config": 0,
     "bigclip.cli_args": 0,
+    "bigclip.cli_help": 0,
     "bigclip.openclip_flags": 0,
     "bigclip.distributed": 0,
     "bigclip.storage": 1,

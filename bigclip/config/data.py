@@ -13,9 +13,7 @@ from bigclip.errors import ConfigError
 
 @dataclass
 class DataConfig:
-    train_data: str = opt(
-        "", "Training shards: a brace pattern, local or s3://, e.g. /data/{00000..00099}.tar."
-    )
+    train_data: str = opt("", "Training shards (a brace pattern), local or s3://: /data/{00000..00099}.tar.")
     val_data: str = opt("", "Held-out shards for retrieval evaluation (same pattern syntax).")
     train_num_samples: int = opt(0, "Samples per epoch (0: read sizes.json beside the shards).")
     val_num_samples: int = opt(0, "Held-out samples to evaluate (0: all).")
@@ -30,12 +28,10 @@ class DataConfig:
     val_frequency: int = opt(1, "Evaluate --val-data every N epochs and after the last (0: never).")
     imagenet_val: str = opt(
         "",
-        "Zero-shot classification set: an ImageNet-layout folder (one sub-folder per class) or "
-        "webdataset shards with .cls labels (classnames.txt beside them for non-ImageNet classes).",
+        "Zero-shot classification set: an ImageNet-layout folder or shards with .cls labels "
+        "(classnames.txt beside them for non-ImageNet classes).",
     )
-    imagenet_v2: str = opt(
-        "", "ImageNet-V2 for zero-shot classification: the folder holding ImageNetV2-matched-frequency/."
-    )
+    imagenet_v2: str = opt("", "ImageNet-V2 for zero-shot: the folder holding ImageNetV2-matched-frequency/.")
     zeroshot_frequency: int = opt(
         2, "Run zero-shot classification every N epochs and after the last one (0: never)."
     )
@@ -45,20 +41,19 @@ class DataConfig:
     image_key: str = opt(
         "jpg;png;jpeg;webp",
         "Tar member suffix holding the image, ';'-separated alternatives (the first present wins), "
-        "e.g. 'webp' or 'image.png' (OpenCLIP main's --image-key).",
+        "e.g. 'webp' or 'image.png'.",
     )
     text_key: str = opt(
         "txt",
-        "Tar member suffix holding the caption, ';'-separated alternatives, e.g. 'caption.txt;txt' "
-        "(OpenCLIP main's --text-key).",
+        "Tar member suffix holding the caption, ';'-separated alternatives, e.g. 'caption.txt;txt'.",
     )
     dataset_resampled: bool = opt(False, "Sample shards with replacement (an endless stream).")
     workers: int = opt(4, "Data-loader worker processes per rank.")
     batch_size: int = opt(64, "Batch size per GPU (per rank).")
     tokenizer: str = opt(
         "open_clip",
-        "Text tokenizer: OpenCLIP's BPE ('open_clip', the ids OpenCLIP weights know) or, opt-in, 'hashing' "
-        "(word ids by a stable hash, no vocabulary; for models trained from scratch only).",
+        "Text tokenizer: OpenCLIP's BPE ('open_clip': the ids its weights know) or 'hashing' (no "
+        "vocabulary: for models trained from scratch).",
         choices=TOKENIZERS,
     )
     shard_interleave: int = opt(
@@ -69,7 +64,7 @@ class DataConfig:
     train_data_upsampling_factors: str = opt(
         "",
         "With --dataset-resampled and several '::'-separated --train-data sources: one weight per "
-        "source, e.g. 1::2::0.5 (a shard is drawn with its source's weight, OpenCLIP's semantics).",
+        "source, e.g. 1::2::0.5 (OpenCLIP's semantics).",
     )
     image_mean: list[float] = opt([], "Normalisation mean, one value or R G B (default: OpenAI CLIP's).")
     image_std: list[float] = opt([], "Normalisation std, one value or R G B (default: OpenAI CLIP's).")
@@ -85,8 +80,8 @@ class DataConfig:
     )
     aug_cfg: dict = opt(
         {},
-        "Training augmentation, OpenCLIP's KEY=VALUE pairs: scale ratio color_jitter color_jitter_prob "
-        "gray_scale_prob re_prob re_count use_timm, e.g. --aug-cfg scale='(0.4, 1.0)' gray_scale_prob=0.2.",
+        "OpenCLIP's training augmentation: scale ratio color_jitter color_jitter_prob gray_scale_prob "
+        "re_prob re_count use_timm, e.g. scale='(0.4,1.0)'.",
     )
     train_transform: str = opt(
         "fast",

@@ -39,19 +39,24 @@ class PlanOptions:
 def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bigclip plan",
-        description="Plan a run: takes --gpus and the planner options below, plus any `bigclip train` flag.",
+        usage="bigclip plan --gpus N [planner options] [any `bigclip train` option]",
+        description="Plan a run: the planner options below, plus the run's training options, read as "
+        "`bigclip train` reads them (listed by `bigclip train --help [SECTION]`).",
     )
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the run (one rank each).")
-    p.add_argument("--gpu-memory-gib", type=float, default=Hardware.gpu_memory_gib, help="Memory per GPU.")
-    p.add_argument("--headroom", type=float, default=Hardware.headroom,
-                   help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")  # fmt: skip
-    p.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, help="Dense bf16 peak per GPU.")
-    p.add_argument("--mfu", type=float, default=Hardware.mfu, help="Model FLOPs utilisation to assume.")
-    p.add_argument(
-        "--part-size-mib", type=float, default=Hardware.part_size_mib, help="S3 multipart part size."
-    )
-    p.add_argument("--link-gbps", type=float, default=Hardware.link_gbps,
-                   help="Network bandwidth per GPU between nodes, Gbit/s (prices the loss exchange).")  # fmt: skip
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in the run (one rank each).")
+    p.add_argument("--gpu-memory-gib", type=float, default=Hardware.gpu_memory_gib, metavar="X",
+                   help="Memory per GPU. (default: %(default)s)")  # fmt: skip
+    p.add_argument("--headroom", type=float, default=Hardware.headroom, metavar="X",
+                   help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation). (default: %(default)s)")  # fmt: skip
+    p.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, metavar="X",
+                   help="Dense bf16 peak per GPU. (default: %(default)s, an H100 SXM)")  # fmt: skip
+    p.add_argument("--mfu", type=float, default=Hardware.mfu, metavar="X",
+                   help="Model FLOPs utilisation to assume. (default: %(default)s)")  # fmt: skip
+    p.add_argument("--part-size-mib", type=float, default=Hardware.part_size_mib, metavar="X",
+                   help="S3 multipart part size. (default: %(default)s)")  # fmt: skip
+    p.add_argument("--link-gbps", type=float, default=Hardware.link_gbps, metavar="X",
+                   help="Network bandwidth per GPU between nodes, Gbit/s (prices the loss exchange). "
+                   "(default: %(default)s)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     p.add_argument("--markdown", action="store_true", help="Print the table as Markdown.")
     p.add_argument("--dry-run", action="store_true",

@@ -17,13 +17,21 @@ handlers come before torch, through both doors).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bigclip.errors import BigclipError
 from bigclip.train.signals import catch_preemption_signals
+
+if TYPE_CHECKING:
+    from bigclip.config import TrainConfig
 
 
 def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
@@ -46,7 +54,39 @@ def _train(argv: list[str]) -> int:
 
     from bigclip.train.loop import main as train
 
-    return record(train)(cfg)
+    with _nothing_left_if_refused(cfg):
+        return record(train)(cfg)
+
+
+@contextlib.contextmanager
+def _nothing_left_if_refused(cfg: TrainConfig) -> Iterator[None]:
+    """A run refused before its folder opens (train/run_dir.py) leaves nothing behind: the checks
+    before that make the checkpoint folder (LOGS/NAME/checkpoints or --checkpoint-dir) to probe that
+    it is writable; the folders they made are removed. A folder holding a file is never removed."""
+    logs = Path(cfg.log.logs)
+    runs = {p.name for p in logs.iterdir()} if logs.is_dir() else set()
+    made = [_first_missing(logs)]
+    if cfg.checkpoint.checkpoint_dir:  # an s3:// URI is no local path, and stays missing
+        made.append(_first_missing(Path(cfg.checkpoint.checkpoint_dir)))
+    try:
+        yield
+    except BigclipError:
+        if cfg.log.name and cfg.log.name not in runs:  # named once the run starts
+            made.append(logs / cfg.log.name)
+        for folder in made:
+            if folder is not None and folder.is_dir() and not any(p.is_file() for p in folder.rglob("*")):
+                shutil.rmtree(folder, ignore_errors=True)  # every rank may try: all are refused
+        raise
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (None: `path` exists)."""
+    missing = None
+    for folder in (path.absolute(), *path.absolute().parents):
+        if folder.exists():
+            return missing
+        missing = folder
+    return missing
 
 
 def refuse(line: str) -> int:

@@ -1,4 +1,10 @@
-"""A run's name, its folder under --logs, the resolved config beside it, and its log files."""
+"""A run's name, its folder under --logs, the resolved config beside it, and its log files.
+
+Nothing is written before the run may start: `start_logging` logs to stdout and holds the file's
+lines in memory; `open_run_dir`, called once every check has passed, makes the folder, writes
+config.yaml and out.log (the held lines first). So a refused run leaves no folder behind, and an
+earlier run's folder of the same --name stays as it was.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,19 @@ import yaml
 
 from bigclip.config import LogConfig, TrainConfig
 from bigclip.distributed import Runtime
-from bigclip.train.metrics import log_file_name, setup_logging
+from bigclip.train.metrics import get_logger, log_file_name, setup_logging
+
+
+class _HeldLines(logging.Handler):
+    """The log file's lines until the run folder exists (a handful: the set-up's messages)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def run_name(cfg: TrainConfig, runtime: Runtime) -> str:
@@ -37,23 +55,34 @@ def run_name(cfg: TrainConfig, runtime: Runtime) -> str:
 
 
 def prepare_run_dir(cfg: TrainConfig, runtime: Runtime) -> Path:
-    """logs/NAME (rank 0 creates it); `write_config` fills it once the run may start."""
+    """logs/NAME, named but not made: `open_run_dir` makes it once the run may start."""
     cfg.log.name = run_name(cfg, runtime)
-    run_dir = Path(cfg.log.logs) / cfg.log.name
-    if runtime.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
-def write_config(cfg: TrainConfig, run_dir: Path, runtime: Runtime) -> None:
-    """The resolved config beside the logs (rank 0), written after the checks that may refuse the
-    run, so a refused run leaves an earlier run's config.yaml as it was."""
-    if runtime.is_main:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return Path(cfg.log.logs) / cfg.log.name
 
 
 def start_logging(log: LogConfig, run_dir: Path, runtime: Runtime) -> logging.Logger:
-    """The run's logger: out.log on rank 0; with --log-local, out-RANK.log on each node's local rank 0 too."""
+    """The run's logger, on stdout; out.log on rank 0 (with --log-local, out-RANK.log on each node's
+    local rank 0 too) receives its lines when `open_run_dir` opens it."""
+    logger = setup_logging(rank=runtime.rank, local_rank=runtime.local_rank, log_local=log.log_local,
+                           debug=log.debug)  # fmt: skip
     name = log_file_name(rank=runtime.rank, local_rank=runtime.local_rank, log_local=log.log_local)
-    return setup_logging(rank=runtime.rank, log_file=run_dir / name if name else None,
-                         local_rank=runtime.local_rank, log_local=log.log_local, debug=log.debug)  # fmt: skip
+    if name:  # a rank that logs to a file
+        logger.addHandler(_HeldLines(run_dir / name))
+    return logger
+
+
+def open_run_dir(cfg: TrainConfig, run_dir: Path, runtime: Runtime) -> None:
+    """Once every check has passed: the folder, the resolved config (rank 0) and the log file with
+    the lines held so far."""
+    if runtime.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    logger = get_logger()
+    for held in [h for h in logger.handlers if isinstance(h, _HeldLines)]:
+        held.path.parent.mkdir(parents=True, exist_ok=True)
+        file = logging.FileHandler(held.path)
+        file.setFormatter(logger.handlers[0].formatter)
+        logger.removeHandler(held)
+        logger.addHandler(file)
+        for record in held.records:
+            file.handle(record)

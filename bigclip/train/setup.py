@@ -22,7 +22,7 @@ from bigclip.train.metrics import Scalars
 from bigclip.train.preemption import PreemptionWatcher
 from bigclip.train.preflight import check_flags, check_machine
 from bigclip.train.run import Run
-from bigclip.train.run_dir import prepare_run_dir, start_logging, write_config
+from bigclip.train.run_dir import open_run_dir, prepare_run_dir, start_logging
 from bigclip.train.watchdog import StepWatchdog
 from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
@@ -71,7 +71,7 @@ def setup(cfg: TrainConfig) -> Run:
     check_resume_target(
         store, cfg, which, global_batch=cfg.data.batch_size * cfg.optim.accum_freq * runtime.world_size
     )
-    write_config(cfg, run_dir, runtime)
+    open_run_dir(cfg, run_dir, runtime)  # the checks passed: the folder, config.yaml, out.log
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "
         f"rank 0 on {runtime.device}"

@@ -3,8 +3,9 @@
 A case is a real command line (`python -m bigclip ...`, or any argv) against files a fixture made.
 It passes when the command exits non-zero (2: bigclip's user error) within `max_s` seconds, prints
 no traceback, ends its stderr with one line that contains every fragment of `says` (what is wrong
-and what to do), and leaves every protected folder byte for byte as it was. Each area's rows live
-in tests/test_bad_input_<area>.py, each a table of `Case`s.
+and what to do), leaves every protected folder byte for byte as it was, and adds nothing to the
+working directory (no run folder, no log file; a run that started before failing keeps its folder,
+named in `leaves`). Each area's rows live in tests/test_bad_input_<area>.py, each a table of `Case`s.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Case:
     code: int = 2
     max_s: float = SETTLED_BEFORE_WORK_S
     env: dict[str, str | None] = field(default_factory=dict)  # None: removed from the environment
+    # Folders (relative to the working directory) a run that started before failing keeps: its log.
+    leaves: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,20 @@ def tree_digest(paths: Iterable[Path]) -> dict[str, str]:
     return digest
 
 
+def tree_paths(root: Path) -> set[str]:
+    """Every file and folder under `root`, relative to it."""
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")}
+
+
+def _kept(path: str, leaves: tuple[str, ...]) -> bool:
+    """`path` is a folder in `leaves`, inside one, or one's parent."""
+    return any(f"{path}/".startswith(f"{f}/") or f.startswith(f"{path}/") for f in leaves)
+
+
 def check(case: Case, *, cwd: Path, protect: Iterable[Path] = ()) -> Outcome:
-    """Run `case` and assert the suite's four promises; returns the outcome for extra checks."""
+    """Run `case` and assert the suite's five promises; returns the outcome for extra checks."""
     protect = list(protect)
-    before = tree_digest(protect)
+    before, present = tree_digest(protect), tree_paths(cwd)
     out = run(case, cwd=cwd)
     context = f"[{case.name}] exit {out.code} in {out.seconds:.1f}s\nstderr:\n{out.stderr[-3000:]}"
     assert out.code == case.code, context
@@ -85,4 +98,6 @@ def check(case: Case, *, cwd: Path, protect: Iterable[Path] = ()) -> Outcome:
     assert not missing, f"{context}\nlast line lacks {missing}: {out.last_line!r}"
     assert out.seconds <= case.max_s, f"{context}\ntook {out.seconds:.1f}s > {case.max_s}s"
     assert tree_digest(protect) == before, f"{context}\na protected file changed"
+    added = [p for p in sorted(tree_paths(cwd) - present) if not _kept(p, case.leaves)]
+    assert not added, f"{context}\na refused command left {added[:5]} in its working directory"
     return out
