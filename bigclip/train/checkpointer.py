@@ -75,8 +75,8 @@ class Checkpointer:
         verify: Callable[[int], None] = lambda step: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Collective. Starts `sync` (rank 0). `saved_step`: the step of the checkpoint just loaded
-        (never saved over). `pause`: held while saving (the step watchdog's). `verify(step)`:
+        """Rank 0 wires retention into the store and starts `sync` (rank 0's; None elsewhere).
+        `saved_step`: the step of the checkpoint just loaded (never saved over). `pause`: held while saving (the step watchdog's). `verify(step)`:
         collective, raises before a save if the weights may be damaged. `clock`: seconds, for the
         minutes cadence (read on rank 0 only)."""
         self.store, self.contents, self.cfg, self.sync = store, contents, cfg, sync
