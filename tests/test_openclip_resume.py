@@ -75,13 +75,13 @@ def openclip_run(path: Path, *, lock_image_groups: int | None, ddp_prefix: bool,
 def resume_and_save(rank: int, world: int, argv: list[str]) -> dict:
     """Worker: the training set-up with --resume, then a checkpoint of what it restored."""
     from bigclip.cli_args import parse_train_args
-    from bigclip.train.loop import close_run, save_checkpoint
+    from bigclip.train.loop import close_run
     from bigclip.train.setup import setup
 
     run = setup(parse_train_args(argv))
-    save_checkpoint(run, data_position=None)
-    run.store.wait()
-    out = {"state": vars(run.state).copy(), "checkpoint": run.store.latest()}
+    run.checkpointer.save(run.progress.state, data_position=None)
+    run.checkpointer.wait()
+    out = {"state": vars(run.progress.state).copy(), "checkpoint": run.checkpointer.latest()}
     close_run(run)
     return out
 

@@ -15,6 +15,9 @@ class CheckpointConfig:
     )
     save_frequency: int = opt(1, "Save every N epochs (0: never at epoch ends).")
     save_every_n_steps: int = opt(0, "Also save every N optimizer steps (0: off).")
+    save_every_n_minutes: float = opt(
+        0.0, "Also save after every N minutes of training, e.g. 30 on preemptible capacity (0: off)."
+    )
     resume: str = opt("", "Resume from 'latest', a checkpoint path, or an s3:// URI.")
     async_save: bool = opt(False, "Stage state in CPU memory and upload in the background.")
     save_most_recent: bool = opt(
@@ -42,6 +45,11 @@ class CheckpointConfig:
     def validate(self) -> None:
         if min(self.save_frequency, self.save_every_n_steps, self.keep_last, self.remote_keep_last) < 0:
             raise ConfigError("checkpoint frequencies and retention counts must not be negative")
+        if self.save_every_n_minutes < 0:
+            raise ConfigError(
+                f"--save-every-n-minutes {self.save_every_n_minutes} must not be negative: give minutes of "
+                "training between checkpoints, or 0 for no time-based saves"
+            )
         if self.resume and self.overwrite_run:
             raise ConfigError(
                 f"--resume {self.resume} and --overwrite-run contradict each other: --resume continues from a "

@@ -11,7 +11,6 @@ Nothing here depends on which engine shards the model: the loop only calls the E
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import torch.distributed as dist
@@ -19,13 +18,6 @@ import torch.distributed as dist
 from bigclip import data
 from bigclip.config import TrainConfig
 from bigclip.errors import NonFiniteLossError
-from bigclip.train.checkpointing import (
-    at_epoch_start,
-    checkpoint_contents,
-    manifest_meta,
-    regular_save_due,
-    save_due,
-)
 from bigclip.train.evaluate import held_out_retrieval, val_due
 from bigclip.train.metrics import (
     Average,
@@ -33,23 +25,23 @@ from bigclip.train.metrics import (
     get_logger,
 )
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, announce_requeue
-from bigclip.train.run import Run
+from bigclip.train.resume import at_epoch_start
+from bigclip.train.run import Run, between_steps
 from bigclip.train.schedule import lr_at
 from bigclip.train.setup import setup
-from bigclip.train.step import train_step, verify_inputs
+from bigclip.train.step import train_step
 from bigclip.train.step_log import log_step
-from bigclip.train.watchdog import between_steps
 
 
 @between_steps
 def build_loader(run: Run) -> data.TrainLoader:
     # Data workers are forked, and s3torchconnector tears its clients down before a fork:
     # an upload in flight must finish first.
-    run.store.wait()
+    run.checkpointer.wait()
     return data.build_train_loader(
         run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
-        epoch=run.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-        position=run.data_position, device=run.runtime.device, image_dtype=run.engine.image_dtype,
+        epoch=run.progress.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
+        position=run.progress.data_position, device=run.runtime.device, image_dtype=run.engine.image_dtype,
         s3=run.s3, shards=run.shards,
     )  # fmt: skip
 
@@ -68,18 +60,18 @@ def micro_batches(loader: Any, *, k: int):
 def record_batch_keys(run: Run, keys: list[str]) -> None:
     path = f"{run.cfg.log.batch_keys_file}.rank{run.runtime.rank}.jsonl"
     with open(path, "a") as f:
-        f.write(json.dumps({"step": run.state.step, "keys": keys}) + "\n")
+        f.write(json.dumps({"step": run.progress.state.step, "keys": keys}) + "\n")
 
 
 def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
     """Train until the epoch's data ends (True) or the step budget does (False, unless at the epoch end)."""
-    cfg, state = run.cfg, run.state
+    cfg, progress, state = run.cfg, run.progress, run.progress.state
     timer, loss_avg = StepTimer(), Average()
     for group, keys in micro_batches(loader, k=cfg.optim.accum_freq):
         timer.data_ready()
         if cfg.log.batch_keys_file:
             record_batch_keys(run, keys)
-        lr = lr_at(state.step, cfg.optim, run.total_steps, steps_per_epoch=run.steps_per_epoch)
+        lr = lr_at(state.step, cfg.optim, progress.total_steps, steps_per_epoch=progress.steps_per_epoch)
         try:
             out = train_step(run.engine, run.loss_fn, group, lr=lr)
         except NonFiniteLossError as e:
@@ -87,68 +79,40 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
         state.step, state.epoch_step = state.step + 1, state.epoch_step + 1
         state.samples_seen += run.global_batch
         timer.step_done()
-        run.watchdog.step_done(state.step)  # no sync: it only notes the time
-        console = state.step % cfg.log.log_every_n_steps == 0 or state.step == run.total_steps
+        run.guards.watchdog.step_done(state.step)  # no sync: it only notes the time
+        console = state.step % cfg.log.log_every_n_steps == 0 or state.step == progress.total_steps
         if console or state.step % cfg.log.log_metric_every_n_steps == 0:  # as OpenCLIP main: both
             log_step(
                 run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
                 capacity=loader.stats.take_capacity(), console=console,
             )  # fmt: skip
-        if state.step >= run.total_steps:  # a budget that ends with the epoch completes it (evaluated, saved)
-            return state.epoch_step >= run.steps_per_epoch
-        if save_due(cfg, state, epoch_end=False, final=False):
-            save_checkpoint(run, data_position=loader.state_dict())
-        check_preemption(run, loader)
+        if state.step >= progress.total_steps:  # ending with the epoch, it completes it (evaluated, saved)
+            return state.epoch_step >= progress.steps_per_epoch
+        signum = run.checkpointer.maybe_save(state, data_position=loader.state_dict)
+        if signum:
+            stop_for_requeue(run, loader, signum)
     return True
 
 
-def check_preemption(run: Run, loader: data.TrainLoader) -> None:
-    """On SIGUSR1/SIGTERM (any rank): checkpoint this exact step, wait for the upload, stop."""
-    signum = run.preemption.requested()
-    if not signum:
-        return
-    if run.last_saved_step != run.state.step:
-        save_checkpoint(run, data_position=loader.state_dict())
-    run.store.wait()
-    announce_requeue(run.run_dir, step=run.state.step, signum=signum, is_main=run.runtime.is_main)
+def stop_for_requeue(run: Run, loader: data.TrainLoader, signum: int) -> None:
+    """After the checkpoint of a stop request (SIGUSR1/SIGTERM on any rank): wait for its upload,
+    leave the requeue marker, stop."""
+    step = run.progress.state.step
+    run.checkpointer.wait()
+    announce_requeue(run.run_dir, step=step, signum=signum, is_main=run.runtime.is_main)
     loader.close()
     close_run(run, strict=False)  # exit 85 regardless: the requeued job resumes from what is there
-    raise Preempted(run.state.step, signum)
+    raise Preempted(step, signum)
 
 
 def close_run(run: Run, *, strict: bool = True) -> None:
     """Release what the run holds; the final backup is waited for (`strict`: raise if incomplete)."""
-    run.watchdog.close()
-    run.store.close()
-    run.scalars.close()
-    run.preemption.close()
-    if run.pretrained_lease is not None:
-        run.pretrained_lease.release()
-    if run.remote_sync is not None:
-        run.remote_sync.finish(strict=strict)
-
-
-@between_steps
-def save_checkpoint(run: Run, *, data_position: dict | None, most_recent_only: bool = False) -> None:
-    """Collective. Logs (and sends to TensorBoard) how long training was blocked."""
-    if run.state.step == run.last_saved_step:
-        return  # this step is saved (or was just loaded): never replace a committed checkpoint
-    verify_inputs(run.loss_fn, step=run.state.step)  # never save weights a non-finite step updated
-    contents = checkpoint_contents(run.engine, run.cfg, run.state, run.runtime, data_position)
-    meta = manifest_meta(run.cfg, run.runtime, run.global_batch, most_recent_only=most_recent_only)
-    start = time.perf_counter()
-    if run.cfg.checkpoint.async_save:
-        pending = run.store.async_save(contents, step=run.state.step, meta=meta)
-        where, blocked = pending.uri, pending.blocked_s
-    else:
-        where = run.store.save(contents, step=run.state.step, meta=meta)
-        blocked = time.perf_counter() - start
-    run.last_saved_step = run.state.step
-    mode = "async, uploading" if run.cfg.checkpoint.async_save else "committed"
-    get_logger().info(
-        f"checkpoint step {run.state.step} -> {where} ({mode}); training blocked {blocked:.3f}s"
-    )
-    run.scalars.scalars({"checkpoint/blocked_s": blocked}, step=run.state.step)
+    run.guards.watchdog.close()  # no steps from here on
+    run.scalars.close()  # flushed before the final sync copies the logs
+    try:
+        run.checkpointer.close(strict=strict)  # the upload in flight, then the final sync
+    finally:
+        run.guards.close()
 
 
 @between_steps
@@ -161,65 +125,62 @@ def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[s
         metrics = held_out_retrieval(
             run.engine, cfg, run.tokenizer, run.runtime, s3=run.s3, normalize=normalize
         )
-    if run.zeroshot.due(run.state.epoch, final=final):
-        run.store.wait()  # its loader forks workers (see build_loader)
+    if run.zeroshot.due(run.progress.state.epoch, final=final):
+        run.checkpointer.wait()  # its loader forks workers (see build_loader)
         metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
                                          batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
     if not metrics:
         return None
-    metrics["epoch"], metrics["step"] = run.state.epoch, run.state.step
+    state = run.progress.state
+    metrics["epoch"], metrics["step"] = state.epoch, state.step
     if run.runtime.is_main:
         get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
-        run.scalars.scalars({f"val/{k}": v for k, v in metrics.items()}, step=run.state.step)
+        run.scalars.scalars({f"val/{k}": v for k, v in metrics.items()}, step=state.step)
         with open(run.run_dir / "results.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
     return metrics
 
 
 def fit(run: Run) -> dict[str, Any]:
-    cfg, state = run.cfg, run.state
+    cfg, progress, state = run.cfg, run.progress, run.progress.state
     loader = build_loader(run)
     steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
-    run.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
-    run.steps_per_epoch = steps_per_epoch
-    if run.step_from_epoch:  # an OpenCLIP checkpoint: its epoch, at this run's steps per epoch
+    progress.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
+    progress.steps_per_epoch = steps_per_epoch
+    if progress.step_from_epoch:  # an OpenCLIP checkpoint: its epoch, at this run's steps per epoch
         at_epoch_start(state, steps_per_epoch=steps_per_epoch, global_batch=run.global_batch)
-        run.step_from_epoch = False
+        progress.step_from_epoch = False
     metrics = None
-    while state.step < run.total_steps and state.epoch < cfg.optim.epochs:
+    while state.step < progress.total_steps and state.epoch < cfg.optim.epochs:
         run.engine.train()
         if not train_one_epoch(run, loader):
             break  # step budget spent mid-epoch
         loader.account_epoch()  # collective: rank 0 logs what the epoch read against its plan, and what it lost
         loader.close()
-        state.epoch, state.epoch_step, run.data_position = state.epoch + 1, 0, None
-        final = state.step >= run.total_steps or state.epoch >= cfg.optim.epochs
+        state.epoch, state.epoch_step, progress.data_position = state.epoch + 1, 0, None
+        final = state.step >= progress.total_steps or state.epoch >= cfg.optim.epochs
         metrics = evaluate(run, retrieval=val_due(cfg, state.epoch), final=final) or metrics
-        if save_due(cfg, state, epoch_end=True, final=False):
-            kept = regular_save_due(cfg, state, epoch_end=True, final=False)
-            save_checkpoint(run, data_position=None, most_recent_only=not kept)
-        if state.step < run.total_steps and state.epoch < cfg.optim.epochs:
+        run.checkpointer.save_at_epoch_end(state)
+        if state.step < progress.total_steps and state.epoch < cfg.optim.epochs:
             loader = build_loader(run)
     return finish(run, loader, metrics)
 
 
 def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str, Any]:
-    run.watchdog.close()  # no steps from here on (the last upload may take long)
-    if run.state.step != run.last_saved_step and save_due(run.cfg, run.state, epoch_end=False, final=True):
-        kept = regular_save_due(run.cfg, run.state, epoch_end=False, final=True)
-        position = loader.state_dict() if run.state.epoch_step else None
-        save_checkpoint(run, data_position=position, most_recent_only=not kept)
+    state = run.progress.state
+    run.guards.watchdog.close()  # no steps from here on (the last upload may take long)
+    run.checkpointer.save_at_end(state, data_position=loader.state_dict)
     loader.close()
-    if metrics is None or metrics["step"] != run.state.step:
+    if metrics is None or metrics["step"] != state.step:
         metrics = evaluate(run, final=True) or metrics  # the final weights get evaluated too
-    run.store.wait()  # the last upload must be committed before the run reports success
-    latest = run.store.latest()
+    run.checkpointer.wait()  # the last upload must be committed before the run reports success
+    latest = run.checkpointer.latest()
     close_run(run)
     return {
-        "step": run.state.step,
-        "epoch": run.state.epoch,
-        "samples_seen": run.state.samples_seen,
-        "loss": run.last_loss,
+        "step": state.step,
+        "epoch": state.epoch,
+        "samples_seen": state.samples_seen,
+        "loss": run.progress.last_loss,
         "eval": metrics,
         "run_dir": str(run.run_dir),
         "checkpoint": latest,
@@ -241,7 +202,7 @@ def main(cfg: TrainConfig) -> int:
         return REQUEUE_EXIT_CODE
     except RuntimeError as e:  # a collective failed (a peer died, a timeout): say which ranks are gone
         if run is not None and run.runtime.world_size > 1:
-            run.watchdog.explain_failure(e)
+            run.guards.watchdog.explain_failure(e)
         raise
     finally:
         if dist.is_initialized():

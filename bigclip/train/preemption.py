@@ -6,11 +6,11 @@ SLURM sends SIGUSR1 ahead of the time limit with `#SBATCH --signal=USR1@SECONDS`
 when it preempts (to the job steps), requeues or cancels (to every process of the job); torchrun
 passes what it receives on to each rank's whole process group. signals.py catches them from the
 process's first moment; data-loader workers ignore them (data/worker_signals.py), so the rank
-decides when they stop. At the next step boundary the ranks agree (one tiny all-reduce over a
-CPU group, since signals reach ranks at different moments), checkpoint, wait for the upload,
-and exit with REQUEUE_EXIT_CODE. Rank 0 also writes RUN_DIR/requeue.json (`write_requeue_marker`):
-torchrun exits 1 when its workers exit 85, so the sbatch scripts in slurm/ requeue the job on the
-marker (or on 85 from srun). The requeued job resumes with `--resume latest` at the exact step.
+decides when they stop. At the next step boundary the ranks agree (the Checkpointer's one tiny
+all-reduce over a CPU group, since signals reach ranks at different moments), checkpoint, wait
+for the upload, and exit with REQUEUE_EXIT_CODE. Rank 0 also writes RUN_DIR/requeue.json
+(`write_requeue_marker`): torchrun exits 1 when its workers exit 85, so the sbatch scripts in
+slurm/ requeue the job on the marker (or on 85 from srun). The requeued job resumes with `--resume latest` at the exact step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from bigclip.distributed import cpu_group
@@ -53,17 +52,11 @@ class PreemptionWatcher:
     def signum(self) -> int:
         return self.flag.signum
 
-    def requested(self) -> int:
-        """Collective: the signal number if any rank was signalled, else 0."""
-        flag = torch.tensor([self.flag.signum], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
-        signum = int(flag.item())
-        if signum:
-            mine = self.flag.signum
-            seen = f"{time.monotonic() - self.flag.received_at:.1f} s ago" if mine else "by another rank"
-            get_logger().info(f"preemption: {signal.Signals(signum).name} received {seen}; checkpointing now")
-        return signum
+    def announce(self, signum: int) -> None:
+        """Log the stop request the ranks agreed on (`signum`: any rank's signal), and who had it."""
+        mine = self.flag.signum
+        seen = f"{time.monotonic() - self.flag.received_at:.1f} s ago" if mine else "by another rank"
+        get_logger().info(f"preemption: {signal.Signals(signum).name} received {seen}; checkpointing now")
 
     def close(self) -> None:
         """Restore the previous handlers and forget the signal (a next run in this process starts clean)."""

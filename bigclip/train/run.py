@@ -1,32 +1,64 @@
-"""`Run`: what the training loop carries around (config, engine, store, state, helpers).
+"""`Run`: what the training loop carries around, by concern: what the run is (config, engine,
+loss, data), where it writes (the checkpointer, the metric sinks), what guards it (preemption,
+the step watchdog, a registry lease) and how far it is (`Progress`).
 
 Its own module, below the loop, so the modules the loop calls (step_log.py...) can name the type
-without importing the loop (they once formed an import circle).
+without importing the loop.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from bigclip.train.checkpointing import TrainState
+from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.zeroshot import ZeroShot
 
 if TYPE_CHECKING:
     import torch
 
     from bigclip import data
-    from bigclip.checkpoint import CheckpointStore
     from bigclip.config import TrainConfig
     from bigclip.distributed import Runtime
     from bigclip.engines import Engine
     from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
     from bigclip.storage.s3 import S3Settings
+    from bigclip.train.checkpointer import Checkpointer
     from bigclip.train.metrics import Scalars
     from bigclip.train.preemption import PreemptionWatcher
-    from bigclip.train.remote_sync import RemoteSync
     from bigclip.train.watchdog import StepWatchdog
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass
+class Guards:
+    """What watches the run from outside its steps, released together when it ends."""
+
+    preemption: PreemptionWatcher
+    watchdog: StepWatchdog
+    lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.preemption.close()
+        if self.lease is not None:
+            self.lease.release()
+
+
+@dataclass
+class Progress:
+    """How far the run is: the saved train state and what the loop derives around it."""
+
+    state: TrainState = field(default_factory=TrainState)
+    data_position: dict | None = None  # where the data stream resumes in the current epoch
+    total_steps: int = 0
+    steps_per_epoch: int = 0  # planned optimizer steps per epoch (the LR schedule's cooldown uses it)
+    last_loss: float | None = None  # the global loss at the latest log step
+    step_from_epoch: bool = False  # resumed from OpenCLIP: fit sets the step from the epoch
 
 
 @dataclass
@@ -39,23 +71,27 @@ class Run:
     engine: Engine
     loss_fn: torch.nn.Module
     tokenizer: Any
-    scalars: Scalars  # --report-to: TensorBoard, wandb
     shards: data.ShardList
     s3: S3Settings
-    store: CheckpointStore
-    state: TrainState = field(default_factory=TrainState)
-    data_position: dict | None = None  # where the data stream resumes in the current epoch
-    total_steps: int = 0
-    steps_per_epoch: int = 0  # planned optimizer steps per epoch (the LR schedule's cooldown uses it)
-    last_loss: float | None = None  # the global loss at the latest log step
-    last_saved_step: int = -1
-    step_from_epoch: bool = False  # resumed from OpenCLIP: fit sets the step from the epoch
-    preemption: PreemptionWatcher | None = None
-    remote_sync: RemoteSync | None = None
-    watchdog: StepWatchdog | None = None
-    pretrained_lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
+    checkpointer: Checkpointer
+    scalars: Scalars  # --report-to: TensorBoard, wandb
+    guards: Guards
+    progress: Progress
     zeroshot: ZeroShot = field(default_factory=ZeroShot)  # --imagenet-val / --imagenet-v2
 
     @property
     def global_batch(self) -> int:
         return self.cfg.data.batch_size * self.cfg.optim.accum_freq * self.runtime.world_size
+
+
+def between_steps(fn: F) -> F:
+    """Decorates a loop function of a Run that runs between steps and may take long (evaluation,
+    building a loader): the step watchdog pauses while it runs, and so does the checkpointer's
+    minutes-of-training clock."""
+
+    @functools.wraps(fn)
+    def wrapper(run: Run, *args: Any, **kwargs: Any) -> Any:
+        with run.guards.watchdog.paused(), run.checkpointer.paused():
+            return fn(run, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -5,6 +5,7 @@ process group, run folder, data, storage, resume target; then the engine and the
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,17 +18,26 @@ from bigclip.models.from_config import build_model, model_config, model_factory
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.s3 import S3Settings
 from bigclip.train.backup import prepare_backup
-from bigclip.train.checkpointing import attach, check_resume_target, open_store, resume
+from bigclip.train.checkpoint_contents import CheckpointContents
+from bigclip.train.checkpointer import Checkpointer, open_store
 from bigclip.train.metrics import Scalars
 from bigclip.train.preemption import PreemptionWatcher
 from bigclip.train.preflight import check_flags, check_machine
-from bigclip.train.run import Run
+from bigclip.train.resume import check_resume_target, resume
+from bigclip.train.run import Guards, Progress, Run
 from bigclip.train.run_dir import open_run_dir, prepare_run_dir, start_logging
+from bigclip.train.step import verify_inputs
 from bigclip.train.watchdog import StepWatchdog
 from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
 from bigclip.weights.named import apply_preprocess
 from bigclip.weights.openclip_resume import is_openclip_checkpoint
+
+if TYPE_CHECKING:
+    from bigclip.checkpoint import CheckpointStore
+    from bigclip.distributed import Runtime
+    from bigclip.engines import Engine
+    from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -45,6 +55,34 @@ def requested_device(engine: EngineConfig) -> str:
     return "cuda:0"
 
 
+def build_tokenizer(cfg: TrainConfig) -> Any:
+    text_cfg = model_config(cfg).text_cfg
+    return data.build_tokenizer(
+        cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
+    )
+
+
+def build_weights(
+    cfg: TrainConfig, runtime: Runtime, store: CheckpointStore, s3: S3Settings, *, resuming: bool
+) -> tuple[Engine, HeldLease | None]:
+    """The engine with the model built in it, and its --pretrained weights unless resuming (the
+    registry lease held while they are in use, on rank 0, for --pretrained registry:NAME)."""
+    engine = build_engine(cfg, runtime)
+    engine.build(build_model(cfg), rebuild=model_factory(cfg))
+    # --resume wins over --pretrained: a resumed run does not read the initial weights at all.
+    applies = not resuming and pretrained.applies(cfg, store)
+    return engine, pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
+
+
+def resumed_progress(store: CheckpointStore, contents: CheckpointContents, *, which: str) -> Progress:
+    """Where the run starts: step 0, or what --resume `which` loads (in place, with the weights)."""
+    progress = Progress()
+    if which:
+        progress.state, progress.data_position = resume(store, contents, which=which)
+        progress.step_from_epoch = is_openclip_checkpoint(which)
+    return progress
+
+
 def setup(cfg: TrainConfig) -> Run:
     """Check everything that can fail cheaply (data, storage) before building the model."""
     check_flags(cfg)
@@ -59,10 +97,7 @@ def setup(cfg: TrainConfig) -> Run:
     log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
     apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
-    text_cfg = model_config(cfg).text_cfg
-    tokenizer = data.build_tokenizer(
-        cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
-    )
+    tokenizer = build_tokenizer(cfg)
     s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
     shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
     zeroshot = ZeroShot.open(cfg, s3)
@@ -76,20 +111,17 @@ def setup(cfg: TrainConfig) -> Run:
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "
         f"rank 0 on {runtime.device}"
     )
-    engine = build_engine(cfg, runtime)
-    engine.build(build_model(cfg), rebuild=model_factory(cfg))
-    # Before --resume, which wins; a resumed run does not read the initial weights at all.
-    applies = not which and pretrained.applies(cfg, store)
-    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
+    engine, lease = build_weights(cfg, runtime, store, s3, resuming=bool(which))
+    contents = CheckpointContents(engine, cfg, runtime)
+    progress = resumed_progress(store, contents, which=which)
+    guards = Guards(preemption, StepWatchdog.start_for(cfg, runtime, run_dir), lease)
     scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
-    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
-    run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
-    run.zeroshot = zeroshot
-    attach(store, cfg, sync)  # and starts the sync
-    if which:
-        run.state, run.data_position = resume(store, engine, cfg, runtime, run.global_batch, which=which)
-        # Never saved again over the checkpoint just loaded (an OpenCLIP .pt is not in the store).
-        run.step_from_epoch = is_openclip_checkpoint(which)
-        run.last_saved_step = -1 if run.step_from_epoch else run.state.step
-    run.watchdog = StepWatchdog.start_for(cfg, runtime, run_dir)
-    return run
+    loss_fn = build_loss(cfg.loss)
+    checkpointer = Checkpointer(
+        store, contents, cfg=cfg.checkpoint, preemption=preemption, scalars=scalars, sync=sync,
+        # never saved again over the checkpoint just loaded (an OpenCLIP .pt is not in the store)
+        saved_step=progress.state.step if which and not progress.step_from_epoch else -1,
+        pause=guards.watchdog.paused, verify=lambda step: verify_inputs(loss_fn, step=step),
+    )  # fmt: skip
+    return Run(cfg, runtime, run_dir, engine, loss_fn, tokenizer, shards, s3, checkpointer, scalars, guards,
+               progress, zeroshot)  # fmt: skip

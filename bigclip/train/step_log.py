@@ -28,7 +28,8 @@ def log_step(
 ) -> None:  # fmt: skip
     """Scalars to the metric sinks; with `console`, OpenCLIP's log line too. Collective (every rank
     calls it on the same steps): the loss written is the global batch's."""
-    verify_inputs(run.loss_fn, step=run.state.step)  # before anything is logged as a finite loss
+    state = run.progress.state
+    verify_inputs(run.loss_fn, step=state.step)  # before anything is logged as a finite loss
     loss = out.loss.clone()
     # The slowest rank's data-loader capacity (samples/s its workers could deliver) sets the pace.
     capacity_t = torch.tensor([capacity], dtype=torch.float64)
@@ -36,18 +37,18 @@ def log_step(
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the global loss; every rank logs on the same steps
         dist.all_reduce(capacity_t, op=dist.ReduceOp.MIN, group=cpu_group())
     capacity = float(capacity_t)
-    loss_value = run.last_loss = loss.item()
+    loss_value = run.progress.last_loss = loss.item()
     loss_avg.add(loss_value)
     scale = out.logit_scale.item()
     samples_per_s = run.global_batch / max(timer.batch.avg, 1e-9)
     pace = throughput.measure(
         flops_per_sample=throughput.train_flops_per_sample(run.cfg), samples_per_s=samples_per_s,
         world_size=run.runtime.world_size, peak_tflops=throughput.device_peak_tflops(run.runtime.device),
-        steps_left=run.total_steps - run.state.step, step_s=timer.batch.avg,
+        steps_left=run.progress.total_steps - state.step, step_s=timer.batch.avg,
     )  # fmt: skip
     if console:
         get_logger().info(
-            train_log_line(epoch=run.state.epoch, samples_done=run.state.epoch_step * run.global_batch,
+            train_log_line(epoch=state.epoch, samples_done=state.epoch_step * run.global_batch,
                            samples_per_epoch=steps_per_epoch * run.global_batch, timer=timer,
                            global_batch=run.global_batch, world_size=run.runtime.world_size, lr=lr,
                            logit_scale=scale, loss=loss_value, loss_avg=loss_avg.avg)
@@ -67,6 +68,6 @@ def log_step(
             "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
         }
         | throughput.scalars(pace),
-        step=run.state.step,
+        step=state.step,
     )
     timer.reset()

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import functools
 import os
 import socket
 import statistics
@@ -43,10 +42,10 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, side_store
@@ -69,8 +68,6 @@ HOST_KEY = "host"  # HOST_KEY/RANK: the host the rank runs on
 MAX_BEAT_INTERVAL_S = 5.0  # two store requests per rank per interval: 410/s on 1024 ranks
 RESUBMIT = ("Resubmit the job to resume from its last committed checkpoint once the cause (out of memory, "
             "a lost node) is dealt with.")  # fmt: skip
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def step_limit(timeout_s: float, intervals: list[float] | deque) -> float | None:
@@ -257,20 +254,6 @@ class StepWatchdog:
         get_logger().error(f"{what}\n{RESUBMIT}")
         self._depart(call)
         return call
-
-
-def between_steps(fn: F) -> F:
-    """Decorates a loop function of a Run that runs between steps and may take long (a checkpoint
-    save, evaluation, building a loader): the watchdog pauses while it runs."""
-
-    @functools.wraps(fn)
-    def wrapper(run: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(run, "watchdog", None) is None:
-            return fn(run, *args, **kwargs)
-        with run.watchdog.paused():
-            return fn(run, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _exit_now(code: int) -> None:

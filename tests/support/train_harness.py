@@ -35,13 +35,14 @@ def train_and_weights(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
 
 def resume_and_inspect(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """Worker: set up with --resume and report what was restored, before any step."""
+    from bigclip.train.loop import close_run
     from bigclip.train.setup import setup
 
     run = setup(parse_train_args(argv))
     weights = run.engine.full_state_dict()
-    run.store.close()
+    close_run(run)
     return {
-        "state": vars(run.state).copy(),
-        "data_position": run.data_position,
+        "state": vars(run.progress.state).copy(),
+        "data_position": run.progress.data_position,
         "weights": weights if rank == 0 else None,
     }

@@ -1,0 +1,108 @@
+"""--resume: the checks a checkpoint's manifest settles before any model is built, and loading
+the model, optimizer, train state, data position and RNG in place (a bigclip checkpoint at any
+world size, or OpenCLIP's epoch_N.pt).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from bigclip.checkpoint import LATEST, CheckpointStore
+from bigclip.config import TrainConfig
+from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
+from bigclip.distributed import Runtime
+from bigclip.engines import Engine
+from bigclip.errors import ConfigError
+from bigclip.train.checkpoint_contents import CheckpointContents, TrainState, loaded_state
+from bigclip.train.metrics import get_logger
+from bigclip.weights.openclip_resume import is_openclip_checkpoint, load_openclip_checkpoint
+
+
+def resume(
+    store: CheckpointStore, contents: CheckpointContents, *, which: str
+) -> tuple[TrainState, dict | None]:
+    """Load `which` (from `backup.resume_target`) in place; returns the train state and the data
+    position (None: epoch start)."""
+    engine, cfg, runtime = contents.engine, contents.cfg, contents.runtime
+    if is_openclip_checkpoint(which):
+        return _resume_openclip(store, engine, cfg, runtime), None
+    target = contents.state(TrainState(), None)
+    # --resume latest (resolved to a URI by backup.resume_target) skips a damaged checkpoint for
+    # the next older one; an explicit path never falls back.
+    manifest = store.load(target, which, fall_back=cfg.checkpoint.resume == LATEST)
+    train = target["train"]
+    _check_compatible(manifest.meta, cfg, contents.global_batch, uri=manifest.uri)
+    _check_tokenizer(saved_tokenizer(manifest.meta, json.loads(train["config"])), cfg, uri=manifest.uri)
+    state, position = loaded_state(train, runtime, seed=cfg.optim.seed)
+    get_logger().info(
+        f"resumed {manifest.uri} at step {state.step} (epoch {state.epoch}), saved at "
+        f"{manifest.world_size} rank(s), now {runtime.world_size}"
+    )
+    return state, position
+
+
+def _resume_openclip(
+    store: CheckpointStore, engine: Engine, cfg: TrainConfig, runtime: Runtime
+) -> TrainState:
+    """OpenCLIP's epoch_N.pt: weights, AdamW state and epoch (see weights/openclip_resume.py)."""
+    if store.latest() is not None:
+        get_logger().warning(
+            f"--resume {cfg.checkpoint.resume} starts over from the OpenCLIP checkpoint although this run "
+            f"has committed checkpoints ({store.latest()}); after a preemption, requeue with --resume latest"
+        )
+    plan = load_openclip_checkpoint(engine, cfg, runtime, cfg.checkpoint.resume, s3=store.s3)
+    get_logger().info(
+        f"resumed OpenCLIP checkpoint {cfg.checkpoint.resume}: {len(plan.weights)} weights, AdamW state of "
+        f"{len(plan.moments)} (its step count {plan.adam_step}), continuing with epoch {plan.epoch}. Not "
+        "carried over: " + "; ".join(plan.notes)
+    )
+    # The step follows from the epoch when this run's batches per epoch are known (`at_epoch_start`).
+    return TrainState(epoch=plan.epoch)
+
+
+def at_epoch_start(state: TrainState, *, steps_per_epoch: int, global_batch: int) -> None:
+    """Place a run resumed from an OpenCLIP checkpoint at the start of its epoch, as OpenCLIP's
+    trainer does: step = epoch x optimizer steps per epoch under the current flags (its
+    `num_batches_per_epoch * epoch`), so the LR schedule and the step budget continue from the
+    right place at any global batch. AdamW's own step count, loaded with the moments, only
+    drives its bias correction: at another global batch it is not the run's step."""
+    state.step = state.epoch * steps_per_epoch
+    state.epoch_step = 0
+    state.samples_seen = state.step * global_batch
+
+
+def check_resume_target(store: CheckpointStore, cfg: TrainConfig, which: str, *, global_batch: int) -> None:
+    """Collective, before any model is built: what the checkpoint's manifest can settle in
+    milliseconds (model, global batch, tokenizer). A manifest that cannot be read is left to
+    `store.load`, which names the damage (and, for --resume latest, skips it)."""
+    if not which or is_openclip_checkpoint(which):
+        return
+    meta = store.group.on_rank0(lambda: store.manifest_meta(which))
+    if meta is None:
+        return
+    uri, meta = meta
+    _check_compatible(meta, cfg, global_batch, uri=uri)
+    _check_tokenizer(saved_tokenizer(meta), cfg, uri=uri)
+
+
+def _check_tokenizer(saved: str, cfg: TrainConfig, *, uri: str) -> None:
+    check_tokenizer(
+        saved, cfg.data.tokenizer, allow=cfg.checkpoint.allow_tokenizer_change, what=f"--resume {uri}"
+    )
+
+
+def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int, *, uri: str) -> None:
+    saved_model = meta.get("model")
+    if saved_model and saved_model != cfg.model.model:
+        raise ConfigError(
+            f"--resume {uri}: the checkpoint is of model {saved_model}, this run builds {cfg.model.model}; "
+            f"pass --model {saved_model}, or start from its weights with --pretrained"
+        )
+    saved_batch = int(meta.get("global_batch", global_batch))
+    if saved_batch != global_batch and not cfg.checkpoint.allow_batch_size_change:
+        raise ConfigError(
+            f"--resume {uri}: the checkpoint was trained with global batch {saved_batch}, this run has {global_batch} "
+            "(--batch-size x --accum-freq x ranks); change --batch-size to keep it, or pass "
+            "--allow-batch-size-change to continue with the new one"
+        )
