@@ -103,6 +103,19 @@ def test_forward_flops_of_bigg_and_patch_dropout() -> None:
     assert 0.5 < half / full < 0.6  # the vision tower is ~90% of the work and sees 129 of 257 tokens
 
 
+def test_forced_image_size_and_context_length_are_planned() -> None:
+    """--force-image-size and --force-context-length change what the run builds: the plan follows them."""
+    base = ["--model", "ViT-L-14", "--batch-size", "32"]
+    plain = from_train_config(parse_train_args(base), gpus=8)
+    forced = from_train_config(
+        parse_train_args([*base, "--force-image-size", "336", "--force-context-length", "32"]), gpus=8
+    )
+    vision, text = forced.model_shape().towers["vision"], forced.model_shape().towers["text"]
+    assert vision.tokens == (336 // 14) ** 2 + 1 and text.tokens == 32
+    assert forward_flops(forced) > 2 * forward_flops(plain)  # 577 image tokens instead of 257
+    assert build_plan(forced, Hardware()).memory.activations > build_plan(plain, Hardware()).memory.activations
+
+
 @pytest.mark.slow
 def test_s3_requests_per_save_match_a_real_save() -> None:
     """One rank saves through a counting proxy to a loopback S3; the request model must agree."""

@@ -47,6 +47,8 @@ class PlanSpec:
     checkpoint_every: int = 1  # --grad-checkpointing-every
     checkpoint_policy: str = "full"  # --grad-checkpointing-policy
     patch_dropout: float = 0.0
+    image_size: int = 0  # --force-image-size (0: the config's)
+    context_length: int = 0  # --force-context-length (0: the config's)
     linear_kind: str = "none"
     int8_attention: bool = False
     loss: str = "clip"
@@ -68,8 +70,12 @@ class PlanSpec:
         return self.batch_size * self.accum_freq * self.gpus
 
     def model_shape(self) -> ModelShape:
-        """The planned model's static shape (its family's, with the run's patch dropout and loss)."""
-        return model_shape(self.model, ModelOptions(patch_dropout=self.patch_dropout, loss=self.loss))
+        """The planned model's static shape (its family's, with the run's --force-* sizes, patch dropout and loss)."""
+        options = ModelOptions(
+            patch_dropout=self.patch_dropout, image_size=self.image_size, context_length=self.context_length,
+            loss=self.loss,
+        )  # fmt: skip
+        return model_shape(self.model, options)
 
     def validate(self) -> PlanSpec:
         if self.gpus < 1 or self.batch_size < 1 or self.accum_freq < 1:
@@ -90,6 +96,7 @@ def from_train_config(cfg: TrainConfig, *, gpus: int) -> PlanSpec:
         precision=cfg.engine.precision, optimizer=cfg.optim.optimizer, accum_freq=cfg.optim.accum_freq,
         grad_checkpointing=cfg.model.grad_checkpointing, checkpoint_every=cfg.model.grad_checkpointing_every,
         checkpoint_policy=cfg.model.grad_checkpointing_policy, patch_dropout=cfg.model.force_patch_dropout,
+        image_size=model_options(cfg).image_size, context_length=cfg.model.force_context_length,
         linear_kind=cfg.model.linear_kind, int8_attention=cfg.model.int8_attention, loss=cfg.loss.loss,
         loss_chunk_size=cfg.loss.loss_chunk_size, loss_exchange=cfg.loss.loss_exchange,
         local_loss=cfg.loss.local_loss, gather_with_grad=cfg.loss.gather_with_grad,
