@@ -36,7 +36,6 @@ from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import ConfigError
 from bigclip.storage.redact import redact
-from bigclip.storage.s3 import S3Settings
 from bigclip.train.metrics import get_logger
 from bigclip.train.remote_sync import RemoteSync
 from bigclip.weights.openclip_resume import is_openclip_checkpoint, load_openclip_checkpoint
@@ -54,10 +53,10 @@ def checkpoint_root(cfg: TrainConfig, run_dir: Path) -> str:
     return cfg.checkpoint.checkpoint_dir or str(run_dir / "checkpoints")
 
 
-def open_store(cfg: TrainConfig, run_dir: Path, s3: S3Settings) -> CheckpointStore:
+def open_store(cfg: TrainConfig, run_dir: Path) -> CheckpointStore:
     """Collective; the access check fails in seconds (wrong bucket, no credentials) before any model."""
     root = checkpoint_root(cfg, run_dir)
-    store = CheckpointStore(root, s3=s3, keep_last=keep_last_for(cfg.checkpoint, root))
+    store = CheckpointStore(root, keep_last=keep_last_for(cfg.checkpoint, root))
     store.check_access()
     return store
 
@@ -220,7 +219,7 @@ def _resume_openclip(
             f"--resume {cfg.checkpoint.resume} starts over from the OpenCLIP checkpoint although this run "
             f"has committed checkpoints ({store.latest()}); after a preemption, requeue with --resume latest"
         )
-    plan = load_openclip_checkpoint(engine, cfg, runtime, cfg.checkpoint.resume, s3=store.s3)
+    plan = load_openclip_checkpoint(engine, cfg, runtime, cfg.checkpoint.resume)
     get_logger().info(
         f"resumed OpenCLIP checkpoint {cfg.checkpoint.resume}: {len(plan.weights)} weights, AdamW state of "
         f"{len(plan.moments)} (its step count {plan.adam_step}), continuing with epoch {plan.epoch}. Not "

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from bigclip.distributed import Runtime
     from bigclip.engines import Engine
     from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
-    from bigclip.storage.s3 import S3Settings
     from bigclip.train.metrics import Scalars
     from bigclip.train.preemption import PreemptionWatcher
     from bigclip.train.remote_sync import RemoteSync
@@ -41,7 +40,6 @@ class Run:
     tokenizer: Any
     scalars: Scalars  # --report-to: TensorBoard, wandb
     shards: data.ShardList
-    s3: S3Settings
     store: CheckpointStore
     state: TrainState = field(default_factory=TrainState)
     data_position: dict | None = None  # where the data stream resumes in the current epoch

@@ -15,7 +15,7 @@ from bigclip.distributed import init_distributed
 from bigclip.engines import build_engine
 from bigclip.models.from_config import build_model, model_config, model_factory
 from bigclip.ops.loss.contrastive import build_loss
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.settings import configure_storage
 from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpointing import attach, check_resume_target, open_store, resume
 from bigclip.train.metrics import Scalars
@@ -63,11 +63,11 @@ def setup(cfg: TrainConfig) -> Run:
     tokenizer = data.build_tokenizer(
         cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
     )
-    s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
-    shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
-    zeroshot = ZeroShot.open(cfg, s3)
-    store = open_store(cfg, run_dir, s3)
-    sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
+    configure_storage(s3_endpoint=cfg.checkpoint.s3_endpoint, s3_region=cfg.checkpoint.s3_region)
+    shards = data.validate_data(cfg.data, world_size=runtime.world_size)
+    zeroshot = ZeroShot.open(cfg)
+    store = open_store(cfg, run_dir)
+    sync, which = prepare_backup(cfg, run_dir, store)  # which: what --resume loads ('' for nothing)
     check_resume_target(
         store, cfg, which, global_batch=cfg.data.batch_size * cfg.optim.accum_freq * runtime.world_size
     )
@@ -80,9 +80,9 @@ def setup(cfg: TrainConfig) -> Run:
     engine.build(build_model(cfg), rebuild=model_factory(cfg))
     # Before --resume, which wins; a resumed run does not read the initial weights at all.
     applies = not which and pretrained.applies(cfg, store)
-    lease = pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
+    lease = pretrained.load_pretrained(engine, cfg, runtime) if applies else None
     scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
-    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, s3, store)
+    run = Run(cfg, runtime, run_dir, engine, build_loss(cfg.loss), tokenizer, scalars, shards, store)
     run.preemption, run.pretrained_lease, run.remote_sync = preemption, lease, sync
     run.zeroshot = zeroshot
     attach(store, cfg, sync)  # and starts the sync
