@@ -120,13 +120,19 @@ class FsspecLocation:
     def create_exclusive(self, relative: str, data: bytes) -> bool:
         self._parent(relative)
         try:
-            with self.fs.open(self._path(relative), "xb") as stream:
-                stream.write(data)
+            stream = self.fs.open(self._path(relative), "xb")
         except FileExistsError:
             return False
         except (ValueError, NotImplementedError) as e:
-            raise StorageError(f"{self.uri}: this filesystem cannot create an object only if it is absent "
-                               f"(open mode 'xb': {e}), which registry names and leases need") from e  # fmt: skip
+            stream, cause = None, f": {e}"
+        else:
+            cause = ""  # older fsspec filesystems return nothing for a mode they lack
+        if stream is None:
+            raise StorageError(f"{self.uri}: this filesystem cannot create an object only if it is absent (open "
+                               f"mode 'xb'{cause}), which registry names and leases need; upgrade fsspec and "
+                               "the filesystem's package")  # fmt: skip
+        with stream:
+            stream.write(data)
         return True
 
     def put_file(self, relative: str, path: Path) -> None:
