@@ -166,7 +166,7 @@ def _rank_main(
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     state = sharded_state(world, total_bytes, device)
     settings = S3Settings.resolve()
-    store = CheckpointStore(f"{root}/bigclip", s3=settings)
+    store = CheckpointStore(f"{root}/bigclip")
     client = boto3_client(settings)
     rounds = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_LOCAL_DIR")) as tmp:

@@ -38,8 +38,8 @@ from bigclip.checkpoint import CheckpointStore  # noqa: E402
 from bigclip.checkpoint.mirror import CheckpointMirror  # noqa: E402
 from bigclip.demo.data import write_demo_data  # noqa: E402
 from bigclip.demo.loopback_s3 import LoopbackS3  # noqa: E402
-from bigclip.storage.locations import LocalLocation  # noqa: E402
-from bigclip.storage.s3_boto import BotoS3Location  # noqa: E402
+from bigclip.storage.locations import LocalLocation, Location  # noqa: E402
+from bigclip.train.remote_sync import open_target  # noqa: E402
 
 BUCKET = "remote-sync-bench"
 BACKED_UP = re.compile(
@@ -99,6 +99,11 @@ def training_rows(s3: LoopbackS3, work: Path, *, steps: int, every: int) -> list
     return rows
 
 
+def sync_target(uri: str) -> Location:
+    """As --remote-sync opens it (boto3, fork-safe, three tries per request)."""
+    return open_target(uri, protocol="s3")
+
+
 def side_by_side(s3: LoopbackS3, folder: Path, *, repeats: int) -> dict:
     files = sorted(p for p in folder.iterdir() if p.is_file())
     client = s3.client()
@@ -109,7 +114,7 @@ def side_by_side(s3: LoopbackS3, folder: Path, *, repeats: int) -> dict:
             prefix = f"side/{uuid.uuid4().hex[:8]}"
             started = time.perf_counter()
             if kind == "mirror":
-                target = BotoS3Location(f"s3://{BUCKET}/{prefix}", settings=s3.settings())
+                target = sync_target(f"s3://{BUCKET}/{prefix}")
                 CheckpointMirror(LocalLocation(folder.parent), target, keep_last=1).sync()  # the newest only
                 mirror_s.append(time.perf_counter() - started)
             else:
@@ -125,7 +130,7 @@ def side_by_side(s3: LoopbackS3, folder: Path, *, repeats: int) -> dict:
 def unchanged_rows(s3: LoopbackS3, work: Path) -> list[dict]:
     frozen = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(0))  # 16.8 MB
     store = CheckpointStore(str(work / "frozen"), io_threads=2)  # one file per tensor
-    target = BotoS3Location(f"s3://{BUCKET}/frozen/{uuid.uuid4().hex[:8]}", settings=s3.settings())
+    target = sync_target(f"s3://{BUCKET}/frozen/{uuid.uuid4().hex[:8]}")
     mirror = CheckpointMirror(store.location, target)
     rows = []
     for step in (1, 2):

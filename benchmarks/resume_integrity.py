@@ -55,7 +55,7 @@ def make_state(total_bytes: int, *, fill: float | None = None) -> dict:
 
 
 def load_unchecked(store: CheckpointStore, state: dict) -> None:
-    location, folder = lookup.resolve(store.location, "latest", s3=None)
+    location, folder = lookup.resolve(store.location, "latest")
     assert not isinstance(lookup.inspect(location, folder), str)
     dcp.load(state, storage_reader=location.dcp_reader(folder), planner=SafeLoadPlanner(), no_dist=True)
 

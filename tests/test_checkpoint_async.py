@@ -26,8 +26,8 @@ def local_copies(state: dict) -> dict[str, torch.Tensor]:
     return {k: v.to_local().clone() for k, v in state["model"].items()}
 
 
-def _train_while_saving(rank: int, world: int, root: str, s3) -> dict:
-    store = CheckpointStore(root, s3=s3)
+def _train_while_saving(rank: int, world: int, root: str) -> dict:
+    store = CheckpointStore(root)
     store.check_access()  # collective: rank 0 (LOCAL_RANK 0) probes, every rank learns the outcome
     state = sharded_state(world, seed=1)
     snapshot = local_copies(state)
@@ -59,7 +59,7 @@ def _train_while_saving(rank: int, world: int, root: str, s3) -> dict:
 def test_async_save_commits_the_staged_snapshot_while_training_continues():
     with LoopbackS3() as s3:
         root = s3.create_bucket("async-save") + "/run"
-        results = spawn(_train_while_saving, 2, root, s3.settings())
+        results = spawn(_train_while_saving, 2, root)
     for result in results:
         assert result["uri"] == f"{root}/step_00000001"
         assert result["snapshot_restored"], "the checkpoint holds updates made after async_save returned"

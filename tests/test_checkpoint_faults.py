@@ -22,7 +22,7 @@ from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.errors import StorageError
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.settings import configure_storage, storage_configured
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -55,7 +55,8 @@ def _save_then_die_mid_save(rank: int, world: int, root: str) -> None:
 
 def _save_then_hang_in_upload(rank: int, world: int, root: str, endpoint: str, pid_dir: str) -> None:
     Path(pid_dir, f"rank{rank}").write_text(str(os.getpid()))
-    store = CheckpointStore(root, s3=S3Settings(region="us-east-1", endpoint=endpoint))
+    configure_storage(s3_endpoint=endpoint)  # as --s3-endpoint does
+    store = CheckpointStore(root)
     store.save(make_state(1), step=1)
     store.save(make_state(2), step=2)  # the proxy holds rank 1's upload until the rank is killed
 
@@ -100,7 +101,7 @@ def test_rank_killed_during_s3_upload_leaves_the_previous_checkpoint_latest(tmp_
         runner.join(timeout=120)
         proxy.release()
         assert outcome and re.search("rank 1 exited with code -9|not committed", str(outcome[0]))
-        assert_resumes_from_step_1(CheckpointStore(root, s3=s3.settings()))
+        assert_resumes_from_step_1(CheckpointStore(root))
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +113,13 @@ def s3():
 
 @pytest.fixture
 def proxy(s3):
-    with FaultProxy(upstream=s3.endpoint) as p:
+    """The proxy is the S3 endpoint for the whole test (as --s3-endpoint would make it)."""
+    with FaultProxy(upstream=s3.endpoint) as p, storage_configured(s3_endpoint=p.endpoint):
         yield p
 
 
 def store_via(proxy: FaultProxy, **options) -> CheckpointStore:
-    settings = S3Settings(region="us-east-1", endpoint=proxy.endpoint)
-    return CheckpointStore(f"s3://faults/{uuid.uuid4().hex[:8]}", s3=settings, max_attempts=3, **options)
+    return CheckpointStore(f"s3://faults/{uuid.uuid4().hex[:8]}", max_attempts=3, **options)
 
 
 def test_transient_throttling_and_dropped_connections_are_retried(proxy):

@@ -40,7 +40,7 @@ def store(request, tmp_path, s3) -> CheckpointStore:
     root = (
         str(tmp_path / "ckpt") if request.param == "local" else f"s3://integrity-tests/{uuid.uuid4().hex[:8]}"
     )
-    store = CheckpointStore(root, s3=s3.settings(), io_threads=2)
+    store = CheckpointStore(root, io_threads=2)
     yield store
     store.close()
 

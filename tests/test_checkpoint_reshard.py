@@ -78,11 +78,11 @@ def full_state(model: CLIP, optimizer: torch.optim.Optimizer) -> dict[str, torch
     return {k: v.detach().clone() for k, v in flat.items()}
 
 
-def _run(rank: int, world: int, roots: list[str], s3, step: int, load: bool, save: bool) -> bytes:
+def _run(rank: int, world: int, roots: list[str], step: int, load: bool, save: bool) -> bytes:
     model, optimizer = build_sharded_clip()
     state = TrainState(model, optimizer)
     loaded = {}
-    stores = [CheckpointStore(root, s3=s3) for root in roots]
+    stores = [CheckpointStore(root) for root in roots]
     for root, store in zip(roots, stores):
         if load:
             train = {"step": -1, "world_size": -1}
@@ -124,7 +124,7 @@ def test_fsdp2_state_reshards_bitwise_across_world_sizes(tmp_path):
         previous = None
         for step, world in enumerate(CHAIN):
             load, save = step > 0, step < len(CHAIN) - 1
-            result = unpack(spawn(_run, world, roots, s3.settings(), step, load, save)[0])
+            result = unpack(spawn(_run, world, roots, step, load, save)[0])
             if load:
                 for root in roots:
                     saved_world, train, tensors = result["loaded"][root]

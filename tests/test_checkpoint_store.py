@@ -66,7 +66,7 @@ def assert_same(got: object, want: object) -> None:
 
 
 def test_save_then_load_restores_tensors_and_plain_values_in_place(root, s3):
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     uri = store.save(make_state(3), step=3, meta={"model": "tiny", "engine": "fsdp"})
     target = make_state(0)
     manifest = store.load(target, "latest")
@@ -77,7 +77,7 @@ def test_save_then_load_restores_tensors_and_plain_values_in_place(root, s3):
 
 
 def test_manifest_is_written_last_and_lists_every_object_with_its_checksum(root, s3):
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     uri = store.save(make_state(1), step=1, meta={"model": "tiny", "epoch": 0})
     files = store.location.list_files("step_00000001")
     manifest = json.loads(store.location.read_bytes(f"step_00000001/{MANIFEST_NAME}"))
@@ -91,7 +91,7 @@ def test_manifest_is_written_last_and_lists_every_object_with_its_checksum(root,
 
 
 def test_latest_and_load_ignore_an_interrupted_save(root, s3):
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     store.save(make_state(1), step=1)
     # A save cut short after its data and DCP metadata, before the manifest: what a crash leaves.
     writer, _ = store.location.dcp_writer("step_00000002", threads=1)
@@ -105,10 +105,10 @@ def test_latest_and_load_ignore_an_interrupted_save(root, s3):
 
 
 def test_load_from_a_run_root_or_a_folder_name(root, s3):
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     store.save(make_state(4), step=4)
     store.save(make_state(7), step=7)
-    other = CheckpointStore(root + "-elsewhere", s3=s3.settings())
+    other = CheckpointStore(root + "-elsewhere")
     target = make_state(0)
     assert other.load(target, root).step == 7
     assert_same(target, make_state(7))
@@ -117,14 +117,14 @@ def test_load_from_a_run_root_or_a_folder_name(root, s3):
 
 
 def test_nothing_committed_is_a_clear_error(root, s3):
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     assert store.latest() is None
     with pytest.raises(StorageError, match="no committed checkpoint"):
         store.load(make_state(0), "latest")
 
 
 def test_saving_a_step_again_replaces_it(root, s3):
-    store = CheckpointStore(root, s3=s3.settings(), io_threads=1)
+    store = CheckpointStore(root, io_threads=1)
     store.save(make_state(5), step=5)
     store.save(make_state(6), step=5)
     target = make_state(0)
@@ -134,7 +134,7 @@ def test_saving_a_step_again_replaces_it(root, s3):
 
 
 def test_damaged_checkpoint_is_refused(root, s3):
-    store = CheckpointStore(root, s3=s3.settings(), io_threads=1)
+    store = CheckpointStore(root, io_threads=1)
     store.save(make_state(2), step=2)
     shard = "step_00000002/__0_0.distcp"
     content = bytearray(store.location.read_bytes(shard))
@@ -150,7 +150,7 @@ def test_damaged_checkpoint_is_refused(root, s3):
 
 
 def test_another_models_checkpoint_lists_the_mismatched_keys(root, s3):
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     store.save({"model": {"visual.proj": torch.zeros(8, 4), "text.proj": torch.zeros(4)}}, step=1)
     other_model = {"model": {"visual.proj": torch.zeros(16, 4), "logit_scale": torch.zeros(1)}}
     with pytest.raises(StorageError) as error:
@@ -209,7 +209,7 @@ def test_a_refused_metadata_is_not_replaced_by_a_planted_rank_local_one(tmp_path
 
 
 def test_retention_keeps_the_newest_commits_and_saves_in_flight(root, s3):
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     for step in (1, 2, 3, 4):
         store.save({"w": torch.full((3,), float(step))}, step=step)
     for step in (0, 9):  # interrupted saves: one older than the newest commit, one newer (in flight)
@@ -223,7 +223,7 @@ def test_retention_keeps_the_newest_commits_and_saves_in_flight(root, s3):
 
 
 def test_keep_last_applies_after_every_commit_and_never_drops_the_newest(root, s3):
-    store = CheckpointStore(root, s3=s3.settings(), keep_last=1)
+    store = CheckpointStore(root, keep_last=1)
     for step in (10, 20, 30):
         store.save({"w": torch.full((3,), float(step))}, step=step)
         assert [s for s, _ in store.committed()] == [step]
@@ -238,7 +238,7 @@ def test_retention_flags_follow_openclip_semantics():
 
 
 def test_async_save_snapshots_the_state_and_commits_in_the_background(root, s3):
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     state = make_state(8)
     pending = store.async_save(state, step=8)
     state["model"]["w"].add_(1.0)  # training goes on while the upload runs
@@ -254,7 +254,7 @@ def test_no_credential_reaches_manifests_or_logs(root, s3, monkeypatch, caplog):
     secret = "s3cr3t-" + uuid.uuid4().hex
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # the loopback server accepts any key
     caplog.set_level(logging.DEBUG)
-    store = CheckpointStore(root, s3=s3.settings())
+    store = CheckpointStore(root)
     store.check_access()
     config = {
         "checkpoint": {"s3_endpoint": f"http://admin:{secret}@127.0.0.1:9000"},

@@ -19,8 +19,8 @@ from bigclip.demo.loopback_s3 import LoopbackS3
 SIZES = [9, 14, 6, 11]
 
 
-def true_count(url: str, s3=None) -> int:
-    return sum(1 for _ in ShardSamples(url, s3=s3))
+def true_count(url: str) -> int:
+    return sum(1 for _ in ShardSamples(url))
 
 
 @pytest.fixture()
@@ -78,7 +78,7 @@ def test_s3_shards_are_indexed_in_place(tmp_path):
         for path in glob.glob(f"{root}/*.tar"):
             client.upload_file(path, "index-test", f"train/{os.path.basename(path)}")
         pattern = "s3://index-test/train/{00000..00003}.tar"
-        counts = index_shards(pattern, threads=4, s3=server.settings(), progress=False)
+        counts = index_shards(pattern, threads=4, progress=False)
         assert [c.samples for c in counts] == SIZES
-        assert write_sizes(counts, s3=server.settings()) == ["s3://index-test/train/sizes.json"]
-        assert validate_shards(pattern, s3=server.settings()).sizes == tuple(SIZES)
+        assert write_sizes(counts) == ["s3://index-test/train/sizes.json"]
+        assert validate_shards(pattern).sizes == tuple(SIZES)

@@ -8,11 +8,11 @@ import torch
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, write_dataset
 
 from bigclip.data import build_train_loader, iter_eval_samples, validate_shards
-from bigclip.data.streams import S3ObjectStream
 from bigclip.demo.data import write_demo_data
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import DataError
-from bigclip.storage.s3 import boto3_client
+from bigclip.storage.s3 import S3Settings, boto3_client
+from bigclip.storage.s3_stream import S3ObjectStream
 
 BUCKET = "bigclip-data-test"
 SIZES = [9, 14, 6, 11]
@@ -76,7 +76,7 @@ def test_resume_mid_shard_uses_ranged_reads(shards, s3):
     seen = [k for b in batches(first, steps=3) for k in b.keys]
     position = first.state_dict()
     assert position["cursors"], "some shard should be part-read after 3 steps"
-    gets = count_requests(boto3_client(s3.settings()), "GetObject")
+    gets = count_requests(boto3_client(S3Settings.resolve()), "GetObject")
     cfg = data_config(remote, batch_size=3)
     resumed = build_train_loader(
         cfg,
@@ -102,7 +102,7 @@ def test_validation_lists_the_prefix_instead_of_one_request_per_shard(s3):
     client = s3.client()
     for i in range(300):
         client.put_object(Bucket=BUCKET, Key=f"many/{i:05d}.tar", Body=b"")
-    sent = count_requests(boto3_client(s3.settings(), fast_fail=True), "*")
+    sent = count_requests(boto3_client(S3Settings.resolve(), fast_fail=True), "*")
     found = validate_shards(f"s3://{BUCKET}/many/{{00000..00399}}.tar")
     assert len(found) == 300 and len(found.missing) == 100
     assert len(sent) <= 2  # one listing page + the sizes.json lookup
@@ -118,7 +118,7 @@ def test_s3_pattern_matching_nothing_or_missing_bucket_is_a_clear_error(s3):
 def test_s3_stream_reopens_after_a_dropped_connection(s3):
     data = bytes(range(256)) * 4096
     s3.client().put_object(Bucket=BUCKET, Key="blob.bin", Body=data)
-    stream = S3ObjectStream(f"s3://{BUCKET}/blob.bin", settings=s3.settings())
+    stream = S3ObjectStream(f"s3://{BUCKET}/blob.bin", client=boto3_client(S3Settings.resolve()))
     head = stream.read(100_000)
     stream._body._raw_stream.close()  # the connection drops mid-object
     assert head + stream.readall() == data

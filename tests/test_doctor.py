@@ -13,7 +13,7 @@ from bigclip.distributed import free_port
 from bigclip.errors import StorageError
 from bigclip.storage.locations import LocalLocation
 from bigclip.storage.preflight import PROBE_PREFIX, check_access
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.settings import storage_configured
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_nodes_probing_one_shared_folder_at_once_do_not_trip_each_other(tmp_path
 
 @pytest.mark.timeout(60)
 def test_wrong_bucket_fails_preflight_in_seconds(s3, capsys):
-    store = CheckpointStore("s3://no-such-bucket/runs", s3=s3.settings())
+    store = CheckpointStore("s3://no-such-bucket/runs")
     with pytest.raises(StorageError, match="list: the bucket does not exist: check the bucket name"):
         store.check_access()
     assert bigclip_main(["doctor", "s3://no-such-bucket/runs"]) == 1
@@ -66,15 +66,15 @@ def test_missing_credentials_fail_preflight_in_seconds(s3, monkeypatch, tmp_path
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    store = CheckpointStore("s3://doctor-ok/runs", s3=s3.settings())
+    store = CheckpointStore("s3://doctor-ok/runs")
     with pytest.raises(StorageError, match="credentials: no AWS credentials found"):
         store.check_access()
 
 
 @pytest.mark.timeout(60)
 def test_unreachable_endpoint_fails_preflight_in_seconds():
-    nothing_listens = S3Settings(region="us-east-1", endpoint=f"http://127.0.0.1:{free_port()}")
-    store = CheckpointStore("s3://doctor-ok/runs", s3=nothing_listens)
+    with storage_configured(s3_endpoint=f"http://127.0.0.1:{free_port()}"):  # nothing listens there
+        store = CheckpointStore("s3://doctor-ok/runs")
     with pytest.raises(StorageError, match="cannot connect to the endpoint"):
         store.check_access()
 
@@ -87,5 +87,5 @@ def test_unwritable_local_location_fails_preflight(tmp_path):
 
 
 def test_not_a_location_is_refused():
-    with pytest.raises(StorageError, match="local paths or s3://bucket/prefix"):
+    with pytest.raises(StorageError, match="no storage scheme 'gs' is registered.*a local folder, s3://"):
         CheckpointStore("gs://bucket/prefix")

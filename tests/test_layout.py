@@ -1,8 +1,9 @@
-"""The package layout's rules, checked by walking real imports.
+"""The package layout's rules, checked by walking real imports (and, for schemes, the syntax tree).
 
 Layers, top to bottom (a module imports only its own layer or lower ones):
   cli -> offline tools (registry, plan, launch, demo) -> train -> weights
       -> engines / data / checkpoint -> storage / ops / models -> config / distributed / errors
+Only storage/ knows URI schemes and S3 (test_only_storage_knows_schemes_and_s3).
 """
 
 from __future__ import annotations
@@ -45,7 +46,16 @@ LAYER = {
 LAZY_UPWARD = {
     ("bigclip.config", "bigclip.models"): "ModelConfig.validate checks --model against the model configs",
     ("bigclip.weights", "bigclip.registry"): "--pretrained registry:NAME opens the registry only then",
+    ("bigclip.config", "bigclip.storage"): "LogConfig.validate asks storage whether --logs is a URI",
 }
+# The storage seam: outside bigclip/storage/, no module imports the S3 modules (bigclip.storage.s3
+# and every bigclip.storage.s3_*), and none tests a URI's scheme: a string literal holding "://"
+# is never an operand of ==, !=, in, not in, nor an argument of startswith, endswith,
+# removeprefix or removesuffix (a tuple of them included). Composing a URI (the demo's loopback
+# bucket) and naming s3:// in help and messages is fine; deciding by scheme is storage's
+# (`schemes.is_local`, `open_location`). Literals that are no storage scheme, with the reason:
+NOT_STORAGE = {"env://": "--dist-url: torch.distributed's rendezvous method, not an object store"}
+PREFIX_TESTS = ("startswith", "endswith", "removeprefix", "removesuffix")
 OFFLINE = (
     "bigclip.registry",
     "bigclip.plan",
@@ -218,6 +228,59 @@ def test_the_cycle_finder_finds_a_circle_through_a_lazy_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def is_s3_module(name: str) -> bool:
+    parts = name.split(".")
+    return parts[:2] == ["bigclip", "storage"] and len(parts) > 2 and parts[2].partition("_")[0] == "s3"
+
+
+def _uri_literals(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and "://" in node.value:
+        return [] if node.value in NOT_STORAGE else [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [v for element in node.elts for v in _uri_literals(element)]
+    return []
+
+
+def scheme_tests(source: str) -> list[str]:
+    """'line N: literal' for each scheme test in `source` (see NOT_STORAGE's comment)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        operands: list[ast.AST] = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in PREFIX_TESTS
+        ):
+            operands = list(node.args)
+        found += [f"line {node.lineno}: {literal!r}" for op in operands for literal in _uri_literals(op)]
+    return found
+
+
+def test_only_storage_knows_schemes_and_s3():
+    problems = []
+    for path in all_modules():
+        source = module_name(path)
+        if room(source) == "bigclip.storage":
+            continue
+        imports = {target for target, _ in bigclip_imports(path, include_type_only=True)}
+        problems += [f"{source} imports {target}" for target in sorted(imports) if is_s3_module(target)]
+        problems += [f"{source} tests a scheme, {where}" for where in scheme_tests(path.read_text())]
+    assert not problems, (
+        "open a location (bigclip.storage.locations) or ask bigclip.storage.schemes:\n" + "\n".join(problems)
+    )
+
+
+def test_the_scheme_check_finds_scheme_tests_and_s3_imports():
+    code = (
+        'a = uri.startswith(("s3://", "gs://"))\nb = "://" in uri\nc = f"s3://{bucket}/x"\nd = x == "env://"'
+    )
+    assert scheme_tests(code) == ["line 1: 's3://'", "line 1: 'gs://'", "line 2: '://'"]
+    assert is_s3_module("bigclip.storage.s3_boto") and is_s3_module("bigclip.storage.s3")
+    assert not is_s3_module("bigclip.storage.sinks") and not is_s3_module("bigclip.storage.schemes")
 
 
 def loaded_after(statement: str) -> set[str]:

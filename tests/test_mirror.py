@@ -20,9 +20,8 @@ from support.s3_fault_proxy import FaultProxy
 from bigclip.checkpoint import CheckpointStore
 from bigclip.checkpoint.mirror import CheckpointMirror
 from bigclip.demo.loopback_s3 import LoopbackS3
-from bigclip.storage.locations import LocalLocation
-from bigclip.storage.s3 import S3Settings
-from bigclip.storage.s3_boto import BotoS3Location
+from bigclip.storage.locations import LocalLocation, Location, open_location
+from bigclip.storage.settings import storage_configured
 from bigclip.train.remote_sync import RemoteSync
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -51,8 +50,9 @@ def save(root: Path, *steps: int) -> CheckpointStore:
     return store
 
 
-def remote(s3: LoopbackS3, prefix: str) -> BotoS3Location:
-    return BotoS3Location(f"s3://{BUCKET}/{prefix}", settings=s3.settings())
+def remote(s3: LoopbackS3, prefix: str) -> Location:
+    """As the remote sync opens its target: fork-safe (boto3), few tries per request."""
+    return open_location(f"s3://{BUCKET}/{prefix}", fork_safe=True, max_attempts=3)
 
 
 def test_committed_checkpoints_are_copied_whole_and_unchanged_bytes_are_not_sent(tmp_path, s3):
@@ -70,7 +70,7 @@ def test_committed_checkpoints_are_copied_whole_and_unchanged_bytes_are_not_sent
     )
     assert mirror.sync() == []  # nothing new: nothing sent
     loaded = state(0, frozen_seed=5)
-    remote_store = CheckpointStore(target.uri, s3=s3.settings())
+    remote_store = CheckpointStore(target.uri)
     assert remote_store.load(loaded, "latest").step == 2  # read straight from S3
     assert all(torch.equal(loaded[k], v) for k, v in state(2).items())
     remote_store.verify(f"{target.uri}/step_00000001")  # every object's SHA-256 matches
@@ -88,14 +88,14 @@ def test_local_pruning_waits_for_the_copy_and_the_remote_keeps_all(tmp_path, s3)
     store.save(state(4), step=4)  # retention runs after this commit
     assert [s for s, _ in store.committed()] == [4]
     mirror.sync()
-    assert [s for s, _ in CheckpointStore(target.uri, s3=s3.settings()).committed()] == [4, 3, 2, 1]
+    assert [s for s, _ in CheckpointStore(target.uri).committed()] == [4, 3, 2, 1]
 
 
 def test_remote_keep_last_prunes_only_the_remote(tmp_path, s3):
     target = remote(s3, f"{uuid.uuid4().hex[:8]}/checkpoints")
     store = save(tmp_path / "ckpt", 1, 2, 3)
     CheckpointMirror(store.location, target, keep_last=2).sync()
-    assert [s for s, _ in CheckpointStore(target.uri, s3=s3.settings()).committed()] == [3, 2]
+    assert [s for s, _ in CheckpointStore(target.uri).committed()] == [3, 2]
     assert [s for s, _ in store.committed()] == [3, 2, 1]
 
 
@@ -115,11 +115,11 @@ _MIRROR_SCRIPT = textwrap.dedent(
     """
     import sys
     from bigclip.checkpoint.mirror import CheckpointMirror
-    from bigclip.storage.locations import LocalLocation
-    from bigclip.storage.s3 import S3Settings
-    from bigclip.storage.s3_boto import BotoS3Location
+    from bigclip.storage.locations import LocalLocation, open_location
+    from bigclip.storage.settings import configure_storage
     local, uri, endpoint = sys.argv[1:]
-    target = BotoS3Location(uri, settings=S3Settings(region="us-east-1", endpoint=endpoint))
+    configure_storage(s3_endpoint=endpoint)
+    target = open_location(uri, fork_safe=True, max_attempts=3)
     CheckpointMirror(LocalLocation(local), target).sync()
     """
 )
@@ -133,7 +133,7 @@ def test_a_reader_never_sees_a_checkpoint_without_its_manifest_even_if_the_copy_
     target = remote(s3, f"{uuid.uuid4().hex[:8]}/checkpoints")
     CheckpointMirror(LocalLocation(local), target).sync()
     save(local, 2)
-    reader = CheckpointStore(target.uri, s3=s3.settings())
+    reader = CheckpointStore(target.uri)
     with FaultProxy(upstream=s3.endpoint) as proxy:
         proxy.add_rule("stall", method="PUT", path_contains="step_00000002/__0_1.distcp")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -168,15 +168,15 @@ def run_dir_with(tmp: Path, name: str, log: str) -> Path:
 def test_an_earlier_attempts_remote_logs_are_never_overwritten(tmp_path, s3):
     uri, client = f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:8]}", s3.client()
     first = run_dir_with(tmp_path, "first", "attempt 1: step 1\n")
-    RemoteSync(first, uri, s3=s3.settings()).sync_once()
+    RemoteSync(first, uri).sync_once()
     # The same disk after a requeue: out.log was appended to, so the remote copy is replaced.
     with open(first / "out.log", "a") as f:
         f.write("attempt 2 on the same disk: step 2\n")
-    again = RemoteSync(first, uri, s3=s3.settings())
+    again = RemoteSync(first, uri)
     assert "out.log" in again.sync_once().uploaded
     # A new machine (the local folder was lost): its out.log does not extend the remote one.
     fresh = run_dir_with(tmp_path, "fresh", "attempt 3 on a new machine: step 9\n")
-    third = RemoteSync(fresh, uri, s3=s3.settings())
+    third = RemoteSync(fresh, uri)
     third.sync_once()
     with open(fresh / "out.log", "a") as f:
         f.write("step 10\n")
@@ -196,7 +196,7 @@ def test_an_earlier_attempts_remote_logs_are_never_overwritten(tmp_path, s3):
 
 
 def test_a_wrong_bucket_fails_the_check_in_seconds_with_one_clear_line(tmp_path, s3):
-    sync = RemoteSync(tmp_path, "s3://no-such-bucket-here/runs/x", s3=s3.settings())
+    sync = RemoteSync(tmp_path, "s3://no-such-bucket-here/runs/x")
     started = time.monotonic()
     with pytest.raises(Exception, match="no-such-bucket-here.*NoSuchBucket") as info:
         sync.check()
@@ -206,9 +206,8 @@ def test_a_wrong_bucket_fails_the_check_in_seconds_with_one_clear_line(tmp_path,
 def test_a_sync_that_keeps_failing_reports_what_was_not_backed_up(tmp_path, s3):
     save(tmp_path / "run" / "checkpoints", 1)
     (tmp_path / "run" / "out.log").write_text("hello\n")
-    with FaultProxy(upstream=s3.endpoint) as proxy:
-        settings = S3Settings(region="us-east-1", endpoint=proxy.endpoint)
-        sync = RemoteSync(tmp_path / "run", f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:8]}", s3=settings,
+    with FaultProxy(upstream=s3.endpoint) as proxy, storage_configured(s3_endpoint=proxy.endpoint):
+        sync = RemoteSync(tmp_path / "run", f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:8]}",
                           checkpoints=LocalLocation(tmp_path / "run" / "checkpoints"))  # fmt: skip
         proxy.add_rule("slowdown", method="PUT", path_contains="step_00000001/", times=-1)
         report = sync.stop(final_sync=True, attempts=2, backoff_s=0.1)
@@ -225,7 +224,7 @@ def test_a_remote_checkpoint_of_the_same_step_with_other_bytes_is_replaced_whole
     other = CheckpointStore(str(tmp_path / "b"), io_threads=2)
     other.save(state(1, frozen_seed=9), step=1)
     assert [r.step for r in CheckpointMirror(other.location, target).sync()] == [1]
-    reader = CheckpointStore(target.uri, s3=s3.settings())
+    reader = CheckpointStore(target.uri)
     reader.verify("latest")
     loaded = state(0, frozen_seed=5)
     reader.load(loaded, "latest")

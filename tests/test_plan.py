@@ -30,7 +30,7 @@ from bigclip.plan.memory import (
 )
 from bigclip.plan.planner import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, s3_requests
 from bigclip.plan.spec import PlanSpec, from_train_config
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.settings import storage_configured
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,9 @@ def test_forced_image_size_and_context_length_are_planned() -> None:
     vision, text = forced.model_shape().towers["vision"], forced.model_shape().towers["text"]
     assert vision.tokens == (336 // 14) ** 2 + 1 and text.tokens == 32
     assert forward_flops(forced) > 2 * forward_flops(plain)  # 577 image tokens instead of 257
-    assert build_plan(forced, Hardware()).memory.activations > build_plan(plain, Hardware()).memory.activations
+    assert (
+        build_plan(forced, Hardware()).memory.activations > build_plan(plain, Hardware()).memory.activations
+    )
 
 
 @pytest.mark.slow
@@ -122,9 +124,8 @@ def test_s3_requests_per_save_match_a_real_save() -> None:
     state = {"model": {f"w{i}": torch.randn(1000 + 700_000 * i) for i in range(6)}}
     with LoopbackS3() as s3:
         s3.create_bucket("plan-bucket")
-        with FaultProxy(upstream=s3.endpoint) as proxy:
-            settings = S3Settings.resolve(endpoint=proxy.endpoint, region="us-east-1")
-            store = CheckpointStore("s3://plan-bucket/ck", s3=settings, io_threads=3)
+        with FaultProxy(upstream=s3.endpoint) as proxy, storage_configured(s3_endpoint=proxy.endpoint):
+            store = CheckpointStore("s3://plan-bucket/ck", io_threads=3)
             proxy.requests.clear()
             store.save(state, step=7)
             observed = len(proxy.requests)

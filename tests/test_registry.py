@@ -30,7 +30,7 @@ from bigclip.errors import ConfigError, StorageError
 from bigclip.models import create_model
 from bigclip.registry.leases import HeldLease
 from bigclip.registry.store import Registry
-from bigclip.storage import sinks
+from bigclip.storage import s3_sink
 from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.locations import LocalLocation
 from bigclip.weights.consolidate import consolidate
@@ -221,9 +221,9 @@ def test_s3_registry_round_trip_and_interrupted_upload(s3, checkpoint, weights, 
 
     damaged = tmp_path / "damaged" / "step_00000005"
     shutil.copytree(checkpoint, damaged)
-    monkeypatch.setattr(sinks, "PART_BYTES", 5 << 20)  # S3's minimum part size
+    monkeypatch.setattr(s3_sink, "PART_BYTES", 5 << 20)  # S3's minimum part size
     file, start, size = largest_payload(damaged)
-    assert size > 2 * sinks.PART_BYTES
+    assert size > 2 * s3_sink.PART_BYTES
     data = bytearray((damaged / file).read_bytes())
     data[start + size - 100] ^= 1  # seen at the payload's end (its CRC), after 2 parts went up
     (damaged / file).write_bytes(bytes(data))

@@ -20,9 +20,8 @@ import pytest
 
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import StorageError
-from bigclip.storage import sinks
+from bigclip.storage import s3_sink
 from bigclip.storage.locations import open_location
-from bigclip.storage.sinks import create_exclusive, open_sink
 
 MIB = 1 << 20
 
@@ -36,7 +35,7 @@ def s3():
 
 @pytest.fixture
 def location(s3):
-    return open_location(f"s3://exclusive-tests/{uuid.uuid4().hex[:8]}", s3=s3.settings())
+    return open_location(f"s3://exclusive-tests/{uuid.uuid4().hex[:8]}")
 
 
 def read(s3: LoopbackS3, location, relative: str) -> bytes:
@@ -45,25 +44,25 @@ def read(s3: LoopbackS3, location, relative: str) -> bytes:
 
 
 def test_create_exclusive_refuses_an_existing_object_and_keeps_the_first(s3, location):
-    assert create_exclusive(location, "leases/run-a", b"first") is True
-    assert create_exclusive(location, "leases/run-a", b"second") is False
+    assert location.create_exclusive("leases/run-a", b"first") is True
+    assert location.create_exclusive("leases/run-a", b"second") is False
     assert read(s3, location, "leases/run-a") == b"first"
 
 
 @pytest.mark.parametrize("size", [1000, 5 * MIB + 10], ids=["one-put", "multipart"])
 def test_a_sink_refuses_an_object_that_appeared_while_it_was_written(s3, location, monkeypatch, size):
-    monkeypatch.setattr(sinks, "PART_BYTES", 5 * MIB)  # S3's smallest part: a multipart upload at 5 MiB
-    sink = open_sink(location, "model.safetensors", overwrite=False)  # nothing there yet: accepted
+    monkeypatch.setattr(s3_sink, "PART_BYTES", 5 * MIB)  # S3's smallest part: a multipart upload at 5 MiB
+    sink = location.open_sink("model.safetensors", overwrite=False)  # nothing there yet: accepted
     sink.write(b"x" * size)
-    assert create_exclusive(location, "model.safetensors", b"the other writer's") is True
+    assert location.create_exclusive("model.safetensors", b"the other writer's") is True
     with pytest.raises(StorageError, match="appeared while it was written; nothing was replaced"):
         sink.commit()
     assert read(s3, location, "model.safetensors") == b"the other writer's"
 
 
 def test_overwrite_replaces(s3, location):
-    assert create_exclusive(location, "out.bin", b"old") is True
-    sink = open_sink(location, "out.bin", overwrite=True)
+    assert location.create_exclusive("out.bin", b"old") is True
+    sink = location.open_sink("out.bin", overwrite=True)
     sink.write(b"new")
     sink.commit()
     assert read(s3, location, "out.bin") == b"new"

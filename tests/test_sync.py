@@ -14,7 +14,7 @@ from support.s3_fault_proxy import FaultProxy
 
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.settings import storage_configured
 from bigclip.train.remote_sync import RemoteSync
 
 
@@ -63,7 +63,7 @@ def local_files(run: Path, *, exclude: str = "checkpoints") -> dict[str, bytes]:
 
 def test_s3_sync_copies_changed_files_only_and_skips_checkpoints(tmp_path, s3):
     run, prefix = make_run_dir(tmp_path), f"runs/{uuid.uuid4().hex[:8]}"
-    sync = RemoteSync(run, f"s3://sync-tests/{prefix}", protocol="s3", s3=s3.settings())
+    sync = RemoteSync(run, f"s3://sync-tests/{prefix}", protocol="s3")
     assert sorted(sync.sync_once().uploaded) == ["out.log", "params.txt", "tensorboard/events.out.tfevents.1"]
     touch_later(run / "out.log", "step 2 loss 3.1\n")
     (run / "tensorboard" / "events.out.tfevents.2").write_bytes(b"new events")
@@ -75,7 +75,7 @@ def test_s3_sync_copies_changed_files_only_and_skips_checkpoints(tmp_path, s3):
 
 def test_background_sync_runs_periodically_and_stop_waits_for_a_final_sync(tmp_path, s3):
     run, prefix = make_run_dir(tmp_path), f"runs/{uuid.uuid4().hex[:8]}"
-    sync = RemoteSync(run, f"s3://sync-tests/{prefix}", every_s=0.05, s3=s3.settings()).start()
+    sync = RemoteSync(run, f"s3://sync-tests/{prefix}", every_s=0.05).start()
     deadline = time.monotonic() + 60
     while "out.log" not in sync.upload_counts and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -96,9 +96,8 @@ def test_fsspec_protocol_syncs_to_a_file_url(tmp_path):
 
 def test_failures_are_logged_retried_and_never_raised(tmp_path, s3, caplog):
     run, prefix = make_run_dir(tmp_path), f"runs/{uuid.uuid4().hex[:8]}"
-    with FaultProxy(upstream=s3.endpoint) as proxy:
-        settings = S3Settings(region="us-east-1", endpoint=proxy.endpoint)
-        sync = RemoteSync(run, f"s3://sync-tests/{prefix}", s3=settings)
+    with FaultProxy(upstream=s3.endpoint) as proxy, storage_configured(s3_endpoint=proxy.endpoint):
+        sync = RemoteSync(run, f"s3://sync-tests/{prefix}")
         proxy.add_rule("slowdown", method="PUT", path_contains="out.log", times=-1)
         with caplog.at_level(logging.WARNING, logger="bigclip.train.remote_sync"):
             report = sync.sync_once()

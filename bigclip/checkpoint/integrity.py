@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from bigclip.errors import StorageError
-from bigclip.storage.hashing import ObjectRecord
+from bigclip.storage.records import ObjectRecord
 
 ZIP_MAGIC = b"PK\x03\x04"
 ADVICE = "re-copy the checkpoint or use another one (`bigclip checkpoints verify` lists every damaged object)"

@@ -13,18 +13,15 @@ from __future__ import annotations
 from bigclip.checkpoint import catalog
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
 from bigclip.errors import StorageError
-from bigclip.storage.locations import Location, open_location
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.locations import Location, open_location, open_parent
 
 LATEST = "latest"
 
 
-def candidates(
-    root: Location, which: str, *, s3: S3Settings | None, fall_back: bool
-) -> tuple[str, list[str]]:
+def candidates(root: Location, which: str, *, fall_back: bool) -> tuple[str, list[str]]:
     """(root URI, checkpoint folders to try in order): the one `which` names, then with
     `fall_back` every older commit under its root. Plain data: it is broadcast to every rank."""
-    location, folder = resolve(root, which, s3=s3)
+    location, folder = resolve(root, which)
     if not fall_back:
         return location.uri, [folder]
     step = catalog.step_of(folder)
@@ -32,16 +29,15 @@ def candidates(
     return location.uri, [folder, *(f for f in older if step is None or catalog.step_of(f) < step)]
 
 
-def resolve(root: Location, which: str, *, s3: S3Settings | None) -> tuple[Location, str]:
+def resolve(root: Location, which: str) -> tuple[Location, str]:
     if which == LATEST:
         return root, latest_folder(root)
     if "/" not in which and root.exists(f"{which}/{MANIFEST_NAME}"):
         return root, which  # a folder name under this store's root, e.g. step_00001200
-    parent_uri, _, name = which.rstrip("/").rpartition("/")
-    parent = open_location(parent_uri or ".", s3=s3, any_scheme=True)
+    parent, name = open_parent(which, any_scheme=True)
     if parent.exists(f"{name}/{MANIFEST_NAME}"):
         return parent, name
-    as_root = open_location(which, s3=s3, any_scheme=True)
+    as_root = open_location(which, any_scheme=True)
     if catalog.entries(as_root):  # a run's checkpoint root: take its newest commit
         return as_root, latest_folder(as_root)
     committed = [root.child_uri(e.folder) for e in catalog.entries(root) if e.committed]

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bigclip.errors import StorageError
-from bigclip.storage.hashing import CHECKSUM_ALGORITHM, ObjectRecord, sha256_of_stream
 from bigclip.storage.locations import Location
+from bigclip.storage.records import CHECKSUM_ALGORITHM, ObjectRecord, sha256_of_stream
 from bigclip.storage.redact import redact
 
 MANIFEST_NAME = "manifest.json"

@@ -1,6 +1,6 @@
-"""CheckpointStore: sharded DCP checkpoints in a local folder or on S3, committed atomically.
+"""CheckpointStore: sharded DCP checkpoints in any location (a folder, S3...), committed atomically.
 
-    store = CheckpointStore(root, s3=S3Settings.resolve(endpoint=..., region=...))  # collective
+    store = CheckpointStore(root)              # collective; root: a path or URI (storage/locations.py)
     store.check_access()                       # collective; seconds; before any model is built
     uri = store.save(state, step=s, meta=m)    # collective; returns once committed
     pending = store.async_save(state, step=s)  # collective; returns after staging to CPU
@@ -14,7 +14,7 @@ is written; loading checks every byte against the CRC-32s and SHA-256 its writer
 it streams (verified_reader.py), and "latest" skips a damaged checkpoint for an older one. Coordination uses a gloo group of its own, created
 here (coordination.py), because async saves run collectives from a background thread and
 must never interleave with the training group's (NCCL) traffic. The store saves whatever dict DCP can
-save, so any engine (FSDP2 now, DeepSpeed later) can use it.
+save, so every engine (FSDP2, DeepSpeed) uses it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from bigclip.errors import StorageError
 from bigclip.storage.hashing import HashingFileSystem
 from bigclip.storage.locations import Location, open_location
 from bigclip.storage.preflight import check_access, explain_error
-from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.storage.schemes import is_local
 
 log = logging.getLogger("bigclip.checkpoint")
 
@@ -61,7 +61,6 @@ class CheckpointStore:
         self,
         root: str,
         *,
-        s3: S3Settings | None = None,
         keep_last: int = 0,
         io_threads: int = 4,
         max_attempts: int | None = None,
@@ -71,13 +70,12 @@ class CheckpointStore:
 
         keep_last: retention applied after each commit (0 keeps all; see `keep_last_for`).
         io_threads: files (and upload streams) per rank per save.
-        max_attempts: S3 retry budget per request (the CRT client's default is 10).
+        max_attempts: tries per request on an object store (S3's CRT client's default is 10).
         timeout_s: how long checkpoint collectives may wait for a slow rank.
         """
         if not root:
             raise StorageError("no checkpoint location given: pass a path or s3://bucket/prefix")
-        self.s3 = s3 or (S3Settings.resolve() if is_s3(root) else None)
-        self.location: Location = open_location(root, s3=self.s3, max_attempts=max_attempts)
+        self.location: Location = open_location(root, max_attempts=max_attempts)
         self.keep_last = keep_last
         self.io_threads = io_threads
         self.group = CheckpointGroup(timeout_s=timeout_s)
@@ -252,9 +250,9 @@ class CheckpointStore:
         self.wait()
         fall_back = which == LATEST if fall_back is None else fall_back
         root_uri, folders = self.group.on_rank0(
-            lambda: lookup.candidates(self.location, which, s3=self.s3, fall_back=fall_back)
+            lambda: lookup.candidates(self.location, which, fall_back=fall_back)
         )
-        location = open_location(root_uri, s3=self.s3, any_scheme=True)
+        location = open_location(root_uri, any_scheme=True)
         for index, folder in enumerate(folders):
             try:
                 return self._load_folder(state, location, folder)
@@ -268,7 +266,7 @@ class CheckpointStore:
     def manifest_meta(self, which: str) -> tuple[str, dict[str, Any]] | None:
         """(URI, caller's meta) of the checkpoint `which` names, from its manifest alone (not
         collective); None when its manifest cannot be read (loading it names the damage)."""
-        location, folder = lookup.resolve(self.location, which, s3=self.s3)
+        location, folder = lookup.resolve(self.location, which)
         found = lookup.inspect(location, folder)
         return None if isinstance(found, str) else (found.uri, found.meta)
 
@@ -287,7 +285,7 @@ class CheckpointStore:
 
     def verify(self, which: str = LATEST) -> Manifest:
         """Re-read every object of a checkpoint and check sizes and SHA-256 (not collective)."""
-        location, folder = lookup.resolve(self.location, which, s3=self.s3)
+        location, folder = lookup.resolve(self.location, which)
         manifest = lookup.inspect(location, folder)
         if isinstance(manifest, str):
             raise CheckpointDamaged(manifest)
@@ -341,8 +339,8 @@ def _is_spent(stager: DefaultStager) -> bool:
 
 
 def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
-    """Retention for a root: --remote-keep-last on S3; --keep-last (or 1 with
+    """Retention for a root: --remote-keep-last in an object store; --keep-last (or 1 with
     --delete-previous-checkpoint) locally; 0 keeps everything."""
-    if is_s3(root):
+    if not is_local(root):
         return cfg.remote_keep_last
     return 1 if cfg.delete_previous_checkpoint else cfg.keep_last

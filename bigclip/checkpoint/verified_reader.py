@@ -34,7 +34,7 @@ from bigclip.checkpoint.integrity import (
     parse_chunk,
     tensor_of,
 )
-from bigclip.storage.hashing import ObjectRecord
+from bigclip.storage.records import ObjectRecord
 from bigclip.storage.safe_metadata import load_metadata
 
 METADATA_NAME = ".metadata"

@@ -41,7 +41,9 @@ class LogConfig:
             raise ConfigError(
                 f"--remote-sync-frequency must be at least 1 (seconds), got {self.remote_sync_frequency}"
             )
-        if "://" in self.logs:  # else a folder literally named 's3:' would appear
+        from bigclip.storage.schemes import scheme_of  # only storage/ reads URI schemes
+
+        if scheme_of(self.logs):  # a URI: else a folder literally named 's3:' would appear
             raise ConfigError(f"--logs {self.logs}: --logs is a local folder; to keep the logs there too, pass "
                               f"--logs ./logs --remote-sync {self.logs} (OpenCLIP's way)")  # fmt: skip
         unknown = set(self.sinks()) - set(METRIC_SINKS)

@@ -5,7 +5,7 @@ Three layouts, as OpenCLIP and CLIP_benchmark read them:
               ImageNet's val set after the usual `valprep.sh`)
   imagenet-v2 DIR/ImageNetV2-matched-frequency/<label>/<image>.jpeg (imagenetv2_pytorch's
               layout: the folder name is the label); DIR may also be that folder itself
-  webdataset  shards (local or s3://, a brace pattern) whose samples hold an image and `.cls`
+  webdataset  shards (local or in an object store, a brace pattern) whose samples hold an image and `.cls`
               (the label as text), CLIP_benchmark's format
 Class names: `classnames.txt` beside the set (one per line, in label order; for shards, in
 their folder or its parent), else OpenCLIP's ImageNet class names when there are 1,000
@@ -33,11 +33,12 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from bigclip.data.decode import IMAGE_EXTENSIONS, decode_image
 from bigclip.data.shards import validate_shards
+from bigclip.data.streams import data_location
 from bigclip.data.tar_samples import ShardSamples
 from bigclip.data.transforms import eval_transform
 from bigclip.errors import DataError
-from bigclip.storage.locations import open_location
-from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.storage.schemes import is_local
+from bigclip.storage.settings import StorageState
 
 CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
@@ -59,7 +60,6 @@ class ClassificationSet:
     templates: list[str]  # with `{c}` where the class name goes
     items: list[tuple[str, int]]  # (image path, label) for folders
     shards: list[str]  # webdataset shard URLs
-    s3: S3Settings | None = None
 
     def prompts(self, classname: str) -> list[str]:
         return [t.replace("{c}", classname) for t in self.templates]
@@ -75,7 +75,7 @@ class ClassificationSet:
         if self.items:
             data: Dataset = _Files(self.items[rank::world_size], transform)
         else:
-            data = _Shards(self.shards, rank=rank, world_size=world_size, transform=transform, s3=self.s3)
+            data = _Shards(self.shards, rank=rank, world_size=world_size, transform=transform)
         workers = min(workers, len(data) if isinstance(data, _Files) else len(data.mine))
         return DataLoader(data, batch_size=batch_size, num_workers=workers)
 
@@ -95,18 +95,20 @@ class _Files(Dataset):
 class _Shards(IterableDataset):
     """This rank's shards (or, with fewer shards than ranks, its samples), split among workers."""
 
-    def __init__(self, shards: list[str], *, rank: int, world_size: int, transform, s3) -> None:  # noqa: ANN001
+    def __init__(self, shards: list[str], *, rank: int, world_size: int, transform) -> None:  # noqa: ANN001
         by_shard = len(shards) >= world_size
         self.mine = shards[rank::world_size] if by_shard else shards
         self.stride, self.offset = (1, 0) if by_shard else (world_size, rank)
-        self.transform, self.s3 = transform, s3
+        self.transform = transform
+        self.storage = StorageState.capture()  # restored in the (possibly spawned) worker
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
+        self.storage.restore()
         info = get_worker_info()
         shards = self.mine[info.id :: info.num_workers] if info else self.mine
         index = 0
         for url in shards:
-            for raw in ShardSamples(url, s3=self.s3):
+            for raw in ShardSamples(url):
                 image = next((raw.files[e] for e in IMAGE_EXTENSIONS if e in raw.files), None)
                 if "cls" not in raw.files or image is None:
                     continue
@@ -122,18 +124,18 @@ def _transformed(data: bytes, label: int, transform) -> tuple[torch.Tensor, int]
     return torch.from_numpy(np.array(transform(image))), label  # a writable copy for the collate
 
 
-def open_classification_set(uri: str, *, what: str, s3: S3Settings | None = None) -> ClassificationSet:
+def open_classification_set(uri: str, *, what: str) -> ClassificationSet:
     """The set at `uri`, checked (exists, has classes, names for them) before any model is built."""
     if uri.rstrip("/").endswith((".tar", ".tar.gz", ".tgz")) or "{" in uri:
-        shards = list(validate_shards(uri, s3=s3, what=what).urls)
+        shards = list(validate_shards(uri, what=what).urls)
         folder = shards[0].rpartition("/")[0]
-        here, parent = _texts(folder, s3), _texts(folder.rpartition("/")[0], s3)
+        here, parent = _texts(folder), _texts(folder.rpartition("/")[0])
         classnames, templates = here[0] or parent[0], here[1] or parent[1] or _default_templates()
         if not classnames:
             raise DataError(f"{what} {uri}: no {CLASSNAMES_FILE} beside the shards or in their parent folder")
-        return ClassificationSet(uri, classnames, templates, [], shards, s3)
-    if is_s3(uri):
-        raise DataError(f"{what} {uri}: an s3:// set must be webdataset shards (a .tar pattern)")
+        return ClassificationSet(uri, classnames, templates, [], shards)
+    if not is_local(uri):
+        raise DataError(f"{what} {uri}: a set in an object store must be webdataset shards (a .tar pattern)")
     return _folder_set(uri, what=what)
 
 
@@ -155,7 +157,7 @@ def _folder_set(uri: str, *, what: str) -> ClassificationSet:
     if not items:
         raise DataError(f"{what} {uri}: no images in class sub-folders (expected DIR/<class>/<image>)")
     count = max(labels.values()) + 1
-    names, templates = _texts(str(root), None)
+    names, templates = _texts(str(root))
     if names and len(names) < count:
         raise DataError(
             f"{what} {uri}: {CLASSNAMES_FILE} names {len(names)} classes, the folders hold {count}"
@@ -164,11 +166,11 @@ def _folder_set(uri: str, *, what: str) -> ClassificationSet:
     return ClassificationSet(str(root), classnames, templates or _default_templates(), items, [])
 
 
-def _texts(folder: str, s3: S3Settings | None) -> tuple[list[str], list[str]]:
+def _texts(folder: str) -> tuple[list[str], list[str]]:
     """(class names, templates) read from `folder`, each empty when its file is absent."""
     if not folder:
         return [], []
-    location = open_location(folder, s3=s3)
+    location = data_location(folder)
     out = []
     for name in (CLASSNAMES_FILE, TEMPLATES_FILE):
         text = location.read_bytes(name).decode() if location.exists(name) else ""

@@ -21,7 +21,6 @@ from bigclip.data.shards import validate_shards
 from bigclip.data.tar_samples import ShardSamples
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.data.transforms import eval_transform
-from bigclip.storage.s3 import S3Settings
 
 
 @dataclass
@@ -44,12 +43,10 @@ class EvalSet:
     texts: torch.Tensor  # [N, context_length]
 
 
-def _decoded_samples(
-    pattern: str, *, s3: S3Settings | None, skipped: Counter, keys: SampleKeys
-) -> Iterator[Decoded]:
-    shards = validate_shards(pattern, s3=s3, what="--val-data")
+def _decoded_samples(pattern: str, *, skipped: Counter, keys: SampleKeys) -> Iterator[Decoded]:
+    shards = validate_shards(pattern, what="--val-data")
     for url in shards.urls:
-        for raw in ShardSamples(url, s3=s3):
+        for raw in ShardSamples(url):
             decoded = decode_sample(raw, load=True, keys=keys)
             if isinstance(decoded, str):
                 skipped[decoded] += 1
@@ -65,7 +62,6 @@ def iter_eval_samples(
     limit: int = 0,
     rank: int = 0,
     world_size: int = 1,
-    s3: S3Settings | None = None,
     skipped: Counter | None = None,
     resize_mode: str = "shortest",
     interpolation: str = "bicubic",
@@ -74,7 +70,7 @@ def iter_eval_samples(
     """Samples `index % world_size == rank` among the first `limit` (0: all); skips counted in `skipped`."""
     transform = eval_transform(image_size, resize_mode=resize_mode, interpolation=interpolation)
     counts = skipped if skipped is not None else Counter()
-    for index, decoded in enumerate(_decoded_samples(pattern, s3=s3, skipped=counts, keys=keys)):
+    for index, decoded in enumerate(_decoded_samples(pattern, skipped=counts, keys=keys)):
         if limit and index >= limit:
             return
         if index % world_size != rank:
@@ -96,7 +92,6 @@ def load_eval_set(
     limit: int = 0,
     rank: int = 0,
     world_size: int = 1,
-    s3: S3Settings | None = None,
 ) -> EvalSet:
     samples = list(
         iter_eval_samples(
@@ -106,7 +101,6 @@ def load_eval_set(
             limit=limit,
             rank=rank,
             world_size=world_size,
-            s3=s3,
         )
     )
     empty_images = torch.empty(0, image_size, image_size, 3, dtype=torch.uint8)

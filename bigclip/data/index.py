@@ -5,8 +5,8 @@
     bigclip index-shards '/data/laion/{00000..41455}.tar' --check   # compare, write nothing
 
 Only tar headers are parsed: no member is decoded. Local shards are read by seeking from one
-header to the next (a few KB per sample); S3 objects are streamed once and their member data
-skipped as it arrives (one GET per shard, which beats a ranged GET per header by orders of
+header to the next (a few KB per sample); remote objects are streamed once and their member
+data skipped as it arrives (one GET per shard, which beats a ranged GET per header by orders of
 magnitude). Shards are counted in parallel threads, with a progress bar.
 
 A sample is what bigclip's reader yields (tar_samples.py): consecutive members sharing a key,
@@ -25,28 +25,28 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import posixpath
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
 from bigclip.data.shards import SIZES_FILE, read_sizes_json, validate_shards
-from bigclip.data.streams import open_shard
+from bigclip.data.streams import data_location, read_errors, shard_location
 from bigclip.data.tar_samples import (
     check_clean_end,
     is_compressed,
     is_metadata,
     key_and_ext,
-    read_errors,
     recording_tarinfo,
 )
 from bigclip.errors import ConfigError, DataError
+from bigclip.storage.locations import LocalLocation, Location
 from bigclip.storage.progress import progress_bar
-from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
+from bigclip.storage.settings import configure_storage
 
 log = logging.getLogger("bigclip.data")
 HEADER_READ_BYTES = 4096
@@ -59,29 +59,22 @@ class ShardCount:
     error: str = ""  # why counting stopped early ('' when the shard is whole)
 
 
-def _object_size(url: str, s3: S3Settings | None) -> int | None:
-    if is_compressed(url):
-        return None  # offsets are into the uncompressed stream
-    if not is_s3(url):
-        return os.path.getsize(url)
-    bucket, key = split_s3_uri(url)
-    return int(boto3_client(s3 or S3Settings.resolve()).head_object(Bucket=bucket, Key=key)["ContentLength"])
-
-
-def _open(url: str, s3: S3Settings | None) -> BinaryIO:
-    if is_s3(url) or is_compressed(url):
-        return open_shard(url, s3=s3)
+def _open(location: Location, name: str, *, seekable: bool) -> BinaryIO:
+    if not seekable:
+        return location.open_read(name)
     # Small buffer: tarfile seeks from header to header, and each seek refills the buffer.
-    return open(url, "rb", buffering=HEADER_READ_BYTES)  # noqa: SIM115 - the caller closes it
+    return open(Path(location.root) / name, "rb", buffering=HEADER_READ_BYTES)  # noqa: SIM115 - the caller closes it
 
 
-def count_samples(url: str, *, s3: S3Settings | None = None) -> ShardCount:
+def count_samples(url: str) -> ShardCount:
     """Samples in one shard from its headers; a damaged or truncated shard counts up to the damage."""
     samples, key = 0, None
+    location, name = shard_location(url)
+    seekable = isinstance(location, LocalLocation) and not is_compressed(url)  # else streamed once
     try:
-        size = _object_size(url, s3)
-        mode = "r|gz" if is_compressed(url) else ("r|" if is_s3(url) else "r:")
-        with _open(url, s3) as stream:
+        size = None if is_compressed(url) else location.size(name)  # offsets are into the uncompressed stream
+        mode = "r|gz" if is_compressed(url) else ("r:" if seekable else "r|")
+        with _open(location, name, seekable=seekable) as stream:
             tar = tarfile.open(fileobj=stream, mode=mode, tarinfo=recording_tarinfo())  # noqa: SIM115
             for info in tar:
                 name_key, _ = key_and_ext(info.name)
@@ -91,28 +84,26 @@ def count_samples(url: str, *, s3: S3Settings | None = None) -> ShardCount:
                     raise tarfile.ReadError(f"{info.name} is cut short at byte {size}")
                 tar.members = []  # iteration keeps every TarInfo otherwise
             check_clean_end(tar)
-    except (*read_errors(url), ValueError) as e:
+    except (*read_errors(location), ValueError) as e:
         # The sample being read when the damage was found may be incomplete: the reader drops it too.
         return ShardCount(url, max(0, samples - 1) if key is not None else 0, f"{type(e).__name__}: {e}")
     return ShardCount(url, samples)
 
 
-def index_shards(
-    pattern: str, *, threads: int = 16, s3: S3Settings | None = None, progress: bool = True
-) -> list[ShardCount]:
+def index_shards(pattern: str, *, threads: int = 16, progress: bool = True) -> list[ShardCount]:
     """Count every existing shard of `pattern` (in pattern order)."""
-    shards = validate_shards(pattern, s3=s3, what="index-shards")
+    shards = validate_shards(pattern, what="index-shards")
     bar = progress_bar(len(shards), label="index-shards", unit="shard", enabled=progress)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         counts = []
-        for count in pool.map(lambda url: count_samples(url, s3=s3), shards.urls):
+        for count in pool.map(count_samples, shards.urls):
             counts.append(count)
             bar.update(1)
     bar.close()
     return counts
 
 
-def write_sizes(counts: list[ShardCount], *, s3: S3Settings | None = None) -> list[str]:
+def write_sizes(counts: list[ShardCount]) -> list[str]:
     """sizes.json in each shard directory, merged with what is there; returns the files written."""
     by_dir: dict[str, dict[str, int]] = {}
     for c in counts:
@@ -120,27 +111,21 @@ def write_sizes(counts: list[ShardCount], *, s3: S3Settings | None = None) -> li
         by_dir.setdefault(directory, {})[name] = c.samples
     written = []
     for directory, sizes in by_dir.items():
-        merged = read_sizes_json(directory, s3) | sizes
-        path = f"{directory}/{SIZES_FILE}"
+        merged = read_sizes_json(directory) | sizes
         text = json.dumps(dict(sorted(merged.items())), indent=0)
-        if is_s3(path):
-            bucket, key = split_s3_uri(path)
-            boto3_client(s3 or S3Settings.resolve()).put_object(Bucket=bucket, Key=key, Body=text.encode())
-        else:
-            with open(path, "w") as f:
-                f.write(text)
-        written.append(path)
+        data_location(directory).write_bytes(SIZES_FILE, text.encode())
+        written.append(f"{directory}/{SIZES_FILE}")
     return written
 
 
-def check_sizes(counts: list[ShardCount], *, pattern: str, s3: S3Settings | None = None) -> int:
+def check_sizes(counts: list[ShardCount], *, pattern: str) -> int:
     """0 when sizes.json lists every shard with the count found and none is damaged; else DataError."""
     listed: dict[str, dict[str, int]] = {}
     wrong = []
     for c in counts:
         directory, name = posixpath.split(c.url) if "/" in c.url else (".", c.url)
         if directory not in listed:
-            listed[directory] = read_sizes_json(directory, s3)
+            listed[directory] = read_sizes_json(directory)
         expected = listed[directory].get(name)
         if c.error:
             wrong.append(f"{c.url} is damaged ({c.error}; {c.samples} whole samples before it)")
@@ -176,14 +161,14 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads}: give at least 1 (shards counted at once; default 16)")
-    s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
-    counts = index_shards(args.pattern, threads=args.threads, s3=s3, progress=not args.no_progress)
+    configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
+    counts = index_shards(args.pattern, threads=args.threads, progress=not args.no_progress)
     if args.check:
-        return check_sizes(counts, pattern=args.pattern, s3=s3)
+        return check_sizes(counts, pattern=args.pattern)
     for c in counts:
         if c.error:
             print(f"warning: {c.url}: counted {c.samples} samples up to the damage ({c.error})")
-    for path in write_sizes(counts, s3=s3):
+    for path in write_sizes(counts):
         print(f"wrote {path}")
     damaged = sum(1 for c in counts if c.error)
     print(f"{sum(c.samples for c in counts)} samples in {len(counts)} shards ({damaged} damaged)")

@@ -67,7 +67,6 @@ from bigclip.data.validation import epoch_samples, validate_data
 from bigclip.data.worker import ReaderSpec, ReaderStream
 from bigclip.data.worker_signals import shield_worker
 from bigclip.distributed import cpu_group
-from bigclip.storage.s3 import S3Settings
 
 FORK_SETTLE_S = 0.05  # see _settle_before_fork
 
@@ -96,11 +95,10 @@ class TrainLoader:
         device: torch.device | str | None = None,
         image_dtype: torch.dtype = torch.float32,
         normalize: bool = True,
-        s3: S3Settings | None = None,
         shards: ShardList | None = None,
     ) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.shards = shards or validate_data(cfg, world_size=world_size, s3=s3)
+        self.shards = shards or validate_data(cfg, world_size=world_size)
         self.num_samples = epoch_samples(cfg, self.shards)
         self.global_batch = cfg.batch_size * world_size
         self.steps_per_epoch = self.num_samples // self.global_batch
@@ -121,7 +119,7 @@ class TrainLoader:
         self.progress = RankProgress()
         self.stats = DataStats(readers=max(1, cfg.workers))
         self.steps = 0  # steps taken by this loader (the same on every rank)
-        self._dataset = self._reader_stream(seed=seed, image_size=image_size, tokenizer=tokenizer, s3=s3)
+        self._dataset = self._reader_stream(seed=seed, image_size=image_size, tokenizer=tokenizer)
         self._iterated = False
         self._batches: Generator[TrainBatch, None, None] | None = None
         self._order: WorkerOrder | None = None
@@ -137,9 +135,7 @@ class TrainLoader:
         start.check_compatible(self.shards, epoch=epoch, resampled=resampled)
         return start
 
-    def _reader_stream(
-        self, *, seed: int, image_size: int, tokenizer: Tokenizer, s3: S3Settings | None
-    ) -> ReaderStream:
+    def _reader_stream(self, *, seed: int, image_size: int, tokenizer: Tokenizer) -> ReaderStream:
         cfg, epoch = self.cfg, self.start.epoch
         self.settings = StreamSettings(
             self.world_size, cfg.workers, cfg.batch_size, cfg.shard_interleave, seed
@@ -160,7 +156,6 @@ class TrainLoader:
             ),
             tokenizer=tokenizer,
             crop_key=f"bigclip-crop/{seed}/{epoch}",
-            s3=s3,
             draws_key=draws_key(seed=seed, epoch=epoch),
             cumulative=self.shards.cumulative_weights(),
             keys=SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),

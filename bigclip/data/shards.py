@@ -2,9 +2,10 @@
 
 Patterns are OpenCLIP's: brace ranges (`/data/{00000..00099}.tar`,
 `s3://bucket/prefix/{00000..41455}.tar`), several sources joined with `::`.
-`validate_shards` checks that the shards exist before any model is built, by listing:
-one `scandir` per local directory; on S3 the common key prefix of each directory
-(1,000 keys per request, so 41k shards cost ~42 requests, not 41k HEADs). A pattern matching no shard is a
+`validate_shards` checks that the shards exist before any model is built, by listing each
+directory once: a `scandir` locally, a listing of the prefix on an object store (S3: 1,000
+keys per request, so 41k shards cost ~42 requests, not 41k HEADs), which also tells whether
+a sizes.json is there. A pattern matching no shard is a
 `DataError`; a pattern matching only some is logged and the missing ones are left out (as
 OpenCLIP's trainer does with img2dataset output, where failed shards leave gaps).
 
@@ -24,14 +25,13 @@ import hashlib
 import json
 import logging
 import os
-import posixpath
-from collections import defaultdict
 from dataclasses import dataclass
 
 from braceexpand import UnbalancedBracesError, braceexpand
 
-from bigclip.errors import DataError
-from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, join_s3_uri, split_s3_uri
+from bigclip.data.streams import data_location
+from bigclip.errors import BigclipError, DataError
+from bigclip.storage.locations import LocalLocation, Location
 
 log = logging.getLogger("bigclip.data")
 
@@ -117,20 +117,20 @@ def expand_pattern(pattern: str, *, what: str = "shard pattern") -> list[str]:
     return list(dict.fromkeys(urls))
 
 
-def validate_shards(pattern: str, *, s3: S3Settings | None = None, what: str = "--train-data") -> ShardList:
-    """The existing shards of `pattern`; `DataError` (in seconds) when none exists or S3 is unreachable."""
+def validate_shards(pattern: str, *, what: str = "--train-data") -> ShardList:
+    """The existing shards of `pattern`; `DataError` (in seconds) when none exists or a store is unreachable."""
     if not pattern.strip():
         raise DataError(f"{what} is empty; give a shard pattern such as /data/{{00000..00099}}.tar")
     urls = expand_pattern(pattern, what=what)
-    settings = (s3 or S3Settings.resolve()) if any(is_s3(u) for u in urls) else None
-    found = _existing(urls, settings)
-    existing = [u for u in urls if u in found]
-    missing = [u for u in urls if u not in found]
+    folders = {directory: _Folder.list(directory) for directory in dict.fromkeys(map(_directory, urls))}
+    existing = [u for u in urls if _name(u) in folders[_directory(u)].names]
+    missing = [u for u in urls if _name(u) not in folders[_directory(u)].names]
     if not existing:
+        service = folders[_directory(urls[0])].location.service
         raise DataError(
             f"{what} {pattern!r} matches no shard: none of its {len(urls)} path(s) exists "
-            f"(first: {urls[0]}{_endpoint_note(settings)}). Check the path, the brace range and, for S3, "
-            "the bucket, prefix and AWS_ENDPOINT_URL."
+            f"(first: {urls[0]}{f', {service}' if service else ''}). Check the path, the brace range and, "
+            "for S3, the bucket, prefix and AWS_ENDPOINT_URL."
         )
     if missing:
         log.warning(
@@ -140,89 +140,77 @@ def validate_shards(pattern: str, *, s3: S3Settings | None = None, what: str = "
             len(urls),
             missing[:3],
         )
-    sizes = _sizes(existing, settings)
+    tables = {d: folders[d].sizes() for d in dict.fromkeys(map(_directory, existing))}
+    sizes = [_checked_size(tables[_directory(u)].get(_name(u)), u) for u in existing]
     return ShardList(pattern=pattern, urls=tuple(existing), sizes=tuple(sizes), missing=tuple(missing))
 
 
-def _endpoint_note(settings: S3Settings | None) -> str:
-    if settings is None:
-        return ""
-    return f", S3 endpoint {settings.endpoint or 'AWS'}"
+def _directory(url: str) -> str:
+    return url.rsplit("/", 1)[0] if "/" in url else "."
 
 
-def _existing(urls: list[str], settings: S3Settings | None) -> set[str]:
-    local = [u for u in urls if not is_s3(u)]
-    remote = [u for u in urls if is_s3(u)]
-    return _existing_local(local) | (_existing_s3(remote, settings) if remote else set())
+def _name(url: str) -> str:
+    return url.rsplit("/", 1)[-1]
 
 
-def _existing_local(paths: list[str]) -> set[str]:
-    """One directory listing per directory: on network filesystems 41k stat calls take minutes."""
-    by_dir: dict[str, list[str]] = defaultdict(list)
-    for path in paths:
-        by_dir[os.path.dirname(path)].append(path)
-    found: set[str] = set()
-    for directory, members in by_dir.items():
+@dataclass
+class _Folder:
+    """One directory of shards: its location and the names in it (listed once)."""
+
+    location: Location
+    names: set[str]
+
+    @classmethod
+    def list(cls, directory: str) -> _Folder:
+        location = data_location(directory, fast_fail=True)
+        if isinstance(location, LocalLocation):
+            return cls(location, _local_names(location.root))
         try:
-            names = {e.name for e in os.scandir(directory or ".") if e.is_file()}
-        except OSError:  # missing or unreadable directory: none of its shards exist
-            continue
-        found.update(p for p in members if os.path.basename(p) in names)
-    return found
-
-
-def _existing_s3(urls: list[str], settings: S3Settings) -> set[str]:
-    """List each directory's common key prefix once instead of one HEAD per shard."""
-    by_dir: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for url in urls:
-        bucket, key = split_s3_uri(url)
-        by_dir[(bucket, posixpath.dirname(key))].append(key)
-    found: set[str] = set()
-    for (bucket, _), keys in by_dir.items():
-        listed = _list_keys(bucket, os.path.commonprefix(keys), settings)
-        found.update(join_s3_uri(bucket, k) for k in keys if k in listed)
-    return found
-
-
-def _list_keys(bucket: str, prefix: str, settings: S3Settings) -> set[str]:
-    client = boto3_client(settings, fast_fail=True)  # first: names boto3 if it is missing
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    keys: set[str] = set()
-    try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            keys.update(obj["Key"] for obj in page.get("Contents", ()))
-    except (BotoCoreError, ClientError) as e:
-        raise DataError(
-            f"cannot list s3://{bucket}/{prefix} at {settings.endpoint or 'AWS S3'} ({settings.region_name}): {e}. "
-            "Check the bucket name, credentials and AWS_ENDPOINT_URL."
-        ) from e
-    return keys
-
-
-def _sizes(urls: list[str], settings: S3Settings | None) -> list[int | None]:
-    """Per-shard sample counts from each directory's sizes.json (None where not listed)."""
-    tables: dict[str, dict[str, int]] = {}
-    sizes: list[int | None] = []
-    for url in urls:
-        directory, name = url.rsplit("/", 1) if "/" in url else (".", url)
-        if directory not in tables:
-            tables[directory] = read_sizes_json(directory, settings)
-        size = tables[directory].get(name)
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            return cls(location, set(location.list_files("")))
+        except (BigclipError, *location.read_errors) as e:
+            where = f" ({location.service})" if location.service else ""
             raise DataError(
-                f"{directory}/{SIZES_FILE} lists {size!r} samples for {name}, not a count; recount with "
-                "`bigclip index-shards PATTERN` (it rewrites the file)"
-            )
-        sizes.append(size)
-    return sizes
+                f"cannot list {location.uri}/{where}: {e}. Check the bucket name, credentials and "
+                "AWS_ENDPOINT_URL."
+            ) from e
+
+    def sizes(self) -> dict[str, int]:
+        """sizes.json's table ({} without one)."""
+        return parse_sizes(self.location) if SIZES_FILE in self.names else {}
 
 
-def read_sizes_json(directory: str, settings: S3Settings | None) -> dict[str, int]:
-    path = f"{directory}/{SIZES_FILE}"
+def _local_names(directory: os.PathLike) -> set[str]:
+    """One directory listing: on network filesystems 41k stat calls take minutes."""
     try:
-        text = _read_small_s3_object(path, settings) if is_s3(path) else _read_local_text(path)
-        table = json.loads(text) if text is not None else {}
+        return {e.name for e in os.scandir(directory) if e.is_file()}
+    except OSError:  # missing or unreadable directory: none of its shards exist
+        return set()
+
+
+def _checked_size(size: object, url: str) -> int | None:
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+        directory, name = _directory(url), _name(url)
+        raise DataError(
+            f"{directory}/{SIZES_FILE} lists {size!r} samples for {name}, not a count; recount with "
+            "`bigclip index-shards PATTERN` (it rewrites the file)"
+        )
+    return size  # type: ignore[return-value]
+
+
+def read_sizes_json(directory: str) -> dict[str, int]:
+    """The sizes.json in `directory` ({} when there is none)."""
+    location = data_location(directory, fast_fail=True)
+    return parse_sizes(location) if location.exists(SIZES_FILE) else {}
+
+
+def parse_sizes(location: Location) -> dict[str, int]:
+    path = location.child_uri(SIZES_FILE)
+    try:
+        text = location.read_bytes(SIZES_FILE).decode("utf-8")
+    except (BigclipError, *location.read_errors) as e:
+        raise DataError(f"cannot read {path}: {e}") from e
+    try:
+        table = json.loads(text)
         if not isinstance(table, dict):
             raise TypeError(f"it holds a {type(table).__name__}")
         return table
@@ -231,25 +219,3 @@ def read_sizes_json(directory: str, settings: S3Settings | None) -> dict[str, in
             f"{path} is not a JSON object of shard name -> sample count ({e}): recount with "
             "`bigclip index-shards PATTERN`, or delete the file and pass --train-num-samples"
         ) from e
-
-
-def _read_local_text(path: str) -> str | None:
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read()
-
-
-def _read_small_s3_object(url: str, settings: S3Settings | None) -> str | None:
-    from botocore.exceptions import ClientError
-
-    bucket, key = split_s3_uri(url)
-    try:
-        body = boto3_client(settings or S3Settings.resolve(), fast_fail=True).get_object(
-            Bucket=bucket, Key=key
-        )
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-            return None
-        raise DataError(f"cannot read {url}: {e}") from e
-    return body["Body"].read().decode("utf-8")

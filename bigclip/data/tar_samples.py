@@ -5,7 +5,7 @@ A webdataset shard is a tar whose consecutive members sharing a key form a sampl
 file name, webdataset's `base_plus_ext`). Reading is our own rather than webdataset's
 iterators because exact resume needs, for every sample, where the *next* one starts: a
 `Cursor` (sample index, tar byte offset). A resumed reader seeks (local) or issues a ranged
-GET (S3) straight to that byte. Compressed shards (.tar.gz, .tgz) cannot be entered
+GET (object stores) straight to that byte. Compressed shards (.tar.gz, .tgz) cannot be entered
 mid-stream; they are re-read from the start and the first `index` samples skipped.
 
 A reader may also read a *piece* of a shard: samples [start.index, stop). A piece that starts
@@ -24,10 +24,10 @@ import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
-from bigclip.data.streams import open_shard
-from bigclip.errors import DataError
-from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.data.streams import read_errors, shard_location
+from bigclip.errors import BigclipError
 
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz")
 # webdataset's `base_plus_ext` rule (tests/test_data_pipeline.py checks it against webdataset's
@@ -39,17 +39,6 @@ def key_and_ext(path: str) -> tuple[str | None, str | None]:
     """'dir/0001.seg.png' -> ('dir/0001', 'seg.png'); a name without an extension -> (None, None)."""
     match = _KEY_AND_EXT.match(path)
     return (match.group(1), match.group(2)) if match else (None, None)
-
-
-def read_errors(url: str) -> tuple[type[BaseException], ...]:
-    """What reading a shard raises when it is truncated or unreadable (botocore's only for S3)."""
-    errors: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, OSError, DataError)
-    if is_s3(url):
-        from botocore.exceptions import BotoCoreError
-        from urllib3.exceptions import HTTPError
-
-        errors += (BotoCoreError, HTTPError)
-    return errors
 
 
 @dataclass(frozen=True)
@@ -137,13 +126,10 @@ class ShardSamples:
     """Iterate the samples of `url` from `start` up to `stop` (None: the end); afterwards `error` is ''
     or why reading stopped early, and `end_index` the index after the last sample seen."""
 
-    def __init__(
-        self, url: str, *, start: Cursor = START, stop: int | None = None, s3: S3Settings | None = None
-    ) -> None:
+    def __init__(self, url: str, *, start: Cursor = START, stop: int | None = None) -> None:
         self.url = url
         self.start = start
         self.stop = stop
-        self.s3 = s3
         self.error = ""
         self.end_index = start.index
         self.seekable = not is_compressed(url) and start.byte >= 0
@@ -152,14 +138,18 @@ class ShardSamples:
         base = self.start.byte if self.seekable else 0
         first_index = self.start.index if self.seekable else 0
         try:
-            stream = open_shard(self.url, start=base, s3=self.s3)
-        except DataError as e:
-            self.error = str(e)
+            location, name = shard_location(self.url)
+            errors = read_errors(location)
+            stream = location.open_read(name, start=base)
+        except (BigclipError, OSError) as e:
+            self.error = f"cannot open shard {self.url}: {e}"
             return
         with stream:
-            yield from self._samples(stream, base=base, first_index=first_index)
+            yield from self._samples(stream, base=base, first_index=first_index, errors=errors)
 
-    def _samples(self, stream, *, base: int, first_index: int) -> Iterator[RawSample]:
+    def _samples(
+        self, stream: BinaryIO, *, base: int, first_index: int, errors: tuple[type[BaseException], ...]
+    ) -> Iterator[RawSample]:
         mode = "r|gz" if is_compressed(self.url) else "r|"
         current: RawSample | None = None
         index, wanted = first_index, self.start.index  # samples before `wanted` are passed over unread
@@ -188,7 +178,7 @@ class ShardSamples:
             if tar is not None:
                 check_clean_end(tar)
             end = base + (tar.offset if tar else 0)
-        except read_errors(self.url) as e:
+        except errors as e:
             self.error = f"{type(e).__name__}: {e}"
             return  # the sample being read when the damage was found is dropped: it may be incomplete
         if current is not None:

@@ -21,7 +21,6 @@ from bigclip.data.device import image_normalizer
 from bigclip.data.shards import ShardList, validate_shards
 from bigclip.distributed import cpu_group
 from bigclip.errors import DataError
-from bigclip.storage.s3 import S3Settings
 
 log = logging.getLogger("bigclip.data")
 NAMED = 5
@@ -38,7 +37,7 @@ def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
     )
 
 
-def validate_data(cfg: DataConfig, *, world_size: int, s3: S3Settings | None = None) -> ShardList:
+def validate_data(cfg: DataConfig, *, world_size: int) -> ShardList:
     """Every data error that can be found before a model is built: shards (train and val) and epoch size.
 
     Returns the training shards, to pass to `build_train_loader(shards=...)` so they are listed once.
@@ -47,11 +46,11 @@ def validate_data(cfg: DataConfig, *, world_size: int, s3: S3Settings | None = N
     """
     group = cpu_group()
     if group is None or dist.get_world_size(group) == 1:
-        return _validate_data_here(cfg, world_size=world_size, s3=s3)
+        return _validate_data_here(cfg, world_size=world_size)
     result: list[Any] = [None]
     if dist.get_rank(group) == 0:
         try:
-            result[0] = _validate_data_here(cfg, world_size=world_size, s3=s3)
+            result[0] = _validate_data_here(cfg, world_size=world_size)
         except Exception as e:  # sent to every rank, so all of them stop with the same message
             result[0] = (
                 e if isinstance(e, DataError) else DataError(f"rank 0 could not check the data: {e!r}")
@@ -62,12 +61,12 @@ def validate_data(cfg: DataConfig, *, world_size: int, s3: S3Settings | None = N
     return result[0]
 
 
-def _validate_data_here(cfg: DataConfig, *, world_size: int, s3: S3Settings | None) -> ShardList:
+def _validate_data_here(cfg: DataConfig, *, world_size: int) -> ShardList:
     Augmentation.from_cfg(cfg.aug_cfg)  # ConfigErrors for --aug-cfg, --image-mean/std in seconds
     image_normalizer(cfg)
-    shards = validate_shards(cfg.train_data, s3=s3).with_weights(cfg.train_data_upsampling_factors)
+    shards = validate_shards(cfg.train_data).with_weights(cfg.train_data_upsampling_factors)
     if cfg.val_data:
-        validate_shards(cfg.val_data, s3=s3, what="--val-data")
+        validate_shards(cfg.val_data, what="--val-data")
     samples = epoch_samples(cfg, shards)
     check_sizes(cfg, shards)
     if samples < cfg.batch_size * world_size:

@@ -47,7 +47,7 @@ from bigclip.data.resume.spans import NO_STOP
 from bigclip.data.tar_samples import START, Cursor, RawSample, ShardSamples
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.data.transforms import TrainTransform
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.settings import StorageState
 
 log = logging.getLogger("bigclip.data")
 
@@ -113,7 +113,6 @@ class ReaderStream(IterableDataset):
         transform: TrainTransform,
         tokenizer: Tokenizer,
         crop_key: str,
-        s3: S3Settings | None,
         draws_key: str = "",
         cumulative: list[float] | None = None,
         keys: SampleKeys = DEFAULT_KEYS,
@@ -129,8 +128,8 @@ class ReaderStream(IterableDataset):
         self.transform = transform
         self.tokenizer = tokenizer
         self.crop_key = crop_key  # (seed, epoch): with (shard, sample index), keys a sample's crop
-        self.s3 = s3
         self.keys = keys  # --image-key / --text-key
+        self.storage = StorageState.capture()  # restored in the worker: a spawned one starts without it
 
     def url(self, task: int) -> str:
         """The shard a task id names: the shard itself, or the shard drawn at that draw."""
@@ -143,6 +142,7 @@ class ReaderStream(IterableDataset):
         return self.sizes[self.shard_of(task)] if self.sizes else None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.storage.restore()
         info = get_worker_info()
         index = info.id if info is not None else 0
         if index < len(self.readers):
@@ -192,7 +192,7 @@ class Reader:
     def _fill(self) -> bool:
         """Open shards up to `interleave`; False when none is left open."""
         while len(self.open) < self.stream.interleave and (task := self._next_task()) is not None:
-            reader = ShardSamples(task.url, start=task.start, stop=task.stop, s3=self.stream.s3)
+            reader = ShardSamples(task.url, start=task.start, stop=task.stop)
             piece = (task.shard, task.start.index, task.stop)
             self.open.append(_OpenShard(*piece, reader, iter(reader), read=task.start, valid=task.start))
         return bool(self.open)
@@ -211,7 +211,7 @@ class Reader:
 
     def _reopen(self, state: OpenShardState) -> _OpenShard:
         url = self.stream.url(state.shard)
-        reader = ShardSamples(url, start=state.read, stop=state.stop, s3=self.stream.s3)
+        reader = ShardSamples(url, start=state.read, stop=state.stop)
         piece = (state.shard, state.first, state.stop)
         return _OpenShard(*piece, reader, iter(reader), state.read, state.valid, state.fruitful)
 

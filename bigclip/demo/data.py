@@ -11,7 +11,8 @@ A classification set for zero-shot evaluation (`--imagenet-val`) labels new imag
 shape drawn (4 classes, chance 25%); its prompt templates are captions with every other
 attribute filled in, so the text tower sees sentences like those it was trained on.
 
-Layout (OUT is a directory or s3://bucket/prefix; S3 objects are uploaded from memory):
+Layout (OUT is a directory or a prefix in an object store, e.g. s3://bucket/prefix; objects are
+written from memory, each whole):
   OUT/train/{00000..K-1}.tar + sizes.json     webdataset shards: KEY.jpg|png|webp, KEY.txt, KEY.json
   OUT/val/{00000..}.tar + sizes.json          held-out set, same format
   OUT/classify/{00000..}.tar + classnames.txt + zeroshot_classification_templates.txt
@@ -23,7 +24,6 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import os
 import random
 import tarfile
 from collections.abc import Iterator
@@ -35,9 +35,10 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from bigclip.cli_args import ArgumentParser
-from bigclip.errors import DataError
+from bigclip.data.streams import data_location
+from bigclip.errors import BigclipError, DataError
 from bigclip.storage.progress import progress_bar
-from bigclip.storage.s3 import S3Settings, boto3_client, is_s3, split_s3_uri
+from bigclip.storage.schemes import is_local, local_path
 
 SIZES = {"small": (0.10, 0.14), "large": (0.20, 0.25)}  # radius as a fraction of the image side
 COLOURS = {
@@ -160,29 +161,20 @@ class DemoData:
 
 
 class _Sink:
-    """Writes named objects under OUT, a local directory or s3://bucket/prefix."""
+    """Writes named objects under OUT, a local directory or a prefix in an object store."""
 
-    def __init__(self, out: str, *, s3: S3Settings | None) -> None:
+    def __init__(self, out: str) -> None:
         self.out = out.rstrip("/")
-        self.s3 = (s3 or S3Settings.resolve()) if is_s3(out) else None
+        self.location = data_location(self.out)
 
     def url(self, name: str) -> str:
         return f"{self.out}/{name}"
 
     def write(self, name: str, data: bytes) -> None:
-        if self.s3 is None:
-            path = self.url(name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(data)
-            return
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        bucket, key = split_s3_uri(self.url(name))
         try:
-            boto3_client(self.s3).put_object(Bucket=bucket, Key=key, Body=data)
-        except (BotoCoreError, ClientError) as e:
-            raise DataError(f"cannot write {self.url(name)} (does the bucket exist?): {e}") from e
+            self.location.write_bytes(name, data)
+        except (BigclipError, *self.location.read_errors) as e:
+            raise DataError(f"cannot write {self.url(name)} (does the folder or bucket exist?): {e}") from e
 
 
 def _write_split(sink: _Sink, split: str, combos: list[Attributes], counts: list[int], **kw) -> str:
@@ -245,8 +237,8 @@ def check_options(out: str, *, samples: int, shards: int, val_samples: int, clas
         )
     if not MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE:
         raise DataError(f"--image-size must be {MIN_IMAGE_SIZE}..{MAX_IMAGE_SIZE} pixels, got {image_size}")
-    if not is_s3(out):
-        _check_local_out(out)
+    if is_local(out):
+        _check_local_out(local_path(out))
 
 
 def _check_local_out(out: str) -> None:
@@ -269,7 +261,6 @@ def write_demo_data(
     classify_samples: int = 400,
     image_size: int = 64,
     seed: int = 0,
-    s3: S3Settings | None = None,
     progress: bool = False,
 ) -> DemoData:
     """Write the training shards and the held-out set; returns their shard patterns."""
@@ -283,7 +274,7 @@ def write_demo_data(
     rng = random.Random(seed)
     train = [rng.choice(combos) for _ in range(samples)]
     held_out = rng.sample(combos, val_samples)  # without replacement: distinct captions
-    sink = _Sink(out, s3=s3)
+    sink = _Sink(out)
     val_shards = max(1, -(-val_samples // SHARD_SAMPLES_VAL))
     with progress_bar(samples + val_samples, label="demo data", unit="sample", enabled=progress) as bar:
         train_pattern = _write_split(

@@ -16,7 +16,6 @@ import sys
 import time
 
 from bigclip.distributed import free_port
-from bigclip.storage.s3 import S3Settings
 
 DUMMY_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "bigclip-loopback",
@@ -73,9 +72,6 @@ class LoopbackS3:
             else:
                 os.environ[key] = value
         self._saved_env = {}
-
-    def settings(self) -> S3Settings:
-        return S3Settings(region=DUMMY_CREDENTIALS["AWS_REGION"], endpoint=self.endpoint)
 
     def client(self):
         """A boto3 client for this server (credentials passed explicitly, environment untouched)."""

@@ -37,16 +37,12 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 from bigclip.errors import StorageError
 from bigclip.registry.leases import HeldLease, break_stale, pid_alive
-from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.locations import LocalLocation, Location, open_location
-from bigclip.storage.sinks import create_exclusive, open_sink
-
-if TYPE_CHECKING:
-    from bigclip.storage.s3 import S3Settings
+from bigclip.storage.records import ObjectRecord
 
 log = logging.getLogger("bigclip.registry")
 
@@ -70,8 +66,8 @@ def sha256_of_file(path: Path) -> ObjectRecord:
 
 
 class BlobStore:
-    def __init__(self, location: Location, *, s3: S3Settings | None = None) -> None:
-        self.location, self.s3 = location, s3
+    def __init__(self, location: Location) -> None:
+        self.location = location
         self.uploaded_bytes = 0  # bytes this process sent (the registry tests and `publish` report it)
 
     def has(self, sha256: str) -> bool:
@@ -114,7 +110,7 @@ class BlobStore:
         return record
 
     def _write(self, relative: str, stream: BinaryIO, *, expected: ObjectRecord | None) -> ObjectRecord:
-        sink = open_sink(self.location, relative, overwrite=True)  # same name, same bytes: a race is harmless
+        sink = self.location.open_sink(relative, overwrite=True)  # same name, same bytes: a race is harmless
         try:
             while chunk := stream.read(_CHUNK):
                 sink.write(chunk)
@@ -157,7 +153,7 @@ class BlobStore:
             self.location.delete(GC_LOCK)
 
     def _delete_unreferenced(self, referenced: set[str]) -> int:
-        blobs = open_location(self.location.child_uri(BLOBS), s3=self.s3)
+        blobs = open_location(self.location.child_uri(BLOBS))
         freed = 0
         for shard in blobs.list_folders():
             for sha, size in blobs.list_files(shard).items():
@@ -168,12 +164,12 @@ class BlobStore:
 
     def _lock(self) -> bool:
         body = {"host": socket.gethostname(), "pid": os.getpid(), "expires": time.time() + GC_LOCK_TTL_S}
-        if create_exclusive(self.location, GC_LOCK, json.dumps(body).encode()):
+        if self.location.create_exclusive(GC_LOCK, json.dumps(body).encode()):
             return True
         if not self._lock_is_stale():
             return False
         self.location.delete(GC_LOCK)  # a dead sweeper's lock
-        return create_exclusive(self.location, GC_LOCK, json.dumps(body).encode())
+        return self.location.create_exclusive(GC_LOCK, json.dumps(body).encode())
 
     def _lock_is_stale(self) -> bool:
         try:

@@ -23,7 +23,8 @@ from bigclip.config import CheckpointConfig
 from bigclip.errors import ConfigError, StorageError
 from bigclip.registry.git_source import GIT_PREFIX
 from bigclip.storage.progress import human_bytes
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.schemes import is_local, local_path
+from bigclip.storage.settings import configure_storage
 from bigclip.weights.schemes import registry_uri
 
 if TYPE_CHECKING:
@@ -48,8 +49,8 @@ def require_registry(args: argparse.Namespace) -> str:
 def open_registry(args: argparse.Namespace) -> Registry:
     from bigclip.registry.store import Registry  # torch: only once the options hold
 
-    s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
-    return Registry(require_registry(args), s3=s3)
+    configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
+    return Registry(require_registry(args))
 
 
 def is_path(target: str) -> bool:
@@ -108,9 +109,9 @@ def verify_command(args: argparse.Namespace) -> None:
     if is_path(target):  # a checkpoint folder or run root, not a NAME
         from bigclip.checkpoint.store import CheckpointStore
 
-        s3 = S3Settings.resolve(endpoint=args.s3_endpoint, region=args.s3_region)
+        configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
         parent, _, _ = target.rstrip("/").rpartition("/")
-        store = CheckpointStore(parent or ".", s3=s3)
+        store = CheckpointStore(parent or ".")
         try:
             manifest = store.verify(target)
         finally:
@@ -175,9 +176,9 @@ def publish_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     require_registry(args)
     if (
-        "://" not in args.src
+        is_local(args.src)
         and not args.src.startswith(GIT_PREFIX)
-        and not Path(args.src).expanduser().exists()
+        and not Path(local_path(args.src)).expanduser().exists()
     ):
         raise StorageError(f"{args.src}: no such file or folder; give a checkpoint, a weights file, a folder, "
                            "an archive, or an s3://, http(s):// or git+ URI")  # fmt: skip

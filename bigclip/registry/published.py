@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.hashing import ObjectRecord
+from bigclip.storage.records import ObjectRecord
 from bigclip.weights.schemes import REGISTRY_SCHEME
 
 PUBLISHED = "published.json"

@@ -6,10 +6,10 @@ SRC may be
     and SHA-256, so a damaged source object is caught while it is copied;
   - a consolidated file (`X.safetensors` with `X.manifest.json` beside it): the files that
     manifest lists, plus the manifest;
-  - any other local file or folder (walked recursively), an `s3://` object, an `s3://` prefix
-    written with a trailing `/` (copied whole), or an `http(s)://` URL;
+  - any other local file or folder (walked recursively), an object in a store (`s3://`...), a
+    prefix written with a trailing `/` (copied whole), or a file a web server serves (`http(s)://`);
   - the same from any fsspec filesystem (`gs://`, `az://`, `hf://`, `memory://`, `file://`...)
-    whose package is installed (a missing one is named);
+    whose package is installed (a missing one is named), registered as a scheme or not;
   - a git repository at a ref, `git+https://host/repo.git@v1.0` or `git+file:///srv/repo@main`,
     optionally `#sub/folder` (cloned through the git CLI: git_source.py);
   - an archive (`.tar`, `.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`, `.zip`) from any of those,
@@ -27,8 +27,6 @@ import posixpath
 import shutil
 import tarfile
 import tempfile
-import urllib.error
-import urllib.request
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,10 +37,9 @@ from bigclip.checkpoint import catalog
 from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.errors import StorageError
 from bigclip.registry.git_source import GIT_PREFIX, git_source
-from bigclip.storage.hashing import ObjectRecord
-from bigclip.storage.locations import LocalLocation, Location, open_location
+from bigclip.storage.locations import LocalLocation, Location, open_location, open_parent
+from bigclip.storage.records import ObjectRecord
 from bigclip.storage.redact import redact_text
-from bigclip.storage.s3 import S3Settings
 from bigclip.weights.output_manifest import manifest_beside
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
@@ -65,23 +62,17 @@ class SourceInfo:
     step: int | None = None
 
 
-def is_http(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
-
-
-def expand_source(src: str, *, s3: S3Settings | None = None) -> tuple[SourceInfo, Iterator[SourceFile]]:
-    if is_http(src):
-        return SourceInfo(redact_text(src)), _http_files(src)
+def expand_source(src: str) -> tuple[SourceInfo, Iterator[SourceFile]]:
     if src.startswith(GIT_PREFIX):
         return git_source(src, expand=_local_source)
-    if src.startswith("file://"):
-        src = src[len("file://") :]
-    elif "://" in src:  # s3:// through s3torchconnector; gs://, az://, memory://... through fsspec
-        return _remote_source(src, s3=s3)
-    path = Path(src).expanduser()
-    if not path.exists():
-        raise StorageError(f"{src}: no such file or folder")
-    return _local_source(path)
+    location = open_location(src.rstrip("/") or "/", any_scheme=True)
+    if isinstance(location, LocalLocation):
+        if not location.root.exists():
+            raise StorageError(f"{src}: no such file or folder")
+        return _local_source(location.root)
+    if not location.listable:  # a web server's file: downloaded as it is sent
+        return SourceInfo(redact_text(src)), _download_files(*open_parent(src))
+    return _remote_source(src, location)
 
 
 def _local_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
@@ -94,8 +85,7 @@ def _local_source(path: Path) -> tuple[SourceInfo, Iterator[SourceFile]]:
 def _checkpoint_folder(location: Location) -> tuple[Location, str] | None:
     """(parent, folder) of a committed checkpoint at `location`, or of a run root's newest one."""
     if location.exists(MANIFEST_NAME):
-        parent_uri, _, name = location.uri.rstrip("/").rpartition("/")
-        return open_location(parent_uri or "/", s3=getattr(location, "settings", None), any_scheme=True), name
+        return open_parent(location.uri, any_scheme=True)
     entry = catalog.latest_committed(location)
     return (location, entry.folder) if entry else None
 
@@ -172,18 +162,16 @@ def _single(name: str, opener, size: int | None, *, local: Path | None = None) -
         yield SourceFile(name, stream, size, local=local)
 
 
-# -- S3, fsspec filesystems and HTTP ------------------------------------------------------------
+# -- object stores, fsspec filesystems and web servers -----------------------------------------
 
 
-def _remote_source(src: str, *, s3: S3Settings | None) -> tuple[SourceInfo, Iterator[SourceFile]]:
-    location = open_location(src.rstrip("/"), s3=s3, any_scheme=True)
+def _remote_source(src: str, location: Location) -> tuple[SourceInfo, Iterator[SourceFile]]:
     if src.endswith("/"):
         found = _checkpoint_folder(location)
         if found:
             return _checkpoint_files(*found)
         return SourceInfo(src), _prefix_files(location)
-    parent_uri, _, name = src.rpartition("/")
-    parent = open_location(parent_uri, s3=s3, any_scheme=True)
+    parent, name = open_parent(src, any_scheme=True)
     if parent.exists(name):
         manifest = manifest_beside(parent, name)
         if manifest:
@@ -206,18 +194,14 @@ def _prefix_files(location: Location) -> Iterator[SourceFile]:
             yield SourceFile(name, stream, size)
 
 
-def _http_files(url: str) -> Iterator[SourceFile]:
-    name = posixpath.basename(urllib.request.urlparse(url).path) or "download"
-    try:
-        response = urllib.request.urlopen(url, timeout=60)
-    except (urllib.error.URLError, OSError) as e:
-        raise StorageError(f"cannot download {redact_text(url)}: {e}") from e
+def _download_files(parent: Location, leaf: str) -> Iterator[SourceFile]:
+    name = leaf.split("?")[0].split("#")[0] or "download"  # a URL's query is not part of the name
+    response = parent.open_read(leaf)
     with response:
         if name.endswith(ARCHIVE_SUFFIXES):
             yield from _archive_files(name, response)
         else:
-            length = response.headers.get("Content-Length")
-            yield SourceFile(name, response, int(length) if length else None)
+            yield SourceFile(name, response, getattr(response, "length", None))
 
 
 # -- archives ------------------------------------------------------------------------------

@@ -36,11 +36,9 @@ from bigclip.registry.published import (
 )
 from bigclip.registry.sources import SourceFile, SourceInfo, expand_source
 from bigclip.storage.blobs import BlobFolder
-from bigclip.storage.hashing import ObjectRecord, sha256_of_stream
 from bigclip.storage.locations import open_location
 from bigclip.storage.progress import human_bytes, progress_bar
-from bigclip.storage.s3 import S3Settings
-from bigclip.storage.sinks import create_exclusive
+from bigclip.storage.records import ObjectRecord, sha256_of_stream
 from bigclip.weights.safetensors_format import Checked
 
 log = logging.getLogger("bigclip.registry")
@@ -49,15 +47,14 @@ __all__ = ["PUBLISHED", "Published", "Registry", "check_name", "parse_registry_r
 
 
 class Registry:
-    def __init__(self, uri: str, *, s3: S3Settings | None = None) -> None:
+    def __init__(self, uri: str) -> None:
         if not uri:
             raise ConfigError(
                 "no registry given: pass --registry PATH|s3://bucket/prefix or set BIGCLIP_REGISTRY"
             )
-        self.s3 = s3
-        self.location = open_location(uri, s3=s3)
+        self.location = open_location(uri)
         self.uri = self.location.uri
-        self.blobs = BlobStore(self.location, s3=s3)
+        self.blobs = BlobStore(self.location)
 
     def _folder(self, name: str) -> str:
         return f"checkpoints/{check_name(name)}"
@@ -72,7 +69,7 @@ class Registry:
 
     def names(self) -> list[str]:
         """Every NAME with a folder (published, being published or removed), sorted."""
-        return open_location(self.location.child_uri("checkpoints"), s3=self.s3).list_folders()
+        return open_location(self.location.child_uri("checkpoints")).list_folders()
 
     def is_published(self, name: str) -> bool:
         return self.location.exists(f"{self._folder(name)}/{PUBLISHED}")
@@ -175,7 +172,7 @@ class Registry:
             raise StorageError(
                 f"{name} is being removed (or its removal was interrupted: rerun `checkpoints rm {name}`)"
             )
-        info, files = expand_source(src, s3=self.s3)
+        info, files = expand_source(src)
         self.location.write_bytes(f"{folder}/publishing", now().encode())
         intent = self.blobs.intend(owner=f"publish {name}")
         try:
@@ -183,7 +180,7 @@ class Registry:
             if not objects:
                 raise StorageError(f"{src}: nothing to publish (no files)")
             published = self._describe(name, info, objects, model=model)
-            if not create_exclusive(self.location, f"{folder}/{PUBLISHED}", published.to_json()):
+            if not self.location.create_exclusive(f"{folder}/{PUBLISHED}", published.to_json()):
                 raise StorageError(
                     f"{name} was published by someone else meanwhile; publish under a new name"
                 )

@@ -1,5 +1,6 @@
-"""Objects in a local folder, under an S3 prefix (s3torchconnector, or boto3 for background threads)
-or on any fsspec filesystem: locations, ranged reads (blobs), sinks that
-appear whole or not at all, checksums, S3 settings and clients, preflight, doctor, redaction.
-The bottom of the I/O stack: imports only config, distributed and errors from bigclip.
+"""Every object store behind one interface: a `Location` opened from a URI (locations.py), by the
+opener its scheme registered (schemes.py), with endpoints set once per process (settings.py).
+Local folders, S3 (s3torchconnector; boto3 across forks), http(s) and fsspec filesystems; ranged
+reads (blobs), sinks that appear whole or not at all, checksums, preflight, doctor, redaction.
+The bottom of the I/O stack: imports only config, cli_args, distributed and errors from bigclip.
 """

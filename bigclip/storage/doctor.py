@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from bigclip.cli_args import ArgumentParser, add_config_flags
 from bigclip.config import CheckpointConfig
 from bigclip.errors import ConfigError
-from bigclip.storage.s3 import S3Settings, is_s3
+from bigclip.storage.settings import configure_storage
 
 if TYPE_CHECKING:  # imported by main once the options are checked: they load torch (seconds)
     from bigclip.storage.locations import Location
@@ -83,8 +83,8 @@ def main(argv: list[str]) -> int:
     from bigclip.storage.locations import open_location
     from bigclip.storage.preflight import access_checks, run_check
 
-    settings = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
-    location = open_location(args.location, s3=settings if is_s3(args.location) else None, max_attempts=2)
+    configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
+    location = open_location(args.location, max_attempts=2)
     print(f"bigclip doctor: {location.uri}")
     checks = access_checks(location)
     if args.size_mb > 0:

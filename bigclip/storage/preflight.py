@@ -19,8 +19,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from bigclip.errors import StorageError
-from bigclip.storage.locations import LocalLocation, Location, open_location
-from bigclip.storage.s3 import is_s3
+from bigclip.storage.locations import LocalLocation, Location
+from bigclip.storage.s3_boto import BotoS3Location  # (neither imports an S3 library until used)
+from bigclip.storage.s3_location import S3Location
 
 # Probe objects sit beside the checkpoints, each under its own name: no shared folder that one
 # node could delete while another is writing into it (all nodes probe a shared filesystem at once).
@@ -108,13 +109,11 @@ def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
     """(name, check) pairs in the order they are run; each check returns a detail line."""
     if isinstance(location, LocalLocation):
         return [("folder", lambda: _make_folder(location)), *_object_checks(location)]
-    if not is_s3(location.uri):  # an fsspec filesystem (gs://, az://, memory://...)
-        return [("list", lambda: _list(location)), *_object_checks(location)]
-    from bigclip.storage.s3_boto import BotoS3Location  # no S3 library imported by this
-
+    if isinstance(location, S3Location):  # checkpoints' CRT client
+        return _s3_checks(location)
     if isinstance(location, BotoS3Location):  # the remote sync's client
         return [("credentials", _credentials), ("list", lambda: _list(location)), *_object_checks(location)]
-    return _s3_checks(location)
+    return [("list", lambda: _list(location)), *_object_checks(location)]  # fsspec, a registered scheme
 
 
 def check_access(location: Location, *, timeout_s: float = 20.0, what: str = "checkpoint location") -> None:
@@ -137,10 +136,10 @@ def _credentials() -> str:
     return f"found (source: {creds.method})"  # never the key itself
 
 
-def _s3_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
+def _s3_checks(location: S3Location) -> list[tuple[str, Callable[[], str]]]:
     settings = location.settings
     # Two attempts only: a wrong bucket or endpoint should fail now, not after ten back-offs.
-    probe = open_location(location.uri, s3=settings, max_attempts=2)
+    probe = S3Location(location.uri, settings=settings, max_attempts=2)
     key = probe_name()
     payload = uuid.uuid4().bytes * 64
 

@@ -1,9 +1,10 @@
-"""S3 addressing shared by data loading, checkpoints and remote sync.
+"""S3 addressing and clients, shared by every S3 location (data, checkpoints, remote sync, registry).
 
-One place decides the endpoint, region and addressing style, so a loopback S3 server
-(tests, `make demo`) and S3-compatible stores work everywhere once `AWS_ENDPOINT_URL`
-(or `--s3-endpoint`) is set. Credentials always come from the standard AWS chain
-(environment, shared config, instance role); bigclip never stores them.
+One place decides the endpoint, region and addressing style (`S3Settings.resolve`: the process's
+storage settings, settings.py, then the environment), so a loopback S3 server (tests, `make
+demo`) and S3-compatible stores work everywhere once `--s3-endpoint` or `AWS_ENDPOINT_URL` is
+set. Credentials always come from the standard AWS chain (environment, shared config, instance
+role); bigclip never stores them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bigclip.errors import StorageError
+from bigclip.storage.settings import storage_settings
 
 S3_SCHEME = "s3://"
 
@@ -53,13 +55,25 @@ class S3Settings:
         return self.region or _default_region()
 
     @classmethod
-    def resolve(cls, *, endpoint: str = "", region: str = "") -> S3Settings:
-        """Explicit values win, then AWS_ENDPOINT_URL(_S3) / AWS_REGION / AWS_DEFAULT_REGION."""
+    def resolve(cls) -> S3Settings:
+        """--s3-endpoint / --s3-region (configure_storage) win, then AWS_ENDPOINT_URL(_S3) /
+        AWS_REGION / AWS_DEFAULT_REGION."""
+        configured = storage_settings()
         endpoint = (
-            endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+            configured.s3_endpoint
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or None
         )
-        region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or ""
+        region = (
+            configured.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or ""
+        )
         return cls(region=region, endpoint=endpoint)
+
+    @property
+    def service(self) -> str:
+        """Where requests go, for messages."""
+        return f"S3 endpoint {self.endpoint or 'AWS'}, region {self.region_name}"
 
     @property
     def path_style(self) -> bool:

@@ -1,39 +1,58 @@
-"""An S3 prefix as a `Location` through boto3, for background threads of processes that fork.
+"""An S3 prefix as a `Location` through boto3: what processes that fork, and their children, use.
 
 s3torchconnector's CRT clients are torn down before every fork (it registers an at-fork
 handler), and a training process forks its data-loader workers at each epoch start: a CRT
-request running in a background thread at that moment fails or hangs. The remote sync
-(`bigclip.train.remote_sync`) is such a thread, so it reaches S3 through boto3, which forks
-leave alone (each process builds its own client; see `boto3_client`). Whole files go up with
-boto3's managed multipart transfer; `copy` is server-side (no bytes pass through this host).
-Checkpoint shards themselves are still written and read through s3torchconnector
-(s3_location.py), in the main thread.
+request running in a background thread at that moment fails or hangs. So what runs across
+forks (`open_location(..., fork_safe=True)`: data shards read in the workers, the remote sync's
+thread) reaches S3 through boto3, which forks leave alone: the client is looked up per process
+on every use (`boto3_client`), so a location made before a fork works after it. Shards stream
+with reconnects (s3_stream.py); whole files go up with boto3's managed multipart transfer;
+`copy` is server-side (no bytes pass through this host). Checkpoint shards themselves are
+written and read through s3torchconnector (s3_location.py), in the main thread.
 """
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from bigclip.errors import StorageError
+from bigclip.storage.local_location import READ_BUFFER_BYTES
 from bigclip.storage.s3 import S3Settings, boto3_client, join_s3_uri, split_s3_uri
+
+if TYPE_CHECKING:
+    from bigclip.storage.s3_sink import S3Sink
 
 _DELETE_BATCH = 1000  # S3's DeleteObjects limit
 
 
 class BotoS3Location:
-    def __init__(self, uri: str, *, settings: S3Settings, max_attempts: int | None = 3) -> None:
-        """`max_attempts` per request: callers that retry on their own (the sync's rounds) want few."""
+    listable = True
+
+    def __init__(
+        self, uri: str, *, settings: S3Settings, max_attempts: int | None = None, fast_fail: bool = False
+    ) -> None:
+        """`max_attempts` per request: callers that retry on their own (the sync's rounds) want few;
+        `fast_fail`: validation's client (two tries, short timeouts; see `boto3_client`)."""
         from botocore.exceptions import BotoCoreError, ClientError
+        from urllib3.exceptions import HTTPError
 
         self.bucket, key = split_s3_uri(uri)
         self.prefix = key.strip("/")
         self.uri = join_s3_uri(self.bucket, self.prefix).rstrip("/")
         self.settings = settings
-        self.client = boto3_client(settings, max_attempts=max_attempts)
-        self.read_errors: tuple[type[BaseException], ...] = (OSError, ClientError, BotoCoreError)
+        self.service = settings.service
+        self._client_options = {"fast_fail": fast_fail, "max_attempts": max_attempts}
+        self.client  # noqa: B018 (made now: a missing boto3 is named before any request)
+        self.read_errors: tuple[type[BaseException], ...] = (OSError, ClientError, BotoCoreError, HTTPError)
+
+    @property
+    def client(self) -> Any:
+        """This process's client (cached per process: a fork gets its own)."""
+        return boto3_client(self.settings, **self._client_options)
 
     def _key(self, relative: str) -> str:
         relative = relative.strip("/")
@@ -82,16 +101,43 @@ class BotoS3Location:
                 return False
             raise StorageError(f"checking {self.child_uri(relative)} failed: {_short(e)}") from e
 
-    def read_bytes(self, relative: str) -> bytes:
-        with self.open_read(relative) as stream:
-            return stream.read()
+    def size(self, relative: str) -> int:
+        response = self._call("reading", relative, self.client.head_object, Key=self._key(relative))
+        return int(response["ContentLength"])
 
-    def open_read(self, relative: str) -> BinaryIO:
-        return self._call("reading", relative, self.client.get_object, Key=self._key(relative))["Body"]
+    def read_bytes(self, relative: str) -> bytes:
+        return self._call("reading", relative, self.client.get_object, Key=self._key(relative))["Body"].read()
+
+    def open_read(self, relative: str, *, start: int = 0) -> BinaryIO:
+        """Streamed from byte `start`, reopened where it was on a dropped connection (s3_stream.py)."""
+        from bigclip.storage.s3_stream import S3ObjectStream
+
+        raw = S3ObjectStream(self.child_uri(relative), client=self.client, start=start)
+        return io.BufferedReader(raw, buffer_size=READ_BUFFER_BYTES)
+
+    def readinto(self, relative: str, offset: int, buffer: memoryview) -> int:
+        if not len(buffer):
+            return 0
+        byte_range = f"bytes={offset}-{offset + len(buffer) - 1}"
+        body = self._call(
+            "reading", relative, self.client.get_object, Key=self._key(relative), Range=byte_range
+        )
+        return _read_all_into(body["Body"], buffer)
 
     def write_bytes(self, relative: str, data: bytes) -> None:
         # One PUT: readers see the old object, no object, or all of the new one.
         self._call("writing", relative, self.client.put_object, Key=self._key(relative), Body=data)
+
+    def open_sink(self, relative: str, *, overwrite: bool) -> S3Sink:
+        from bigclip.storage.s3_sink import S3Sink
+
+        exists = not overwrite and self.exists(relative)
+        return S3Sink(self.child_uri(relative), settings=self.settings, overwrite=overwrite, exists=exists)
+
+    def create_exclusive(self, relative: str, data: bytes) -> bool:
+        from bigclip.storage.s3_sink import s3_create_exclusive
+
+        return s3_create_exclusive(self.child_uri(relative), data, settings=self.settings)
 
     def put_file(self, relative: str, path: Path) -> None:
         """Upload a local file (multipart above 64 MiB); the object appears whole when complete."""
@@ -125,11 +171,26 @@ class BotoS3Location:
                 "deleting", folder, self.client.delete_objects, Delete={"Objects": batch, "Quiet": True}
             )
 
+    def dcp_writer(self, folder: str, *, threads: int) -> Any:
+        raise StorageError(f"{self.uri}: checkpoints are written through s3torchconnector (open the location "
+                           "without fork_safe), not from a process that forks")  # fmt: skip
+
     def dcp_reader(self, folder: str) -> Any:
         """Resuming reads through s3torchconnector, in the main thread (see the module docstring)."""
         from bigclip.storage.s3_dcp import s3_dcp_reader
 
         return s3_dcp_reader(self.child_uri(folder), settings=self.settings)
+
+
+def _read_all_into(stream: Any, buffer: memoryview) -> int:
+    done = 0
+    while done < len(buffer):
+        data = stream.read(len(buffer) - done)
+        if not data:
+            break
+        buffer[done : done + len(data)] = data
+        done += len(data)
+    return done
 
 
 _BOTO_MESSAGE = re.compile(

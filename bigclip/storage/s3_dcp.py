@@ -2,7 +2,7 @@
 
 Both S3 locations read checkpoints this way: `S3Location` (s3_location.py) and the boto3 one
 (`BotoS3Location`, s3_boto.py, whose own transfers never use the CRT client). It lives below
-both, so neither imports the other for it (they once formed an import circle). The DCP classes
+both, so neither imports the other for it. The DCP classes
 take no endpoint argument, so their `.fs` is replaced by one built on our client (endpoint and
 path-style addressing from `S3Settings`). Imported only for S3 checkpoints.
 """

@@ -2,8 +2,8 @@
 
 With --remote-sync URI, rank 0 keeps REMOTE = URI/NAME in step with the run folder: logs,
 TensorBoard, and every committed checkpoint under REMOTE/checkpoints (when checkpoints are
-written locally; an s3:// --checkpoint-dir is remote already). Set-up, all before the model is
-built and collective (rank 0 decides, every rank raises the same error):
+written locally; a --checkpoint-dir in an object store is remote already). Set-up, all before
+the model is built and collective (rank 0 decides, every rank raises the same error):
 
   open_remote_sync  builds the RemoteSync and checks the target (credentials, list, put, get,
                     delete), so a wrong bucket fails in seconds, not after training;
@@ -23,17 +23,14 @@ from bigclip.checkpoint import LATEST, CheckpointStore, catalog
 from bigclip.config import TrainConfig
 from bigclip.errors import ConfigError
 from bigclip.storage.locations import LocalLocation, Location
-from bigclip.storage.s3 import S3Settings
 from bigclip.train.metrics import get_logger
 from bigclip.train.remote_sync import RemoteSync
 
 
-def prepare_backup(
-    cfg: TrainConfig, run_dir: Path, store: CheckpointStore, s3: S3Settings
-) -> tuple[RemoteSync | None, str]:
+def prepare_backup(cfg: TrainConfig, run_dir: Path, store: CheckpointStore) -> tuple[RemoteSync | None, str]:
     """Collective, before the model is built: the checked RemoteSync (rank 0; not started), the
     name-reuse guard, and what --resume loads ('' for nothing)."""
-    sync = open_remote_sync(cfg, run_dir, store, s3)
+    sync = open_remote_sync(cfg, run_dir, store)
     guard_new_run(cfg, store, sync)
     return sync, resume_target(cfg, store, sync)
 
@@ -42,9 +39,7 @@ def remote_run_uri(cfg: TrainConfig) -> str:
     return f"{cfg.log.remote_sync.rstrip('/')}/{cfg.log.name}"
 
 
-def open_remote_sync(
-    cfg: TrainConfig, run_dir: Path, store: CheckpointStore, s3: S3Settings
-) -> RemoteSync | None:
+def open_remote_sync(cfg: TrainConfig, run_dir: Path, store: CheckpointStore) -> RemoteSync | None:
     """Collective. The checked RemoteSync on rank 0 (not started), None elsewhere or without the flag."""
     if not cfg.log.remote_sync:
         return None
@@ -52,7 +47,7 @@ def open_remote_sync(
     def build() -> RemoteSync:
         local = store.location if isinstance(store.location, LocalLocation) else None
         sync = RemoteSync(run_dir, remote_run_uri(cfg), every_s=cfg.log.remote_sync_frequency,
-                          protocol=cfg.log.remote_sync_protocol, s3=s3, checkpoints=local,
+                          protocol=cfg.log.remote_sync_protocol, checkpoints=local,
                           remote_keep_last=cfg.checkpoint.remote_keep_last,
                           exclude=_inside(run_dir, local))  # fmt: skip
         sync.check()

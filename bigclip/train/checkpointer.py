@@ -35,7 +35,6 @@ from typing import Any, Protocol
 from bigclip.checkpoint import CheckpointStore, Manifest, catalog, keep_last_for
 from bigclip.checkpoint.mirror import MOST_RECENT_ONLY
 from bigclip.config import CheckpointConfig, TrainConfig
-from bigclip.storage.s3 import S3Settings
 from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.metrics import Scalars, get_logger
 from bigclip.train.preemption import PreemptionWatcher
@@ -53,9 +52,9 @@ class Contents(Protocol):
     def meta(self, *, most_recent_only: bool = False) -> dict[str, Any]: ...
 
 
-def open_store(cfg: TrainConfig, run_dir: Path, s3: S3Settings) -> CheckpointStore:
+def open_store(cfg: TrainConfig, run_dir: Path) -> CheckpointStore:
     """Collective; the access check fails in seconds (wrong bucket, no credentials) before any model."""
-    store = CheckpointStore(cfg.checkpoint.checkpoint_dir or str(run_dir / "checkpoints"), s3=s3)
+    store = CheckpointStore(cfg.checkpoint.checkpoint_dir or str(run_dir / "checkpoints"))
     store.check_access()
     return store
 

@@ -19,7 +19,6 @@ from bigclip.data import EvalSample, ImageNormalizer, Tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
-from bigclip.storage.s3 import S3Settings
 
 
 def val_due(cfg: TrainConfig, epoch: int) -> bool:
@@ -115,14 +114,13 @@ def held_out_retrieval(
     tokenizer: Tokenizer,
     runtime: Runtime,
     *,
-    s3: S3Settings | None,
     normalize: ImageNormalizer,
 ) -> dict[str, float]:
     """evaluate_retrieval on --val-data: this rank's share of the pairs, read with the exact eval
     transform (resize + center crop, as OpenCLIP)."""
     mine = data.iter_eval_samples(
         cfg.val_data, image_size=engine.unwrapped().image_size, tokenizer=tokenizer, limit=cfg.val_num_samples,
-        rank=runtime.rank, world_size=runtime.world_size, s3=s3,
+        rank=runtime.rank, world_size=runtime.world_size,
         resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
         keys=data.SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),
     )  # fmt: skip

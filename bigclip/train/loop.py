@@ -42,7 +42,7 @@ def build_loader(run: Run) -> data.TrainLoader:
         run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
         epoch=run.progress.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
         position=run.progress.data_position, device=run.runtime.device, image_dtype=run.engine.image_dtype,
-        s3=run.s3, shards=run.shards,
+        shards=run.shards,
     )  # fmt: skip
 
 
@@ -122,9 +122,7 @@ def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[s
     normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
     metrics: dict[str, float] = {}
     if retrieval and cfg.val_data and cfg.val_frequency:
-        metrics = held_out_retrieval(
-            run.engine, cfg, run.tokenizer, run.runtime, s3=run.s3, normalize=normalize
-        )
+        metrics = held_out_retrieval(run.engine, cfg, run.tokenizer, run.runtime, normalize=normalize)
     if run.zeroshot.due(run.progress.state.epoch, final=final):
         run.checkpointer.wait()  # its loader forks workers (see build_loader)
         metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,

@@ -15,9 +15,10 @@ run left (listed on the first round) is never overwritten by something else: the
 replaces it only if it extends it (a requeue on the same disk appends to out.log), otherwise
 it goes up as NAME.attempt-<UTC time>.EXT beside it (a new machine after a spot interruption).
 
-S3 goes through boto3, not s3torchconnector: CRT clients are torn down at every fork, and the
-training process forks data workers while this thread may be uploading (storage/s3_boto.py).
-"fsspec" reaches any fsspec scheme (gcsfs for gs://, s3fs for s3://, file:// everywhere).
+The target is opened `fork_safe` (on S3: boto3, not s3torchconnector, whose CRT clients are torn
+down at every fork, while the training process forks data workers as this thread may be
+uploading: storage/s3_boto.py). --remote-sync-protocol s3 takes the URI's own scheme and refuses
+any other; "fsspec" reaches any fsspec scheme (gcsfs for gs://, s3fs for s3://, file:// everywhere).
 """
 
 from __future__ import annotations
@@ -32,36 +33,29 @@ from pathlib import Path
 
 from bigclip.checkpoint.mirror import CheckpointMirror, MirrorReport
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.locations import LocalLocation, Location, open_location
+from bigclip.storage.locations import FSSPEC, LocalLocation, Location, open_location
 from bigclip.storage.preflight import check_access, explain_error
 from bigclip.storage.redact import redact_text
-from bigclip.storage.s3 import S3Settings, is_s3
 
 log = logging.getLogger("bigclip.train.remote_sync")
 
-PROTOCOLS = ("s3", "fsspec")
+PROTOCOLS = ("s3", FSSPEC)
 CHECKPOINTS = "checkpoints"
 _IN_MEMORY = 64 << 20  # smaller files are read whole first: a log appended mid-upload stays consistent
 
 
-def open_target(uri: str, *, protocol: str, s3: S3Settings | None = None) -> Location:
-    """Where --remote-sync writes, by protocol (validated before the model is built)."""
+def open_target(uri: str, *, protocol: str) -> Location:
+    """Where --remote-sync writes, by protocol (validated before the model is built). Few tries
+    per request: the sync retries on its own schedule."""
     if protocol not in PROTOCOLS:
         raise ConfigError(f"--remote-sync-protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    if protocol == "s3":
-        if not is_s3(uri):
-            raise ConfigError(f"--remote-sync-protocol s3 needs an s3:// URI, got {uri!r} (or use fsspec)")
-        from bigclip.storage.s3_boto import BotoS3Location
-
-        return BotoS3Location(uri, settings=s3 or S3Settings.resolve(), max_attempts=3)
-    if "://" not in uri or uri.startswith("file://"):
-        return open_location(uri)
-    from bigclip.storage.fsspec_location import FsspecLocation  # s3:// through s3fs, gs://, az://...
-
     try:
-        return FsspecLocation(uri)
+        return open_location(uri, protocol=protocol, fork_safe=True, max_attempts=3)
+    except ConfigError as e:
+        raise ConfigError(f"--remote-sync-protocol {protocol} needs an {protocol}:// URI, got {uri!r} "
+                          "(or use fsspec)") from e  # fmt: skip
     except StorageError as e:
-        raise StorageError(f"--remote-sync-protocol fsspec cannot handle {uri!r}: {e}") from e
+        raise StorageError(f"--remote-sync-protocol {protocol} cannot handle {uri!r}: {e}") from e
 
 
 @dataclass
@@ -98,7 +92,6 @@ class RemoteSync:
         *,
         every_s: float = 300.0,
         protocol: str = "s3",
-        s3: S3Settings | None = None,
         checkpoints: LocalLocation | None = None,
         remote_keep_last: int = 0,
         exclude: tuple[str, ...] = (),
@@ -110,10 +103,10 @@ class RemoteSync:
         if every_s <= 0:
             raise ConfigError(f"--remote-sync-frequency must be a positive number of seconds, got {every_s}")
         self.local_dir, self.every_s = Path(local_dir), every_s
-        self.target = open_target(remote_uri.rstrip("/"), protocol=protocol, s3=s3)
+        self.target = open_target(remote_uri.rstrip("/"), protocol=protocol)
         self.mirror = None
         if checkpoints is not None:
-            remote = open_target(f"{remote_uri.rstrip('/')}/{CHECKPOINTS}", protocol=protocol, s3=s3)
+            remote = open_target(f"{remote_uri.rstrip('/')}/{CHECKPOINTS}", protocol=protocol)
             self.mirror = CheckpointMirror(checkpoints, remote, keep_last=remote_keep_last)
         self.exclude = (*exclude, CHECKPOINTS)  # checkpoints go through the mirror, whole ones only
         self.on_backed_up = on_backed_up

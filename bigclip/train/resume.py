@@ -51,7 +51,7 @@ def _resume_openclip(
             f"--resume {cfg.checkpoint.resume} starts over from the OpenCLIP checkpoint although this run "
             f"has committed checkpoints ({store.latest()}); after a preemption, requeue with --resume latest"
         )
-    plan = load_openclip_checkpoint(engine, cfg, runtime, cfg.checkpoint.resume, s3=store.s3)
+    plan = load_openclip_checkpoint(engine, cfg, runtime, cfg.checkpoint.resume)
     get_logger().info(
         f"resumed OpenCLIP checkpoint {cfg.checkpoint.resume}: {len(plan.weights)} weights, AdamW state of "
         f"{len(plan.moments)} (its step count {plan.adam_step}), continuing with epoch {plan.epoch}. Not "

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from bigclip.distributed import Runtime
     from bigclip.engines import Engine
     from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
-    from bigclip.storage.s3 import S3Settings
     from bigclip.train.checkpointer import Checkpointer
     from bigclip.train.metrics import Scalars
     from bigclip.train.preemption import PreemptionWatcher
@@ -72,7 +71,6 @@ class Run:
     loss_fn: torch.nn.Module
     tokenizer: Any
     shards: data.ShardList
-    s3: S3Settings
     checkpointer: Checkpointer
     scalars: Scalars  # --report-to: TensorBoard, wandb
     guards: Guards

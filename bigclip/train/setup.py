@@ -16,7 +16,7 @@ from bigclip.distributed import init_distributed
 from bigclip.engines import build_engine
 from bigclip.models.from_config import build_model, model_config, model_factory
 from bigclip.ops.loss.contrastive import build_loss
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.settings import configure_storage
 from bigclip.train.backup import prepare_backup
 from bigclip.train.checkpoint_contents import CheckpointContents
 from bigclip.train.checkpointer import Checkpointer, open_store
@@ -63,7 +63,7 @@ def build_tokenizer(cfg: TrainConfig) -> Any:
 
 
 def build_weights(
-    cfg: TrainConfig, runtime: Runtime, store: CheckpointStore, s3: S3Settings, *, resuming: bool
+    cfg: TrainConfig, runtime: Runtime, store: CheckpointStore, *, resuming: bool
 ) -> tuple[Engine, HeldLease | None]:
     """The engine with the model built in it, and its --pretrained weights unless resuming (the
     registry lease held while they are in use, on rank 0, for --pretrained registry:NAME)."""
@@ -71,7 +71,7 @@ def build_weights(
     engine.build(build_model(cfg), rebuild=model_factory(cfg))
     # --resume wins over --pretrained: a resumed run does not read the initial weights at all.
     applies = not resuming and pretrained.applies(cfg, store)
-    return engine, pretrained.load_pretrained(engine, cfg, runtime, s3) if applies else None
+    return engine, pretrained.load_pretrained(engine, cfg, runtime) if applies else None
 
 
 def resumed_progress(store: CheckpointStore, contents: CheckpointContents, *, which: str) -> Progress:
@@ -98,11 +98,11 @@ def setup(cfg: TrainConfig) -> Run:
     seed_everything(cfg.optim.seed, runtime.rank)
     apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
     tokenizer = build_tokenizer(cfg)
-    s3 = S3Settings.resolve(endpoint=cfg.checkpoint.s3_endpoint, region=cfg.checkpoint.s3_region)
-    shards = data.validate_data(cfg.data, world_size=runtime.world_size, s3=s3)
-    zeroshot = ZeroShot.open(cfg, s3)
-    store = open_store(cfg, run_dir, s3)
-    sync, which = prepare_backup(cfg, run_dir, store, s3)  # which: what --resume loads ('' for nothing)
+    configure_storage(s3_endpoint=cfg.checkpoint.s3_endpoint, s3_region=cfg.checkpoint.s3_region)
+    shards = data.validate_data(cfg.data, world_size=runtime.world_size)
+    zeroshot = ZeroShot.open(cfg)
+    store = open_store(cfg, run_dir)
+    sync, which = prepare_backup(cfg, run_dir, store)  # which: what --resume loads ('' for nothing)
     check_resume_target(
         store, cfg, which, global_batch=cfg.data.batch_size * cfg.optim.accum_freq * runtime.world_size
     )
@@ -111,7 +111,7 @@ def setup(cfg: TrainConfig) -> Run:
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "
         f"rank 0 on {runtime.device}"
     )
-    engine, lease = build_weights(cfg, runtime, store, s3, resuming=bool(which))
+    engine, lease = build_weights(cfg, runtime, store, resuming=bool(which))
     contents = CheckpointContents(engine, cfg, runtime)
     progress = resumed_progress(store, contents, which=which)
     guards = Guards(preemption, StepWatchdog.start_for(cfg, runtime, run_dir), lease)
@@ -123,5 +123,5 @@ def setup(cfg: TrainConfig) -> Run:
         saved_step=progress.state.step if which and not progress.step_from_epoch else -1,
         pause=guards.watchdog.paused, verify=lambda step: verify_inputs(loss_fn, step=step),
     )  # fmt: skip
-    return Run(cfg, runtime, run_dir, engine, loss_fn, tokenizer, shards, s3, checkpointer, scalars, guards,
+    return Run(cfg, runtime, run_dir, engine, loss_fn, tokenizer, shards, checkpointer, scalars, guards,
                progress, zeroshot)  # fmt: skip

@@ -25,7 +25,6 @@ from bigclip.data import ImageNormalizer, Tokenizer
 from bigclip.data.classification import SKIPPED, ClassificationSet, open_classification_set
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
-from bigclip.storage.s3 import S3Settings
 from bigclip.train.metrics import get_logger
 
 METRIC_NAMES = {"imagenet_val": "imagenet-zeroshot-val", "imagenet_v2": "imagenetv2-zeroshot-val"}
@@ -40,12 +39,10 @@ class ZeroShot:
     resize: dict[str, str] = field(default_factory=dict)  # --image-resize-mode, --image-interpolation
 
     @classmethod
-    def open(cls, cfg: TrainConfig, s3: S3Settings) -> ZeroShot:
+    def open(cls, cfg: TrainConfig) -> ZeroShot:
         """Checks the sets exist and have class names, before any model is built."""
         sets = {
-            prefix: open_classification_set(
-                getattr(cfg.data, flag), what=f"--{flag.replace('_', '-')}", s3=s3
-            )
+            prefix: open_classification_set(getattr(cfg.data, flag), what=f"--{flag.replace('_', '-')}")
             for flag, prefix in METRIC_NAMES.items()
             if getattr(cfg.data, flag)
         }

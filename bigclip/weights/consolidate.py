@@ -32,7 +32,6 @@ import torch
 
 from bigclip.errors import ConfigError, StorageError
 from bigclip.storage.progress import human_bytes, parse_size, progress_bar
-from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import PIECE_BYTES, TensorInfo
 from bigclip.weights.safetensors_writer import WriteResult, plan_output, write_safetensors
 from bigclip.weights.sources import WeightSource, open_weights, weights_tokenizer
@@ -79,7 +78,6 @@ def consolidate(
     max_shard_size: str = "",
     with_optimizer: bool = False,
     overwrite: bool = False,
-    s3: S3Settings | None = None,
     registry: str = "",
     progress: bool = False,
     piece_bytes: int = PIECE_BYTES,
@@ -89,7 +87,7 @@ def consolidate(
 ) -> WriteResult:
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    source = open_weights(src, s3=s3, registry=registry)
+    source = open_weights(src, registry=registry)
     pairs = output_tensors(source, dtype=DTYPES[dtype], with_optimizer=with_optimizer)
     if open_clip_dir:
         from bigclip.weights.open_clip_export import export_open_clip
@@ -99,7 +97,7 @@ def consolidate(
 
         bar = progress_bar(sum(o.nbytes for _, o in pairs), label="export", enabled=progress)
         result = export_open_clip(source, pairs, open_clip_dir, model=model, dtype=dtype, overwrite=overwrite,
-                                  s3=s3, pieces_of=pieces_of, on_bytes=bar.update)  # fmt: skip
+                                  pieces_of=pieces_of, on_bytes=bar.update)  # fmt: skip
         bar.close()
         return result
     plan = plan_output(
@@ -118,7 +116,7 @@ def consolidate(
     manifest = {"source": source.uri, "model": source.model, "step": source.step, "dtype": dtype,
                 "tokenizer": tokenizer, "with_optimizer": with_optimizer, "tensors": len(pairs)}  # fmt: skip
     result = write_safetensors(
-        plan, pieces, metadata=metadata, manifest=manifest, s3=s3, overwrite=overwrite, on_bytes=bar.update
+        plan, pieces, metadata=metadata, manifest=manifest, overwrite=overwrite, on_bytes=bar.update
     )
     bar.close()
     log.info(

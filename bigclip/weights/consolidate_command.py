@@ -15,7 +15,8 @@ from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
 from bigclip.errors import ConfigError, StorageError
 from bigclip.storage.progress import human_bytes, parse_size
-from bigclip.storage.s3 import S3Settings
+from bigclip.storage.schemes import is_local, local_path
+from bigclip.storage.settings import configure_storage
 from bigclip.weights.schemes import REGISTRY_SCHEME, registry_uri
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")  # consolidate.DTYPES' keys (tests/test_bad_input_commands.py)
@@ -83,7 +84,7 @@ def _size(flag: str, text: str) -> int:
 
 def _check_local_source(src: str) -> None:
     """A local SRC that does not exist fails here; URIs (s3://, http(s)://, registry:) are opened later."""
-    if "://" in src or src.startswith(REGISTRY_SCHEME) or Path(src).exists():
+    if not is_local(src) or src.startswith(REGISTRY_SCHEME) or Path(local_path(src)).exists():
         return
     raise StorageError(
         f"{src} does not exist: it is neither a weights file (.safetensors, .pt, .bin) nor a committed bigclip "
@@ -96,10 +97,10 @@ def main(argv: list[str]) -> int:
     args = parse_consolidate_args(argv)
     from bigclip.weights.consolidate import consolidate  # torch: only for options that hold
 
-    s3 = S3Settings.resolve(endpoint=args.s3_endpoint or "", region=args.s3_region or "")
+    configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
     result = consolidate(
         args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        with_optimizer=args.with_optimizer, overwrite=args.overwrite, s3=s3, registry=args.registry or "",
+        with_optimizer=args.with_optimizer, overwrite=args.overwrite, registry=args.registry or "",
         progress=not args.no_progress, piece_bytes=args.piece_bytes, read_ahead=args.read_ahead,
         open_clip_dir=args.open_clip_dir, model=args.model,
     )  # fmt: skip

@@ -30,7 +30,6 @@ from bigclip.errors import ConfigError, StorageError
 from bigclip.models.families import family_of
 from bigclip.models.shape import ModelOptions, ModelShape
 from bigclip.storage.locations import open_location
-from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import TensorInfo
 from bigclip.weights.hf_tokenizer_files import tokenizer_files
 from bigclip.weights.safetensors_writer import WriteResult, plan_output, write_safetensors
@@ -100,7 +99,6 @@ def export_open_clip(
     model: str = "",
     dtype: str,
     overwrite: bool = False,
-    s3: S3Settings | None = None,
     pieces_of: Any,
     on_bytes: Any = lambda n: None,
 ) -> WriteResult:
@@ -122,7 +120,7 @@ def export_open_clip(
     files = tokenizer_files(context_length=model_cfg["text_cfg"]["context_length"])
     config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_config(run)}
     config["bigclip"] = {"source": source.uri, "step": source.step, "model": name, "tokenizer": tokenizer}
-    location = open_location(folder, s3=s3)
+    location = open_location(folder)
     taken = [n for n in [*files, CONFIG_NAME] if location.exists(n)]
     if taken and not overwrite:
         raise StorageError(f"{folder}: {', '.join(taken)} exist; pass --overwrite, or choose another folder")
@@ -137,7 +135,7 @@ def export_open_clip(
         "tensors": len(pairs),
     }
     result = write_safetensors(
-        plan, pieces_of(pairs), metadata=metadata, manifest=manifest, s3=s3, overwrite=overwrite,
+        plan, pieces_of(pairs), metadata=metadata, manifest=manifest, overwrite=overwrite,
         on_bytes=on_bytes,
     )  # fmt: skip
     for file_name, data in files.items():

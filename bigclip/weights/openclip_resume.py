@@ -36,7 +36,6 @@ from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.engines.optim import excluded_from_weight_decay
 from bigclip.errors import BigclipError, ConfigError, StorageError
-from bigclip.storage.s3 import S3Settings
 from bigclip.weights.dcp_reader import prefetch
 from bigclip.weights.pretrained import match_weights
 from bigclip.weights.sources import TORCH_SUFFIXES, WeightSource, open_weights
@@ -60,9 +59,7 @@ class OpenClipPlan:
     notes: list[str] = field(default_factory=list)  # what did not carry over
 
 
-def load_openclip_checkpoint(
-    engine: Engine, cfg: TrainConfig, runtime: Runtime, uri: str, *, s3: S3Settings | None
-) -> OpenClipPlan:
+def load_openclip_checkpoint(engine: Engine, cfg: TrainConfig, runtime: Runtime, uri: str) -> OpenClipPlan:
     """Collective: load weights and AdamW state into the engine; returns what was loaded."""
     # OpenCLIP's CLIP models all use its BPE tokenizer: --tokenizer hashing would misread them.
     allow, what = cfg.checkpoint.allow_tokenizer_change, f"--resume {uri}"
@@ -70,7 +67,7 @@ def load_openclip_checkpoint(
     outcome: list[Any] = [None]
     if runtime.rank == 0:
         try:
-            source, checkpoint = _open(uri, s3)
+            source, checkpoint = _open(uri)
             plan = plan_resume(source, checkpoint, engine, cfg)
             outcome = [(plan, None)]
         except BigclipError as e:
@@ -86,8 +83,8 @@ def load_openclip_checkpoint(
     return plan
 
 
-def _open(uri: str, s3: S3Settings | None) -> tuple[WeightSource, dict]:
-    source = open_weights(uri, s3=s3)  # a local file (remote ones are downloaded once)
+def _open(uri: str) -> tuple[WeightSource, dict]:
+    source = open_weights(uri)  # a local file (remote ones are downloaded once)
     if source.kind != "torch":
         raise StorageError(f"--resume {uri}: not an OpenCLIP checkpoint (a torch .pt file)")
     checkpoint = torch.load(source.reader.path, map_location="cpu", weights_only=True, mmap=True)

@@ -13,8 +13,8 @@ import logging
 import re
 
 from bigclip.checkpoint.integrity import size_differs
-from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.locations import Location
+from bigclip.storage.records import ObjectRecord
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, Checked
 from bigclip.weights.safetensors_writer import FORMAT, MANIFEST_SUFFIX
 

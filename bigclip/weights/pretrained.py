@@ -32,7 +32,6 @@ from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import BigclipError, ConfigError, StorageError
 from bigclip.models.hf_hub import is_hub_model
-from bigclip.storage.s3 import S3Settings
 from bigclip.weights.named import weights_of
 from bigclip.weights.sources import (
     REGISTRY_SCHEME,
@@ -100,20 +99,18 @@ def applies(cfg: TrainConfig, store: CheckpointStore) -> bool:
     return not resume or (resume == LATEST and store.latest() is None)
 
 
-def _open_on_rank0(
-    cfg: TrainConfig, shapes: dict, s3: S3Settings
-) -> tuple[WeightSource, WeightPlan, HeldLease | None]:
+def _open_on_rank0(cfg: TrainConfig, shapes: dict) -> tuple[WeightSource, WeightPlan, HeldLease | None]:
     uri, lease = cfg.model.pretrained, None
     named = weights_of(cfg.model)  # a tag's or an hf-hub model's file, from the Hugging Face cache
     if uri.startswith(REGISTRY_SCHEME):
         from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
 
         owner = f"{cfg.log.name or 'run'}@{os.uname().nodename}"
-        registry = Registry(registry_uri(cfg.checkpoint.registry), s3=s3)
+        registry = Registry(registry_uri(cfg.checkpoint.registry))
         lease = registry.acquire_lease(parse_registry_ref(uri), owner=owner)
         atexit.register(lease.release)  # also on an exception that ends the run; idempotent
     try:
-        source = open_weights(named[0] if named else uri, s3=s3, registry=cfg.checkpoint.registry,
+        source = open_weights(named[0] if named else uri, registry=cfg.checkpoint.registry,
                               cache=cfg.model.cache_dir)  # fmt: skip
         if named:
             uri = source.uri = f"{named[1]}: {named[0]}"
@@ -130,13 +127,13 @@ def _open_on_rank0(
         raise
 
 
-def load_pretrained(engine: Engine, cfg: TrainConfig, runtime: Runtime, s3: S3Settings) -> HeldLease | None:
+def load_pretrained(engine: Engine, cfg: TrainConfig, runtime: Runtime) -> HeldLease | None:
     """Collective. Replace the engine's initial weights with `--pretrained`; returns rank 0's lease
     (for registry:NAME), which the caller releases when the run ends."""
     outcome: list = [None]
     if runtime.rank == 0:
         try:
-            source, plan, lease = _open_on_rank0(cfg, engine.full_param_shapes(), s3)
+            source, plan, lease = _open_on_rank0(cfg, engine.full_param_shapes())
             outcome = [(plan.names, plan.kept, None)]
         except BigclipError as e:
             outcome = [(None, None, (type(e).__name__, str(e)))]

@@ -25,7 +25,7 @@ import torch
 from bigclip.checkpoint.integrity import StreamDigest, check_object
 from bigclip.errors import StorageError
 from bigclip.storage.blobs import BlobFolder
-from bigclip.storage.hashing import ObjectRecord
+from bigclip.storage.records import ObjectRecord
 from bigclip.weights.dcp_reader import PIECE_BYTES, TensorInfo, prefetch
 
 DTYPES: dict[str, torch.dtype] = {

@@ -24,10 +24,9 @@ from typing import Any
 import torch
 
 from bigclip.errors import StorageError
-from bigclip.storage.hashing import ObjectRecord
 from bigclip.storage.locations import Location, open_location
-from bigclip.storage.s3 import S3Settings
-from bigclip.storage.sinks import Sink, open_sink
+from bigclip.storage.records import ObjectRecord
+from bigclip.storage.sinks import Sink
 from bigclip.weights.dcp_reader import TensorInfo
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, encode_header
 
@@ -91,12 +90,11 @@ def write_safetensors(
     *,
     metadata: dict[str, str],
     manifest: dict[str, Any],
-    s3: S3Settings | None = None,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] = lambda n: None,
 ) -> WriteResult:
     """Stream `pieces` (one per source tensor, in plan order, converted to the plan's dtypes)."""
-    location = open_location(plan.folder, s3=s3)
+    location = open_location(plan.folder)
     existing = [n for n in plan.names() if not overwrite and location.exists(n)]
     if existing:
         raise StorageError(
@@ -105,7 +103,7 @@ def write_safetensors(
     sinks: list[Sink] = []
     try:
         for name, _ in plan.files:
-            sinks.append(open_sink(location, name, overwrite=overwrite))
+            sinks.append(location.open_sink(name, overwrite=overwrite))
         for sink, (_, infos) in zip(sinks, plan.files):
             sink.write(encode_header(infos, metadata))
         _stream_data(plan, sinks, pieces, on_bytes)
@@ -167,6 +165,6 @@ def _manifest_json(body: dict[str, Any]) -> bytes:
 
 
 def _write_small(location: Location, name: str, data: bytes, result: WriteResult, *, overwrite: bool) -> None:
-    sink = open_sink(location, name, overwrite=overwrite)
+    sink = location.open_sink(name, overwrite=overwrite)
     sink.write(data)
     result.records[name] = sink.commit()

@@ -1,15 +1,16 @@
 """Open any weights a user points at as one tensor-by-tensor reader.
 
     source = open_weights("registry:vit-h-14-v1" | "s3://b/run/checkpoints" | "x.safetensors"
-                          | "open_clip_pytorch_model.bin" | "https://.../model.pt", s3=..., registry=...)
+                          | "open_clip_pytorch_model.bin" | "https://.../model.pt", registry=...)
     source.reader.tensors(source.prefix)   # names, dtypes, shapes; no tensor data read yet
     source.reader.read(name) / .stream(infos)
 
 Readers: `DcpReader` (bigclip checkpoints, either engine, any world size), `SafetensorsReader`
-(a file or an index's shards; ranged reads, local or S3) and `TorchFileReader` (`.pt`/`.bin`/
-`.pth` through `torch.load(weights_only=True, mmap=True)`: pages are read on first touch, so a
-big file is never loaded whole). Remote `.pt`/`.bin` files (S3, HTTP) are downloaded once into
-a cache (`$BIGCLIP_CACHE`, default ~/.cache/bigclip), since torch's zip reader needs a local file.
+(a file or an index's shards; ranged reads from any location) and `TorchFileReader` (`.pt`/
+`.bin`/`.pth` through `torch.load(weights_only=True, mmap=True)`: pages are read on first touch,
+so a big file is never loaded whole). Remote `.pt`/`.bin` files (S3, ...) and anything at a URL a
+web server serves (a location that cannot list or read ranges) are downloaded once into a cache
+(`$BIGCLIP_CACHE`, default ~/.cache/bigclip), since torch's zip reader needs a local file.
 
 Every byte with a record is checked as it is read (see docs/checkpoints.md, "Integrity on
 load"): a bigclip checkpoint's sizes and `.metadata` SHA-256 up front and its chunks' CRC-32s
@@ -25,8 +26,6 @@ import hashlib
 import json
 import os
 import shutil
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +40,8 @@ from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.data.tokenizer import saved_tokenizer
 from bigclip.errors import StorageError
 from bigclip.storage.blobs import BlobFolder
-from bigclip.storage.locations import LocalLocation, Location, open_location
+from bigclip.storage.locations import LocalLocation, Location, open_location, open_parent
 from bigclip.storage.redact import redact_text
-from bigclip.storage.s3 import S3Settings, is_s3
 from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
 from bigclip.weights.output_manifest import checked_files
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, Checked, SafetensorsReader
@@ -66,25 +64,21 @@ class WeightSource:
     step: int | None = None
 
 
-def open_weights(
-    uri: str, *, s3: S3Settings | None = None, registry: str = "", cache: str = ""
-) -> WeightSource:
+def open_weights(uri: str, *, registry: str = "", cache: str = "") -> WeightSource:
     """`cache`: where remote .pt/.bin files are downloaded (--cache-dir; default `cache_dir()`)."""
     if uri.startswith(REGISTRY_SCHEME):
         from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
 
-        return _from_registry(Registry(registry_uri(registry), s3=s3), parse_registry_ref(uri))
-    if uri.startswith(("http://", "https://")):
+        return _from_registry(Registry(registry_uri(registry)), parse_registry_ref(uri))
+    parent, leaf = open_parent(uri)
+    local = isinstance(parent, LocalLocation)
+    if not parent.listable or (leaf.endswith(TORCH_SUFFIXES) and not local):
         return _from_file(download(uri, cache=cache), uri=redact_text(uri))
-    if is_s3(uri) and uri.endswith(TORCH_SUFFIXES):
-        return _from_file(download(uri, s3=s3, cache=cache), uri=uri)
-    stripped = uri.rstrip("/")
-    parent_uri, _, leaf = stripped.rpartition("/")
     if leaf.endswith((".safetensors", INDEX_SUFFIX)):
-        return _consolidated_source(open_location(parent_uri or ".", s3=s3), leaf, uri)
-    if not is_s3(uri) and Path(uri).is_file():
-        return _from_file(Path(uri), uri=uri)
-    return _from_checkpoint(open_location(stripped, s3=s3), uri)
+        return _consolidated_source(parent, leaf, uri)
+    if local and (parent.root / leaf).is_file():
+        return _from_file(parent.root / leaf, uri=uri)
+    return _from_checkpoint(open_location(uri.rstrip("/")), uri)
 
 
 def _from_checkpoint(location: Location, uri: str) -> WeightSource:
@@ -92,8 +86,7 @@ def _from_checkpoint(location: Location, uri: str) -> WeightSource:
         if location.exists(consolidated):
             return _consolidated_source(location, consolidated, uri)
     if location.exists(MANIFEST_NAME):
-        parent_uri, _, folder = location.uri.rpartition("/")
-        location = open_location(parent_uri or "/", s3=getattr(location, "settings", None))
+        location, folder = open_parent(location.uri)
     else:
         entry = catalog.latest_committed(location)
         if entry is None:
@@ -147,7 +140,7 @@ def _registry_torch_file(registry: Registry, published: Published, checked: Chec
     key = registry.blob_key(published, published.objects[published.entry].sha256)
     if isinstance(registry.location, LocalLocation):
         return TorchFileReader(Path(registry.location.root) / key, checked=checked)  # mapped in place
-    path = download(registry.location.child_uri(key), s3=registry.s3, suffix=".pt", checked=checked)
+    path = download(registry.location.child_uri(key), suffix=".pt", checked=checked)
     return TorchFileReader(path)  # checked as it downloaded
 
 
@@ -250,7 +243,6 @@ def cache_dir(explicit: str = "") -> Path:
 def download(
     uri: str,
     *,
-    s3: S3Settings | None = None,
     suffix: str = "",
     cache: str = "",
     checked: Checked | None = None,
@@ -267,7 +259,7 @@ def download(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
-        with _open_remote(uri, s3) as stream, open(tmp, "wb") as out:
+        with _open_remote(uri) as stream, open(tmp, "wb") as out:
             if digest is None:
                 shutil.copyfileobj(stream, out, 16 << 20)
             else:
@@ -290,11 +282,9 @@ def _check_cached(path: Path, checked: Checked) -> None:
         raise
 
 
-def _open_remote(uri: str, s3: S3Settings | None) -> Any:
-    if is_s3(uri):
-        parent, _, leaf = uri.rpartition("/")
-        return open_location(parent, s3=s3).open_read(leaf)
+def _open_remote(uri: str) -> Any:
+    parent, leaf = open_parent(uri)
     try:
-        return urllib.request.urlopen(uri, timeout=60)
-    except (urllib.error.URLError, OSError) as e:
+        return parent.open_read(leaf)
+    except parent.read_errors as e:
         raise StorageError(f"cannot download {redact_text(uri)}: {e}") from e

@@ -114,6 +114,12 @@ SINCE: dict[str, tuple[str, str]] = {
         "pytorch#98387 added _fsspec_filesystem.py (merged Apr 2023, before the 2.1 cut); still there, "
         "private, in 2026 (pytorch#188772 proposes making it public)",
     ),
+    f"{_DCP}._fsspec_filesystem.FsspecWriter": ("2.1", "added with FsspecReader by pytorch#98387"),
+    f"{_DCP}._fsspec_filesystem.FsspecWriter(sync_files=)": (
+        "2.1",
+        "pytorch#98387: FsspecWriter(path, single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead)",
+    ),
+    f"{_DCP}._fsspec_filesystem.FsspecWriter(thread_count=)": ("2.1", "the same signature, pytorch#98387"),
     f"{_DCP}.filesystem.FileSystemBase": ("2.2", "FileSystem/FileSystemBase split for fsspec, 2.2"),
     f"{_DCP}.filesystem._StorageReaderTransforms": (
         "2.8",

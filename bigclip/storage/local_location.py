@@ -1,0 +1,201 @@
+"""A local folder as a `Location` (locations.py): atomic writes by fsync and rename.
+
+Small objects are written to a hidden temporary name, fsynced and renamed into place (the
+folder fsynced too), so a reader sees the old object, no object, or all of the new one; an
+object that must not replace another is hard-linked into place instead (link(2) fails if the
+name exists): the primitive behind immutable names and leases. Ranged reads are `pread`s.
+Needs no library beyond Python's (torch only when a DCP reader or writer is built).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from bigclip.errors import StorageError
+from bigclip.storage.records import Hasher, ObjectRecord
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from bigclip.storage.hashing import HashingFileSystem
+
+READ_BUFFER_BYTES = 1 << 20  # streamed reads (tar shards) go through a buffer of this size
+
+
+class LocalLocation:
+    read_errors: tuple[type[BaseException], ...] = (OSError,)
+    service = ""
+    listable = True
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.uri = str(self.root)
+
+    def child_uri(self, name: str) -> str:
+        return str(self.root / name)
+
+    def list_folders(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+    def list_files(self, folder: str) -> dict[str, int]:
+        path = self.root / folder
+        if not path.is_dir():
+            return {}
+        files = {}
+        for p in path.iterdir():
+            try:
+                if p.is_file():
+                    files[p.name] = p.stat().st_size
+            except FileNotFoundError:
+                continue  # deleted while listed (a lease released, a temporary file renamed)
+        return files
+
+    def exists(self, relative: str) -> bool:
+        return (self.root / relative).exists()
+
+    def size(self, relative: str) -> int:
+        return (self.root / relative).stat().st_size
+
+    def read_bytes(self, relative: str) -> bytes:
+        return (self.root / relative).read_bytes()
+
+    def open_read(self, relative: str, *, start: int = 0) -> BinaryIO:
+        stream = open(self.root / relative, "rb", buffering=READ_BUFFER_BYTES)  # noqa: SIM115 (the caller closes it)
+        if start:
+            stream.seek(start)
+        return stream
+
+    def readinto(self, relative: str, offset: int, buffer: memoryview) -> int:
+        fd = os.open(self.root / relative, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(buffer):
+                n = os.preadv(fd, [buffer[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
+            return done
+        finally:
+            os.close(fd)
+
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        """Write, fsync, then rename into place (and fsync the folder): all or nothing."""
+        target = self.root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+
+    def open_sink(self, relative: str, *, overwrite: bool) -> LocalSink:
+        return LocalSink(self.root / relative, overwrite=overwrite)
+
+    def create_exclusive(self, relative: str, data: bytes) -> bool:
+        target = self.root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+        fsync_dir(target.parent)
+        return True
+
+    def delete(self, relative: str) -> None:
+        (self.root / relative).unlink(missing_ok=True)
+
+    def delete_folder(self, folder: str) -> None:
+        shutil.rmtree(self.root / folder, ignore_errors=True)
+
+    def put_file(self, relative: str, path: Path) -> None:
+        self._copy_in(Path(path), relative)
+
+    def copy(self, source: str, relative: str) -> None:
+        self._copy_in(self.root / source, relative)
+
+    def _copy_in(self, source: Path, relative: str) -> None:
+        """Copy to a hidden temporary name, fsync, rename: the target appears whole or not at all."""
+        target = self.root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        try:
+            shutil.copyfile(source, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(target.parent)
+
+    def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:
+        from bigclip.storage.dcp_files import local_dcp_writer  # torch: only for checkpoints
+
+        return local_dcp_writer(self.root / folder, threads=threads)
+
+    def dcp_reader(self, folder: str) -> FileSystemReader:
+        from bigclip.storage.dcp_files import SafeFileSystemReader
+
+        return SafeFileSystemReader(self.root / folder)
+
+
+class LocalSink:
+    """Bytes go to a hidden temporary file beside the target, which is fsynced and renamed (or
+    hard-linked, to refuse an existing target atomically) only on commit."""
+
+    def __init__(self, target: Path, *, overwrite: bool) -> None:
+        self.target, self.overwrite, self.uri = target, overwrite, str(target)
+        if not overwrite and target.exists():
+            raise StorageError(f"{target} exists; pass --overwrite to replace it, or choose another name")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = target.with_name(f".{target.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+        self._file = open(self.tmp, "wb")  # noqa: SIM115 (closed by commit or abort)
+        self._hash = Hasher()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._hash.update(data)
+        self._file.write(data)
+
+    def record(self) -> ObjectRecord:
+        return self._hash.record()
+
+    def commit(self) -> ObjectRecord:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        try:
+            if self.overwrite:
+                os.replace(self.tmp, self.target)
+            else:
+                os.link(self.tmp, self.target)  # fails if the target appeared meanwhile
+                self.tmp.unlink()
+        except FileExistsError as e:
+            self.abort()
+            raise StorageError(f"{self.target} appeared while it was written; nothing was replaced") from e
+        fsync_dir(self.target.parent)
+        return self._hash.record()
+
+    def abort(self) -> None:
+        self._file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
