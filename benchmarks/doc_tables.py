@@ -220,8 +220,20 @@ def demo_data_learnability(d: Json) -> str:
 
 
 def test_times(d: Json) -> str:
-    rows = [[f"`make {r['tier']}`", f"{r['seconds'] / 60:.1f}", r.get("set_up", "")] for r in d["rows"]]
-    return table(["tier", "minutes", "set-up"], rows)
+    def stacks(r: Json) -> str:
+        return ", ".join(f"{stack} {s / 60:.1f}" for stack, s in r.get("pytest_s", {}).items())
+
+    rows = [
+        [
+            f"`make {r['tier']}`",
+            f"{r['seconds'] / 60:.1f}",
+            stacks(r),
+            r.get("set_up", ""),
+            r.get("summary", ""),
+        ]
+        for r in d["rows"]
+    ]
+    return table(["tier", "minutes", "pytest per stack (min)", "set-up", "tests"], rows)
 
 
 def generic(d: Json) -> str:
