@@ -3,7 +3,7 @@ module and no torch (`bigclip publish`/`checkpoints`/`consolidate` check their o
 
 `registry:NAME` names a published checkpoint: `weights/sources.py` opens it (importing the
 registry only then), and `registry/published.py` parses it. The name lives here, below both,
-so neither has to import the other for it (the two once formed an import circle).
+so neither has to import the other for it (each importing the other would be an import circle).
 """
 
 import os
