@@ -280,7 +280,8 @@ class Reader:
 
     def _crop_rng(self, task: int, index: int, *, purpose: str = "") -> random.Random:
         """Keyed by (seed, epoch, shard or draw, sample index): the same at every world size."""
-        extra = (purpose,) if purpose else ()  # a plain crop keeps its key: older checkpoints resume on the same crops
+        # A plain crop keeps its key, so older checkpoints resume on the same crops.
+        extra = (purpose,) if purpose else ()
         return keyed_rng(self.stream.crop_key, task, index, *extra)
 
     def _log_skip(self, reason: str, raw: RawSample, url: str) -> None:
