@@ -38,12 +38,14 @@ def timed_make(clone: Path, tier: str, stacks: list[str]) -> dict:
         print(done.stdout[-4000:], done.stderr[-4000:], file=sys.stderr)
     pytest_s = {stack: round(float(m.group(2))) for stack, m in zip(stacks, runs)}
     summary = "; ".join(f"{stack}: {m.group(1)}" for stack, m in zip(stacks, runs))
+    failures = [line for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     return {
         "tier": tier,
         "seconds": seconds,
         "exit": done.returncode,
         "pytest_s": pytest_s,
         "summary": summary,
+        "failures": failures,
     }
 
 
