@@ -39,11 +39,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(optionalhook=True)  # a venv without xdist (test_gpu_image's) runs this conftest too
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """One unit of work per test file, the real-Slurm files one unit, in collection order."""
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadFileScheduling
 
-    class FileScheduling(LoadScopeScheduling):
+    class FileScheduling(LoadFileScheduling):  # xdist's --dist loadfile, the cluster files merged
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
+            path = super()._split_scope(nodeid)
             return "real-slurm" if path.rsplit("/", 1)[-1] in CLUSTER_MODULES else path
 
     config.option.loadscopereorder = False  # keep the order above: the long, mostly idle unit first
