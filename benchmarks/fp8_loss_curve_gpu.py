@@ -35,10 +35,16 @@ RUNS = (("bf16-seed0", "none", 0), ("bf16-seed1", "none", 1), ("fp8-tensorwise",
 WINDOW = 20
 
 
+def _env() -> dict[str, str]:
+    """This checkout first on the path, and whatever the caller's path held (a GPU node's carried
+    wheels unpacked into a folder) after it."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def make_data(out: Path, samples: int, image_size: int) -> str:
     subprocess.run([sys.executable, "-m", "bigclip", "make-demo-data", str(out), "--samples", str(samples),
                     "--shards", "16", "--val-samples", "64", "--image-size", str(image_size), "--no-progress"],
-                   check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+                   check=True, cwd=ROOT, env=_env())  # fmt: skip
     return str(out / "train" / "{00000..00015}.tar")
 
 
@@ -48,7 +54,7 @@ def train(args: argparse.Namespace, data: str, logs: Path, name: str, kind: str,
             "--lr", "5e-4", "--warmup", str(args.steps // 10), "--precision", "amp_bf16",
             "--linear-kind", kind, "--seed", str(seed), "--workers", str(args.workers), "--log-every-n-steps", "1",
             "--logs", str(logs), "--name", name, "--save-every-n-steps", "0"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = _env()
     done = subprocess.run([sys.executable, "-m", "bigclip.train", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=args.run_timeout_s)  # fmt: skip
     if done.returncode:

@@ -3,7 +3,7 @@ bigclip's with each activation-checkpointing setting and linear kind (bf16, fp8 
 
     python benchmarks/step_variants_gpu.py [--model ViT-bigG-14] [--batch 64] [--steps 6]
         [--variants openclip:full bigclip:full bigclip:ops bigclip:every2 fp8-tensorwise:ops ...]
-        [--engine fsdp|zero3] [--budget-s 540]
+        [--engine fsdp|zero3] [--budget-s 540] [--profile]
 
 A variant is SIDE:CHECKPOINTING, SIDE one of openclip (OpenCLIP's create_model + ClipLoss + fused
 AdamW under bf16 autocast, as `train_step_gpu.py --row peers` runs it), bigclip (bf16 linears) or
@@ -80,7 +80,23 @@ def bigclip_step(model_name: str, batch: int, side: str, ckpt: str, every: int, 
     return lambda: train_step(eng, loss_fn, micro, lr=cfg.optim.lr) and None
 
 
-def one_variant(model_name: str, batch: int, steps: int, variant: str, engine: str) -> dict:
+def kernel_profile(step, top: int = 12) -> dict:
+    """One profiled step: GPU-busy milliseconds and the kernels that took the most of them (where
+    the time goes when a variant is slower than its arithmetic says)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    rows = [{"kernel": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count}
+            for e in kernels[:top]]  # fmt: skip
+    return {"gpu_busy_ms": round(busy_ms, 1), "top_kernels": rows}
+
+
+def one_variant(model_name: str, batch: int, steps: int, variant: str, engine: str, profile: bool) -> dict:
     from train_step_gpu import openclip_step, timed
 
     side, ckpt, every = parse_variant(variant)
@@ -91,12 +107,12 @@ def one_variant(model_name: str, batch: int, steps: int, variant: str, engine: s
     else:
         step = bigclip_step(model_name, batch, side, ckpt, every, engine)
     step_s, peak = timed(step, steps)
-    return {"step_s": step_s, "peak_GiB": peak}
+    return {"step_s": step_s, "peak_GiB": peak, **(kernel_profile(step) if profile else {})}
 
 
 def run_variant(args: argparse.Namespace, variant: str, info: dict, flops: float) -> dict:
     argv = [sys.executable, __file__, "--one", variant, "--model", args.model, "--batch", str(args.batch)]
-    argv += ["--steps", str(args.steps), "--engine", args.engine]
+    argv += ["--steps", str(args.steps), "--engine", args.engine] + (["--profile"] if args.profile else [])
     row: dict = {"variant": variant, "engine": "openclip" if variant.startswith("openclip") else args.engine}
     start = time.monotonic()
     try:
@@ -136,6 +152,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=540, help="start no variant after this")
     parser.add_argument("--variant-timeout-s", type=int, default=300)
     parser.add_argument("--name", default="")
+    parser.add_argument(
+        "--profile", action="store_true", help="add one profiled step's top kernels per variant"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for v in args.variants:
@@ -144,7 +163,9 @@ def main() -> int:
         print("SKIP: needs a CUDA GPU")
         return 0
     if args.one:
-        print(json.dumps(one_variant(args.model, args.batch, args.steps, args.one, args.engine)))
+        print(
+            json.dumps(one_variant(args.model, args.batch, args.steps, args.one, args.engine, args.profile))
+        )
         return 0
     info, start = gpu_info(), time.monotonic()
     os.environ[PEAK_ENV] = str(info["bf16_peak_measured_TFLOPs"])  # measured once, for every row
