@@ -19,7 +19,10 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
-    """This tree's commit; BIGCLIP_COMMIT where the tree is a copy without .git (a GPU node)."""
+    """This tree's commit, or BIGCLIP_COMMIT where set: a GPU node's copy of the tree may carry a
+    .git that is not the one the tree was copied from."""
+    if os.environ.get("BIGCLIP_COMMIT"):
+        return os.environ["BIGCLIP_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -30,7 +33,7 @@ def git_commit() -> str:
         )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BIGCLIP_COMMIT", "unknown")
+        return "unknown"
 
 
 def device_description() -> str:

@@ -236,6 +236,31 @@ def test_times(d: Json) -> str:
     return table(["tier", "minutes", "pytest per stack (min)", "set-up", "tests"], rows)
 
 
+def step_variants(d: Json) -> str:
+    """One model's step per variant: speed, memory, MFU, speed-ups; with --profile, the share of
+    the step the GPU was busy (the rest is time the GPU waited for the host)."""
+    head = ["variant", "engine", "step s", "samples/s", "peak GiB", "MFU (datasheet)", "vs OpenCLIP",
+            "vs best bf16", "GPU busy"]  # fmt: skip
+    rows = [
+        [
+            r["variant"],
+            r.get("engine"),
+            f"{r['step_s']:.3f}" if "step_s" in r else r.get("error", "-"),
+            r.get("samples_per_s"),
+            r.get("peak_GiB"),
+            f"{r['mfu_vs_datasheet_peak']:.1%}" if "mfu_vs_datasheet_peak" in r else "-",
+            x(r["speedup_vs_openclip"]) if "speedup_vs_openclip" in r else "-",
+            x(r["speedup_vs_best_bf16"]) if "speedup_vs_best_bf16" in r else "-",
+            f"{r['gpu_busy_ms'] / 1e3 / r['step_s']:.0%}" if "gpu_busy_ms" in r else "-",
+        ]
+        for r in d["rows"]
+    ]
+    return (
+        table(head, rows)
+        + f"\n\n{d.get('model', '')}, batch {d.get('batch', '?')}, median of {d.get('steps', '?')} steps."
+    )
+
+
 def generic(d: Json) -> str:
     """Any other results file: the scalar columns of its first rows."""
     rows = d.get("rows") or []
@@ -254,12 +279,20 @@ TABLES: dict[str, Callable[[Json], str]] = {
     )
 }  # fmt: skip
 TABLES["checkpoint_io_s3rver"] = checkpoint_io
+TABLES["switchback_layers_gpu"] = switchback
+TABLES["step_variants_ViT_bigG_14_fsdp_gpu"] = step_variants
+TABLES["step_variants_ViT_bigG_14_fsdp_profile_gpu"] = step_variants
 
 HOW = {  # how each result is made, where that is not `python benchmarks/NAME.py`
     "checkpoint_io_s3rver": "`python benchmarks/checkpoint_io.py --endpoint http://127.0.0.1:4569 --server-pid PID`",
     "plan_vs_measured_cpu": "`python benchmarks/plan_vs_measured.py --link` (root)",
     "faults": "`python benchmarks/faults.py` (root, a real Slurm)",
     "loss_exchange_link": "`python benchmarks/loss_exchange_link.py` (root)",
+    "step_variants_ViT_bigG_14_fsdp_gpu": "`python benchmarks/step_variants_gpu.py --steps 4 --variants "
+    "openclip:full bigclip:ops fp8-tensorwise:ops`",
+    "step_variants_ViT_bigG_14_fsdp_profile_gpu": "`python benchmarks/step_variants_gpu.py --steps 4 --profile "
+    "--name step_variants_ViT_bigG_14_fsdp_profile --variants bigclip:ops fp8-tensorwise:ops fp8-rowwise:ops`",
+    "switchback_layers_gpu": "`python benchmarks/switchback.py --quick --no-e2e`",
     "test_times": "each tier timed on a fresh clone (`python benchmarks/test_times.py` repeats it)",
 }
 

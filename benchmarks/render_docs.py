@@ -131,7 +131,7 @@ PLANS: dict[str, Callable[[], str]] = {
 
 def several(names: list[str]) -> str:
     if not names:
-        return "None recorded yet."
+        return "None beyond the sections above."
     return "\n\n".join(f"**{name}**\n\n{doc_tables.render(name, RESULTS)}" for name in names)
 
 
