@@ -25,6 +25,8 @@ from common import git_commit, print_table, write_results  # noqa: E402
 
 # pytest's last line: "1558 passed, 3 skipped in 1500.12s (0:25:00)"
 SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed).*) in ([\d.]+)s")
+# a --durations line: "128.41s call     tests/test_zeroshot.py::test_demo_recipe"
+DURATION = re.compile(r"^([\d.]+)s (?:call|setup|teardown)\s+\S+")
 
 
 def timed_make(clone: Path, tier: str, stacks: list[str]) -> dict:
@@ -39,6 +41,7 @@ def timed_make(clone: Path, tier: str, stacks: list[str]) -> dict:
     pytest_s = {stack: round(float(m.group(2))) for stack, m in zip(stacks, runs)}
     summary = "; ".join(f"{stack}: {m.group(1)}" for stack, m in zip(stacks, runs))
     failures = [line for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    slowest = [line.strip() for line in done.stdout.splitlines() if DURATION.match(line.strip())]
     return {
         "tier": tier,
         "seconds": seconds,
@@ -46,6 +49,7 @@ def timed_make(clone: Path, tier: str, stacks: list[str]) -> dict:
         "pytest_s": pytest_s,
         "summary": summary,
         "failures": failures,
+        "slowest": slowest,  # each stack's --durations lines: where the next cut is
     }
 
 

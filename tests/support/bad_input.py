@@ -1,7 +1,9 @@
 """The bad-input suite's harness: run one bad input as a user would and judge the answer.
 
 A case is a real command line (`python -m bigclip ...`, or any argv) against files a fixture made.
-It passes when the command exits non-zero (2: bigclip's user error) within `max_s` seconds, prints
+It passes when the command exits non-zero (2: bigclip's user error) having spent at most `max_s`
+seconds of CPU (the work it did before refusing; wall time, which a loaded machine stretches
+several-fold, is bounded only loosely, to catch a command that waits instead of refusing), prints
 no traceback, ends its stderr with one line that contains every fragment of `says` (what is wrong
 and what to do), leaves every protected folder byte for byte as it was, and adds nothing to the
 working directory (no run folder, no log file; a run that started before failing keeps its folder,
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -21,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTLED_BEFORE_WORK_S = 5.0  # the issue's bound for anything flags or a manifest can settle
+WALL_PER_CPU = (
+    6  # wall seconds allowed per CPU second of budget: two test workers and their ranks share 2 cores
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,8 @@ class Outcome:
     code: int
     stdout: str
     stderr: str
-    seconds: float
+    seconds: float  # wall
+    cpu_seconds: float  # user + system of the command and every process it waited for
 
     @property
     def last_line(self) -> str:
@@ -56,11 +63,18 @@ def bigclip(*args: str) -> tuple[str, ...]:
 
 def run(case: Case, *, cwd: Path, timeout_s: float = 300) -> Outcome:
     env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(ROOT), **case.env}.items() if v is not None}
-    start = time.monotonic()
+    start, cpu = time.monotonic(), _children_cpu_s()
     done = subprocess.run(
         [sys.executable, *case.argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
     )
-    return Outcome(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+    seconds, cpu_seconds = time.monotonic() - start, _children_cpu_s() - cpu
+    return Outcome(done.returncode, done.stdout, done.stderr, seconds, cpu_seconds)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (a test runs one command at a time)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def tree_digest(paths: Iterable[Path]) -> dict[str, str]:
@@ -91,12 +105,15 @@ def check(case: Case, *, cwd: Path, protect: Iterable[Path] = ()) -> Outcome:
     protect = list(protect)
     before, present = tree_digest(protect), tree_paths(cwd)
     out = run(case, cwd=cwd)
-    context = f"[{case.name}] exit {out.code} in {out.seconds:.1f}s\nstderr:\n{out.stderr[-3000:]}"
+    took = f"{out.cpu_seconds:.1f}s CPU, {out.seconds:.1f}s wall"
+    context = f"[{case.name}] exit {out.code} in {took}\nstderr:\n{out.stderr[-3000:]}"
     assert out.code == case.code, context
     assert "Traceback" not in out.stderr + out.stdout, context
     missing = [s for s in case.says if s not in out.last_line]
     assert not missing, f"{context}\nlast line lacks {missing}: {out.last_line!r}"
-    assert out.seconds <= case.max_s, f"{context}\ntook {out.seconds:.1f}s > {case.max_s}s"
+    assert out.cpu_seconds <= case.max_s, f"{context}\ntook {out.cpu_seconds:.1f}s of CPU > {case.max_s}s"
+    wall = WALL_PER_CPU * case.max_s
+    assert out.seconds <= wall, f"{context}\nwaited: {out.seconds:.1f}s wall > {wall}s"
     assert tree_digest(protect) == before, f"{context}\na protected file changed"
     added = [p for p in sorted(tree_paths(cwd) - present) if not _kept(p, case.leaves)]
     assert not added, f"{context}\na refused command left {added[:5]} in its working directory"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
+import os
 import traceback
 from collections.abc import Iterator
 
@@ -30,12 +32,23 @@ DATA_DEPENDENT = {
     "repeat_interleave",
 }
 COPIES_TO_HOST = {"tolist", "numpy", "cpu"}
-WATCHED = ("/bigclip/", "/deepspeed/", "/torch/optim/", "/torch/distributed/fsdp/")
+
+
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    return os.path.dirname(spec.origin) + os.sep if spec and spec.origin else None
+
+
+# The packages' own folders, not name fragments: a checkout in a folder named bigclip puts
+# "/bigclip/" in every path of its venv (torch's own frames would then count as bigclip's).
+WATCHED = tuple(
+    d for d in map(_package_dir, ("bigclip", "deepspeed", "torch.optim", "torch.distributed.fsdp")) if d
+)
 
 
 def call_site(skip: int = 3) -> str:
     """The three innermost frames in bigclip or a library it drives, innermost first."""
-    frames = [f for f in traceback.extract_stack()[:-skip] if any(w in f.filename for w in WATCHED)]
+    frames = [f for f in traceback.extract_stack()[:-skip] if f.filename.startswith(WATCHED)]
     return " <- ".join(
         f"{f.filename.split('site-packages/')[-1].split('/fast/')[-1]}:{f.lineno}" for f in frames[-3:][::-1]
     )
