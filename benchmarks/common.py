@@ -18,6 +18,15 @@ from bigclip.train.throughput import datasheet_bf16_tflops
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def env_with_checkout() -> dict[str, str]:
+    """The environment for a child Python: this checkout first on PYTHONPATH, whatever the caller's
+    path held after it (a GPU node's carried wheels unpacked into a folder)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(RESULTS_DIR.parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
 def git_commit() -> str:
     """This tree's commit, or BIGCLIP_COMMIT where set: a GPU node's copy of the tree may carry a
     .git that is not the one the tree was copied from."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from common import print_table, write_gpu_results  # noqa: E402
+from common import env_with_checkout, print_table, write_gpu_results  # noqa: E402
 
 RUNS = (("bf16-seed0", "none", 0), ("bf16-seed1", "none", 1), ("fp8-tensorwise", "fp8-tensorwise", 0),
         ("fp8-rowwise", "fp8-rowwise", 0))  # fmt: skip
@@ -37,16 +36,10 @@ WINDOW = 20
 LEARNED = 0.9  # bf16's final loss under this share of chance: the curves carry a signal
 
 
-def _env() -> dict[str, str]:
-    """This checkout first on the path, and whatever the caller's path held (a GPU node's carried
-    wheels unpacked into a folder) after it."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
 def make_data(out: Path, samples: int, image_size: int) -> str:
     subprocess.run([sys.executable, "-m", "bigclip", "make-demo-data", str(out), "--samples", str(samples),
                     "--shards", "16", "--val-samples", "64", "--image-size", str(image_size), "--no-progress"],
-                   check=True, cwd=ROOT, env=_env())  # fmt: skip
+                   check=True, cwd=ROOT, env=env_with_checkout())  # fmt: skip
     return str(out / "train" / "{00000..00015}.tar")
 
 
@@ -56,7 +49,7 @@ def train(args: argparse.Namespace, data: str, logs: Path, name: str, kind: str,
             "--lr", "5e-4", "--warmup", str(args.steps // 10), "--precision", "amp_bf16",
             "--linear-kind", kind, "--seed", str(seed), "--workers", str(args.workers), "--log-every-n-steps", "1",
             "--logs", str(logs), "--name", name, "--save-every-n-steps", "0", "--save-frequency", "0"]  # fmt: skip
-    env = _env()
+    env = env_with_checkout()
     done = subprocess.run([sys.executable, "-m", "bigclip.train", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=args.run_timeout_s)  # fmt: skip
     if done.returncode:

@@ -18,7 +18,6 @@ as wheels: see docs/gpu-and-air-gapped.md.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
-from common import PEAK_ENV, gpu_info, missing_package, print_table, write_results  # noqa: E402
+from common import PEAK_ENV, env_with_checkout, gpu_info, missing_package, print_table, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -142,7 +141,7 @@ def main() -> int:
         return 1
     info = gpu_info()
     print(info, flush=True)
-    env = {**os.environ, PEAK_ENV: str(info["bf16_peak_measured_TFLOPs"]), "PYTHONPATH": str(ROOT)}
+    env = {**env_with_checkout(), PEAK_ENV: str(info["bf16_peak_measured_TFLOPs"])}
     selected = [r for r in ROWS if not args.rows or r.name in args.rows]
     results = [run_row(row, quick=args.quick, env=env) for row in selected]
     print_table(results, ["row", "status", "seconds", "command"])

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from common import print_table, write_results  # noqa: E402
+from common import env_with_checkout, print_table, write_results  # noqa: E402
 from support.netns_pair import (  # noqa: E402
     IFACE,
     Node,
@@ -120,8 +120,7 @@ def link_counters() -> dict[str, int]:
 def run_rate(nodes: list[Node], methods: tuple[str, ...], args: argparse.Namespace, tmp: Path) -> dict:
     """{method: {seconds, spread (worst / best round), node1 sent/wire MB per round, busbw_gbps}} of one set of 4 ranks at the link's current rate."""
     init, out = tmp / f"init-{time.monotonic_ns()}", tmp / "out"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {**env_with_checkout(), "GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1"}
     flags = ["--worker", "--init", str(init), "--out", str(out), "--method", ",".join(methods),
              "--local", str(args.local), "--chunk", str(args.chunk), "--repeats", str(args.repeats)]  # fmt: skip
     procs = [

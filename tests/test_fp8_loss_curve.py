@@ -50,7 +50,7 @@ def test_no_verdict_when_bf16_never_left_chance():
 def test_the_runs_keep_the_callers_python_path(monkeypatch):
     # a GPU node's carried wheels are unpacked into a folder named on PYTHONPATH: losing it lost braceexpand
     monkeypatch.setenv("PYTHONPATH", "/tmp/carried-site")
-    assert bench._env()["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/tmp/carried-site"]
+    assert bench.env_with_checkout()["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/tmp/carried-site"]
 
 
 @pytest.mark.slow
