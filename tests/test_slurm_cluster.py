@@ -1,18 +1,16 @@
 """Scripts rendered by `bigclip slurm`, run by a real Slurm (Debian's slurm-wlm 22.05 + munge, one
 node, tests/support/slurm_cluster.py) on 2 CPU ranks of the tiny model with 2 data workers each.
 
-Each preemption path ends in exactly one requeue, and the rerun resumes at the step the job was
-stopped at (not an earlier periodic checkpoint) with the batches of an uninterrupted run:
-  (a) partition preemption (SIGTERM to the job steps), srun, FSDP2, GPU GRES;
-  (b) `scontrol requeue` (SIGTERM to every process; Slurm requeues), srun, no GRES line;
-  (c) SIGTERM to the steps (`scancel --signal=TERM`, what preemption sends), torchrun, ZeRO-3;
-  (d) the time-limit warning of `#SBATCH --signal=USR1@60`, srun.
-(a) and (d) train until they are stopped: their reruns are cancelled by the test once they have
-trained AFTER_RESUME steps (`scancel`: SIGTERM to every process), which checkpoints but must not
-requeue. (a) must: how soon Slurm's scheduler acts on the preemptor is not ours to bound, and a
-fixed-length job could finish first on a fast box (CI once saw the stop 33 steps after the fault).
-All five jobs (four scenarios and the reference) run at once; a driver thread injects each fault.
-No assertion depends on how fast the box is: (a), (d) and the reference train until stopped.
+Each path ends in exactly one requeue, and the rerun resumes at the step the job was stopped at
+(not an earlier periodic checkpoint) with the batches of an uninterrupted run:
+  (a) `scontrol requeue` (SIGTERM to every process; Slurm requeues), srun, GPU count without GRES;
+  (b) SIGTERM to the steps (`scancel --signal=TERM`, what preemption sends), torchrun, ZeRO-3.
+Partition preemption and the time-limit warning (`#SBATCH --signal=USR1@S`) take the same path
+through the script on two nodes in tests/test_slurm_two_nodes_faults.py (one cluster run covers
+both; running them here again doubled this file's time for no path of its own).
+The uninterrupted reference trains until the test cancels it, once it is ahead of both (so no
+assertion depends on how fast the box is): a cancelled job checkpoints and stays cancelled.
+All three jobs run at once; a driver thread injects each fault.
 Without root or Slurm the tests skip with the reason; with CI set they fail instead.
 """
 
@@ -35,10 +33,9 @@ from bigclip.launch.slurm import main as slurm_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 ROOT = Path(__file__).resolve().parents[1]
-DEADLINE_S = 540  # for everything: the five jobs run side by side
+DEADLINE_S = 420  # for everything: the three jobs run side by side
 TRIGGER_STEP = 5
-SHORT, ENDLESS = 40, 960  # steps: (b) and (c); (a), (d) and the reference (stopped by the test)
-AFTER_RESUME = 8  # steps the reruns of (a) and (d) train before the test cancels them
+SHORT, ENDLESS = 40, 960  # steps: (b) and (c); the reference (stopped by the test)
 
 
 @dataclass
@@ -49,16 +46,11 @@ class Scenario:
     steps: int
     fault: Callable[[SlurmCluster, int], None] | None = None  # injected once the job is at TRIGGER_STEP
     train_args: list[str] = field(default_factory=list)
-    cancel_rerun: bool = False  # the test cancels the rerun AFTER_RESUME steps after its resume
     job_id: int = 0
     fault_at: float = 0.0
 
     def keys_prefix(self, root: Path) -> Path:
         return root / self.name / "keys"
-
-
-def _preempt(cluster: SlurmCluster, job_id: int) -> None:  # a job of a higher PriorityTier needs its GPUs
-    cluster.run("sbatch", "-p", "high", "--gres=gpu:2", "--output=/dev/null", "--wrap", "sleep 1")
 
 
 def _requeue(cluster: SlurmCluster, job_id: int) -> None:
@@ -72,7 +64,6 @@ def _sigterm_steps(cluster: SlurmCluster, job_id: int) -> None:
 CPU_RANKS = ["--gpus-per-node", "0", "--ranks-per-node", "2"]
 SCENARIOS = [
     Scenario("reference", "batch", CPU_RANKS, ENDLESS),
-    Scenario("preempted", "low", ["--gpus-per-node", "2"], ENDLESS, _preempt, cancel_rerun=True),
     Scenario("requeued", "batch", ["--gpus-per-node", "2", "--gres", "none"], SHORT, _requeue),
     Scenario(
         "torchrun",
@@ -82,15 +73,12 @@ SCENARIOS = [
         _sigterm_steps,
         ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3.json")],
     ),  # fmt: skip
-    Scenario("time_limit", "batch", [*CPU_RANKS, "--time", "00:02:00"], ENDLESS, cancel_rerun=True),
 ]
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 EXPECTED = {  # the signal the ranks saw first, and who requeued the job
-    "preempted": ({"SIGTERM"}, "requeued job"),
     # SIGTERM reaches the ranks from Slurm and, as SIGUSR1, from the batch shell: either may be first.
     "requeued": ({"SIGTERM", "SIGUSR1"}, "SLURM has requeued this job already"),
     "torchrun": ({"SIGTERM"}, "requeued job"),
-    "time_limit": ({"SIGUSR1"}, "requeued job"),
 }
 
 
@@ -118,22 +106,12 @@ def _last_step(root: Path, s: Scenario) -> int:
 
 
 def _drive(cluster: SlurmCluster, root: Path, stop: threading.Event) -> None:
-    """Inject each scenario's fault once it trains; let the reruns of (a) and (d) train a little,
-    then cancel them."""
-    d, extended, cancelled = _by_name("time_limit"), False, set()
+    """Inject each scenario's fault once it trains."""
     while not stop.wait(0.5):
         for s in SCENARIOS:
             if s.fault and not s.fault_at and _last_step(root, s) >= TRIGGER_STEP:
                 s.fault(cluster, s.job_id)
                 s.fault_at = time.monotonic()
-        if not extended and int(cluster.job(d.job_id).get("Restarts", "0")) >= 1:
-            cluster.run("scontrol", "update", f"JobId={d.job_id}", "TimeLimit=10")  # the rerun's time
-            extended = True
-        for s in SCENARIOS:
-            resumed = re.findall(r"resumed \S+ at step (\d+)", _output(root, s)) if s.cancel_rerun else []
-            if s.name not in cancelled and resumed and _last_step(root, s) >= int(resumed[0]) + AFTER_RESUME:
-                cluster.run("scancel", str(s.job_id))
-                cancelled.add(s.name)
 
 
 def _stop_reference(cluster: SlurmCluster, root: Path, deadline: float) -> None:
@@ -198,23 +176,21 @@ def test_each_path_requeues_once_and_resumes_at_the_stopped_step(finished, name:
     s = _by_name(name)
     job, out = cluster.job(s.job_id), _output(root, s)
     signals, who = EXPECTED[name]
-    cancelled_after = s.cancel_rerun  # the test cancelled its rerun: one more stop, not requeued
-    assert job["JobState"] == ("CANCELLED" if cancelled_after else "COMPLETED"), f"{job}\n{out[-4000:]}"
+    assert job["JobState"] == "COMPLETED", f"{job}\n{out[-4000:]}"
     assert job["Restarts"] == "1", f"{job}\n{out[-4000:]}"
     stops = [
         json.loads(m) for m in re.findall(r"the ranks stopped and asked for a requeue \((\{.*\})\)", out)
     ]
-    assert len(stops) == 1 + cancelled_after, out[-4000:]
+    assert len(stops) == 1, out[-4000:]
     assert stops[0]["signal"] in signals and stops[0]["reason"] == "preempted", stops
     requeues = re.findall(r"bigclip sbatch: (requeued job|SLURM has requeued this job already)", out)
     assert requeues == [who], out[-4000:]
-    assert out.count("so it is not requeued") == cancelled_after, out[-4000:]
+    assert "so it is not requeued" not in out, out[-4000:]
     resumed = re.findall(r"resumed \S+ at step (\d+)", out)
     assert resumed == [str(stops[0]["step"])], out[-4000:]  # the preempted step, no earlier periodic save
     assert "DataLoader worker" not in out
     reference = read_keys(SCENARIOS[0].keys_prefix(root), 0), read_keys(SCENARIOS[0].keys_prefix(root), 1)
     for rank in range(2):
         keys = read_keys(s.keys_prefix(root), rank)
-        assert sorted(keys) == list(range(len(keys)))
-        assert len(keys) >= stops[0]["step"] + AFTER_RESUME if s.cancel_rerun else len(keys) == s.steps
+        assert sorted(keys) == list(range(s.steps))
         assert all(keys[step] == reference[rank][step] for step in keys), f"rank {rank}: batches differ"
