@@ -76,7 +76,7 @@ test-fast: install
 # Two pytest-xdist workers, one test file a unit of work (tests/conftest.py says how and why).
 XDIST := -n 2
 test-main: install slurm-deps ref-venv
-	BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q $(XDIST) --durations=15 tests
+	BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q $(XDIST) --durations=30 tests
 
 # The low stack (.venv-low): torch 2.11.0 with the Triton it pins (3.6.0), the GPU machines' stack,
 # and every other direct dependency at the lower bound pyproject.toml declares, so the bounds are
@@ -103,7 +103,7 @@ test-low: $(LOW_STAMP) ref-venv
 	@# Its own torch extensions folder: DeepSpeed's JIT-built ops (shm_comm) are per torch build, and
 	@# the default folder (~/.cache/torch_extensions/py311_cpu) is shared with the main stack's.
 	TORCH_EXTENSIONS_DIR=$(abspath $(LOW_VENV))/torch_extensions BIGCLIP_STACK=low \
-	    BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(LOW_PY) -m pytest -q $(XDIST) --durations=15 $$($(PYTHON) $(STACKS) tests)
+	    BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(LOW_PY) -m pytest -q $(XDIST) --durations=30 $$($(PYTHON) $(STACKS) tests)
 
 # A real one-node Slurm for tests/test_slurm_cluster.py: Debian's slurm-wlm and munge, installed with
 # apt when missing, as root (the tests start their own daemons in a temporary folder). Elsewhere it

@@ -4,12 +4,19 @@
 module's expensive fixtures are built once, in one worker; the files that run a real Slurm cluster
 are one unit together (their daemons, ports and network namespaces cannot coexist) and come first,
 as they spend most of their time waiting on the scheduler while the other worker keeps the CPUs
-busy. (`pytest_xdist_make_scheduler` below, rather than xdist_group marks: xdist 3.8 groups by a
+busy. The other files follow, the most expensive first (by the last recorded `make test`:
+`python benchmarks/test_times.py` keeps each stack's slowest tests), so that no long file is left
+to run alone at the end while the other worker idles. (`pytest_xdist_make_scheduler` below, rather than xdist_group marks: xdist 3.8 groups by a
 suffix it writes into `item._nodeid`, which pytest 9.2's nodes no longer read.)
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +24,22 @@ import pytest
 from bigclip.demo.data import DemoData, write_demo_data
 
 CLUSTER_MODULES = ("test_slurm_cluster.py", "test_slurm_two_nodes.py", "test_slurm_two_nodes_faults.py")
+TEST_TIMES = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "test_times.json"
+DURATION = re.compile(r"([\d.]+)s \w+\s+(?:\S*/)?(test_\w+\.py)")  # "69.02s setup    tests/test_x.py::..."
+
+
+def recorded_costs(stack: str, path: Path = TEST_TIMES) -> Counter[str]:
+    """Seconds per test file among the slowest tests of `stack`'s last recorded `make test` (none
+    when nothing is recorded: the order is then the files' own)."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        lines = next(r["slowest"] for r in rows if r["tier"] == "test")[stack]
+    except (OSError, ValueError, KeyError, StopIteration, TypeError):
+        return Counter()
+    costs: Counter[str] = Counter()
+    for m in filter(None, map(DURATION.match, lines)):
+        costs[m.group(2)] += float(m.group(1))
+    return costs
 
 
 @pytest.fixture(scope="session")
@@ -29,11 +52,17 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> DemoData:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The bad-input suite (tests/test_bad_input_*.py) is marked `bad_input`: `make test` runs it,
     `make test-fast` leaves it out (each row is a real command line, a process each). The real-Slurm
-    files go first (the order xdist hands out units in)."""
+    files go first (the order xdist hands out units in), then the most expensive files."""
     for item in items:
         if item.path.name.startswith("test_bad_input_"):
             item.add_marker(pytest.mark.bad_input)
-    items.sort(key=lambda item: item.path.name not in CLUSTER_MODULES)  # stable: file order otherwise
+    costs = recorded_costs("low" if os.environ.get("BIGCLIP_STACK") == "low" else "main")
+    items.sort(key=lambda item: file_order(item.path.name, costs))  # stable: a file's tests keep their order
+
+
+def file_order(name: str, costs: Counter[str]) -> tuple[bool, float]:
+    """Sort key of a test file: the real-Slurm files, then by recorded cost, the most first."""
+    return name not in CLUSTER_MODULES, -costs[name]
 
 
 @pytest.hookimpl(optionalhook=True)  # a venv without xdist (test_gpu_image's) runs this conftest too
