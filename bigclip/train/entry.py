@@ -74,9 +74,18 @@ def _nothing_left_if_refused(cfg: TrainConfig) -> Iterator[None]:
         if cfg.log.name and cfg.log.name not in runs:  # named once the run starts
             made.append(logs / cfg.log.name)
         for folder in made:
-            if folder is not None and folder.is_dir() and not any(p.is_file() for p in folder.rglob("*")):
+            if folder is not None and _holds_no_file(folder):
                 shutil.rmtree(folder, ignore_errors=True)  # every rank may try: all are refused
         raise
+
+
+def _holds_no_file(folder: Path) -> bool:
+    """True for a folder with no file under it. Every refused rank cleans up at once, so another
+    rank may remove the folder mid-walk: gone is as good as empty."""
+    try:
+        return folder.is_dir() and not any(p.is_file() for p in folder.rglob("*"))
+    except FileNotFoundError:
+        return False  # removed meanwhile: nothing left to do
 
 
 def _first_missing(path: Path) -> Path | None:
