@@ -6,8 +6,9 @@ are one unit together (their daemons, ports and network namespaces cannot coexis
 as they spend most of their time waiting on the scheduler while the other worker keeps the CPUs
 busy. The other files follow, the most expensive first (by the last recorded `make test`:
 `python benchmarks/test_times.py` keeps each stack's slowest tests), so that no long file is left
-to run alone at the end while the other worker idles. (`pytest_xdist_make_scheduler` below, rather than xdist_group marks: xdist 3.8 groups by a
-suffix it writes into `item._nodeid`, which pytest 9.2's nodes no longer read.)
+to run alone at the end while the other worker idles. (`pytest_xdist_make_scheduler` below,
+rather than xdist_group marks: xdist 3.8 groups by a suffix it writes into `item._nodeid`, which
+pytest 9.2's nodes no longer read.)
 """
 
 from __future__ import annotations
