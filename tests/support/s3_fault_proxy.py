@@ -10,6 +10,13 @@ path); every request is forwarded to the real server unless a rule matches it fi
     with FaultProxy(upstream=s3.endpoint) as proxy:
         proxy.add_rule("slowdown", method="PUT", path_contains=".distcp", times=3)
         ...                                        # proxy.injected counts what fired
+
+S3 throttles per partitioned prefix: beyond about 3,500 writes and 5,500 reads a second on one
+prefix it answers 503 SlowDown. `throttle(rate=...)` models that with a token bucket per prefix
+(the key up to its last "/", i.e. the folder an object is in, or `prefix_of` to choose): a request
+past its prefix's rate is answered 503 SlowDown, counted in `throttled`. `counts` tallies every
+request by method and prefix, and `tally()` sums them, so a test can assert how many requests
+a save or an epoch start made and how they spread.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import http.client
 import socket
 import struct
 import threading
+import time
 import urllib.parse
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -41,6 +51,32 @@ class Rule:
         return (not self.method or method == self.method) and self.path_contains in path
 
 
+def folder_of(path: str) -> str:
+    """The prefix S3 throttling is modelled on: bucket and key up to the key's last "/"."""
+    key = urllib.parse.urlparse(path).path
+    return key.rsplit("/", 1)[0] if "/" in key.strip("/") else key
+
+
+@dataclass
+class TokenBucket:
+    """`rate` requests a second, bursts of up to `burst` (S3's per-prefix limit, scaled)."""
+
+    rate: float
+    burst: float
+    tokens: float = 0.0
+    stamp: float = 0.0
+
+    def take(self, now: float) -> bool:
+        if not self.stamp:
+            self.tokens, self.stamp = self.burst, now
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
 class FaultProxy:
     def __init__(self, *, upstream: str) -> None:
         parsed = urllib.parse.urlparse(upstream)
@@ -48,6 +84,12 @@ class FaultProxy:
         self.rules: list[Rule] = []
         self.injected: dict[str, int] = dict.fromkeys(ACTIONS, 0)
         self.requests: list[tuple[str, str]] = []
+        self.counts: Counter[tuple[str, str]] = Counter()  # (method, prefix) -> requests
+        self.throttled: Counter[str] = Counter()  # prefix -> requests answered 503 by the throttle
+        self._buckets: dict[str, TokenBucket] = {}
+        self._rate: float | None = None
+        self._burst = 1.0
+        self.prefix_of: Callable[[str], str] = folder_of
         self.stalled = threading.Event()  # set once a request is being held
         self._release = threading.Event()
         self._lock = threading.Lock()
@@ -61,6 +103,22 @@ class FaultProxy:
         with self._lock:
             self.rules.append(Rule(action, method, path_contains, times))
 
+    def throttle(
+        self, *, rate: float | None, burst: float | None = None, prefix_of: Callable[[str], str] | None = None
+    ) -> None:
+        """Answer 503 SlowDown past `rate` requests a second per prefix (None: no throttle)."""
+        with self._lock:
+            self._rate, self._burst = rate, burst if burst is not None else max(1.0, rate or 1.0)
+            self._buckets.clear()
+            if prefix_of is not None:
+                self.prefix_of = prefix_of
+
+    def tally(self, *, method: str = "", prefix_contains: str = "") -> int:
+        """Requests seen (throttled ones included) of `method` on prefixes containing the text."""
+        with self._lock:
+            return sum(n for (m, p), n in self.counts.items()
+                       if (not method or m == method) and prefix_contains in p)  # fmt: skip
+
     def clear_rules(self) -> None:
         with self._lock:
             self.rules.clear()
@@ -72,6 +130,13 @@ class FaultProxy:
         """The action for this request (consuming one use of its rule), or None to forward it."""
         with self._lock:
             self.requests.append((method, path))
+            prefix = self.prefix_of(path)
+            self.counts[(method, prefix)] += 1
+            if self._rate is not None:
+                bucket = self._buckets.setdefault(prefix, TokenBucket(self._rate, self._burst))
+                if not bucket.take(time.monotonic()):
+                    self.throttled[prefix] += 1
+                    return "slowdown"
             for rule in self.rules:
                 if rule.times != 0 and rule.matches(method, path):
                     rule.times -= 1 if rule.times > 0 else 0
