@@ -43,9 +43,12 @@ class SmallContents:
     def __init__(self, clock: Clock, *, save_minutes: float = 0.0) -> None:
         self.clock, self.save_minutes = clock, save_minutes
 
-    def state(self, train_state: TrainState, data_position: dict | None) -> dict:
+    def state(self, train_state: TrainState) -> dict:
         self.clock.advance(self.save_minutes)
         return {"w": torch.full((4,), float(train_state.step)), "train": {"step": train_state.step}}
+
+    def rank_state(self, data_position: dict | None) -> dict:
+        return {"data": data_position}
 
     def meta(self, *, most_recent_only: bool = False) -> dict:
         return {"most_recent_only": most_recent_only}

@@ -47,7 +47,9 @@ ASKED = Due("asked")  # a save the caller asked for, outside the cadence
 class Contents(Protocol):
     """What a checkpoint holds (checkpoint_contents.CheckpointContents for a training run)."""
 
-    def state(self, train_state: TrainState, data_position: dict | None) -> dict[str, Any]: ...
+    def state(self, train_state: TrainState) -> dict[str, Any]: ...
+
+    def rank_state(self, data_position: dict | None) -> dict[str, Any]: ...
 
     def meta(self, *, most_recent_only: bool = False) -> dict[str, Any]: ...
 
@@ -138,13 +140,13 @@ class Checkpointer:
     def _write(
         self, state: TrainState, data_position: dict | None, *, most_recent_only: bool
     ) -> tuple[str, str, float]:
-        contents = self.contents.state(state, data_position)
+        contents, mine = self.contents.state(state), self.contents.rank_state(data_position)
         meta = self.contents.meta(most_recent_only=most_recent_only)
         start = time.perf_counter()
         if self.cfg.async_save:
-            pending = self.store.async_save(contents, step=state.step, meta=meta)
+            pending = self.store.async_save(contents, step=state.step, meta=meta, rank_state=mine)
             return pending.uri, "async, uploading", pending.blocked_s
-        where = self.store.save(contents, step=state.step, meta=meta)
+        where = self.store.save(contents, step=state.step, meta=meta, rank_state=mine)
         return where, "committed", time.perf_counter() - start
 
     def wait(self) -> None:

@@ -9,12 +9,13 @@ import json
 from typing import Any
 
 from bigclip.checkpoint import LATEST, CheckpointStore
+from bigclip.checkpoint.manifest import Manifest
 from bigclip.config import TrainConfig
 from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import ConfigError
-from bigclip.train.checkpoint_contents import CheckpointContents, TrainState, loaded_state
+from bigclip.train.checkpoint_contents import LEGACY_KEYS, CheckpointContents, TrainState, loaded_state
 from bigclip.train.metrics import get_logger
 from bigclip.weights.openclip_resume import is_openclip_checkpoint, load_openclip_checkpoint
 
@@ -27,19 +28,30 @@ def resume(
     engine, cfg, runtime = contents.engine, contents.cfg, contents.runtime
     if is_openclip_checkpoint(which):
         return _resume_openclip(store, engine, cfg, runtime), None
-    target = contents.state(TrainState(), None)
+    target = contents.load_target()
     # --resume latest (resolved to a URI by backup.resume_target) skips a damaged checkpoint for
     # the next older one; an explicit path never falls back.
-    manifest = store.load(target, which, fall_back=cfg.checkpoint.resume == LATEST)
+    manifest = store.load(target, which, fall_back=cfg.checkpoint.resume == LATEST, optional_keys=LEGACY_KEYS)
     train = target["train"]
     _check_compatible(manifest.meta, cfg, contents.global_batch, uri=manifest.uri)
     _check_tokenizer(saved_tokenizer(manifest.meta, json.loads(train["config"])), cfg, uri=manifest.uri)
-    state, position = loaded_state(train, runtime, seed=cfg.optim.seed)
+    state, position = loaded_state(
+        train, _own_rank_state(store, manifest, runtime), runtime, seed=cfg.optim.seed
+    )
     get_logger().info(
         f"resumed {manifest.uri} at step {state.step} (epoch {state.epoch}), saved at "
         f"{manifest.world_size} rank(s), now {runtime.world_size}"
     )
     return state, position
+
+
+def _own_rank_state(store: CheckpointStore, manifest: Manifest, runtime: Runtime) -> dict | None:
+    """This rank's saved rank state; a rank beyond the saved world size has none of its own and
+    takes the data position from saved rank 0's (the position is the whole epoch's)."""
+    own = store.rank_state(manifest, runtime.rank)
+    if own is None and runtime.rank >= manifest.world_size and manifest.layout:
+        own = {"rng": None, "data": store.rank_state(manifest, 0)["data"]}
+    return own
 
 
 def _resume_openclip(
