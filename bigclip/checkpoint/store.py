@@ -27,12 +27,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from bigclip.checkpoint import catalog, lookup, rank_record
-from bigclip.checkpoint.async_save import AsyncSave
+from bigclip.checkpoint.async_save import AsyncSave, Staging
 from bigclip.checkpoint.coordination import CheckpointGroup
 from bigclip.checkpoint.dcp_errors import dcp_errors
 from bigclip.checkpoint.finite import first_non_finite, plain_state
@@ -42,19 +40,16 @@ from bigclip.checkpoint.rank_local_load import load_sharded
 from bigclip.checkpoint.rank_local_save import write_rank
 from bigclip.checkpoint.safe_load import SafeLoadPlanner
 from bigclip.checkpoint.save_commit import (
-    METADATA_NAME,
     PieceCache,
     commit,
     outcome,
 )
 from bigclip.checkpoint.verified_reader import VerifiedReader
-from bigclip.config import CheckpointConfig
 from bigclip.distributed import launch_env
 from bigclip.errors import StorageError
 from bigclip.storage.hashing import HashingFileSystem
-from bigclip.storage.locations import Location, open_location
+from bigclip.storage.locations import Location, open_location, open_parent
 from bigclip.storage.preflight import check_access, explain_error
-from bigclip.storage.schemes import is_local
 
 log = logging.getLogger("bigclip.checkpoint")
 
@@ -92,7 +87,7 @@ class CheckpointStore:
         self.on_commit: Callable[[str, Manifest], None] | None = None
         self.keep: Callable[[catalog.Entry], bool] | None = None
         self._pending: AsyncSave | None = None
-        self._stager: DefaultStager | None = None
+        self._staging = Staging()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigclip-checkpoint")
         self._pieces = PieceCache()  # rank 0: every rank's last .metadata piece
 
@@ -140,12 +135,10 @@ class CheckpointStore:
         waited = time.perf_counter() - started
         state = self._refuse_non_finite(state, step)
         begun = self._begin(step)
-        stager = self._get_stager()
         with dcp_errors(f"staging {self.location.child_uri(begun[0])}"):
-            staged = stager.stage(state)
+            staged = self._staging.stage(state)
         finish = self._executor.submit(self._write, staged, begun, dict(meta or {}), rank_state)
-        if stager.should_synchronize_after_execute:
-            stager.synchronize_staging()
+        self._staging.synchronize()
         blocked = time.perf_counter() - started
         self._pending = AsyncSave(
             uri=self.location.child_uri(begun[0]),
@@ -284,7 +277,7 @@ class CheckpointStore:
     def _load_folder(
         self, state: dict[str, Any], location: Location, folder: str, optional_keys: tuple[str, ...]
     ) -> Manifest:
-        found = self.group.on_rank0(lambda: _summary(lookup.inspect(location, folder)))
+        found = self.group.on_rank0(lambda: lookup.summary(lookup.inspect(location, folder)))
         if isinstance(found, str):
             raise CheckpointDamaged(found)
         inner = location.dcp_reader(folder)
@@ -310,7 +303,7 @@ class CheckpointStore:
         writer's SHA-256; None for a checkpoint saved before rank records or `rank` beyond its world."""
         if manifest.layout != RANK_RECORDS or rank >= manifest.world_size:
             return None
-        location, folder = _split(manifest.uri)
+        location, folder = open_parent(manifest.uri, any_scheme=True)
         return rank_record.read_train(location, folder, rank)
 
     def verify(self, which: str = LATEST) -> Manifest:
@@ -338,53 +331,4 @@ class CheckpointStore:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
-
-    def _get_stager(self) -> DefaultStager:
-        # One stager per store: it reuses its CPU (pinned, on GPU) buffers from save to save.
-        if self._stager is not None and _is_spent(self._stager):
-            self._stager.close()
-            self._stager = None
-        if self._stager is None:
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
-                )
-            )
-        return self._stager
-
-
-def _is_spent(stager: DefaultStager) -> bool:
-    """torch 2.11's DefaultStager closes its copier at the end of every stage (it clears the copy
-    dispatch table and the storage cache), so staging with it again fails with "KeyError: <class
-    'type'>": there a stager serves one save (it kept no buffers anyway); 2.13's is reusable."""
-    copier = getattr(stager, "_state_dict_stager", None)
-    return copier is not None and not getattr(copier, "_deepcopy_dispatch", True)
-
-
-def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
-    """Retention for a root: --remote-keep-last in an object store; --keep-last (or 1 with
-    --delete-previous-checkpoint) locally; 0 keeps everything."""
-    if not is_local(root):
-        return cfg.remote_keep_last
-    return 1 if cfg.delete_previous_checkpoint else cfg.keep_last
-
-
-def _summary(found: Manifest | str) -> Manifest | str:
-    """What every rank needs of a manifest (broadcast): all but the object list, which grows with
-    the world size; `.metadata`'s record stays, for checkpoints read through it."""
-    if isinstance(found, str):
-        return found
-    kept = {name: rec for name, rec in found.objects.items() if name == METADATA_NAME}
-    return Manifest(**{**found.__dict__, "objects": kept})
-
-
-def _split(uri: str) -> tuple[Location, str]:
-    parent, _, folder = uri.rstrip("/").rpartition("/")
-    return open_location(parent or ".", any_scheme=True), folder
+            self._staging.close()
