@@ -300,3 +300,57 @@ def test_log_local_and_debug_choose_who_logs_and_how_much(tmp_path):
     node_master.debug("hello from rank 8")
     assert "hello from rank 8" in (tmp_path / "out-8.log").read_text()
     assert setup_logging(rank=9, local_rank=1, log_local=True).level == logging.WARNING
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["--use-bnb-linear", "SwitchBackLinearGlobal"], {},
+         "linear kind switchback-global: SwitchBack int8 (global quantisation) in every block's MLP linears "
+         "(attention stays 16-bit); int8 matmuls on the PyTorch path (torch._int_mm): Triton runs on CUDA "
+         "tensors, and this run computes on the CPU"),
+        (["--int8", "switchback-vectorwise", "--int8-attention", "--device", "cuda"],
+         {"BIGCLIP_SWITCHBACK_BACKEND": "torch"},
+         "linear kind switchback-vectorwise: SwitchBack int8 (vectorwise quantisation) in every block's MLP "
+         "and attention linears; int8 matmuls on the PyTorch path (torch._int_mm): BIGCLIP_SWITCHBACK_BACKEND=torch"),
+        (["--linear-kind", "fp8-rowwise"], {},
+         "linear kind fp8-rowwise: torchao float8 (rowwise scales) in every block's MLP and attention linears; "
+         "emulated on the CPU (torchao's casts, high-precision matmuls)"),
+    ],
+    ids=["use-bnb-linear", "forced-torch-path", "fp8"],
+)  # fmt: skip
+def test_the_linear_kind_and_its_path_are_logged_once(monkeypatch, argv, env, expected):
+    """OpenCLIP's --use-bnb-linear (and --int8, --linear-kind) say at start which kind runs where."""
+    import logging
+
+    from bigclip.models import from_config
+
+    if expected.startswith("linear kind fp8"):
+        pytest.importorskip("torchao", reason="--linear-kind fp8-* needs torchao (bigclip[fp8])")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(from_config, "_said", set())
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("bigclip.models")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    try:
+        cfg = parse_train_args(["--model", "tiny", *argv])
+        for _ in range(2):  # ZeRO-3 builds the model again on the device: still one line
+            from_config.build_model(cfg)
+    finally:
+        logger.removeHandler(handler)
+    assert records == [expected]
+
+
+def test_the_triton_path_is_named_with_its_version(monkeypatch):
+    triton = pytest.importorskip("triton", reason="SwitchBack's Triton kernels need triton (bigclip[int8])")
+    from bigclip.ops.int8.custom_ops import describe_path
+
+    monkeypatch.setenv("BIGCLIP_SWITCHBACK_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert describe_path("cpu") == (
+        f"bigclip's Triton kernels (triton {triton.__version__}) under Triton's CPU interpreter (TRITON_INTERPRET=1)"
+    )
