@@ -231,21 +231,33 @@ def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def to_argv(cfg: TrainConfig) -> list[str]:
-    """The flags that reproduce `cfg` (non-default values only); used by script renderers."""
+    """The flags that reproduce `cfg` (non-default values only)."""
+    return [
+        word for flags in flags_by_section(cfg).values() for flag, values in flags for word in (flag, *values)
+    ]
+
+
+def flags_by_section(
+    cfg: TrainConfig, *, every: bool = False, skip: tuple[str, ...] = ()
+) -> dict[str, list[tuple[str, list[str]]]]:
+    """The flags that reproduce `cfg`, as (flag, its values) per section: the values other than the
+    defaults, or with `every` every field's (so the result does not depend on today's defaults), but
+    those named in `skip` and empty lists, which no flag spells (their flags take one value or more).
+    A renderer may write them one per line; `to_argv` joins them."""
     default = TrainConfig()
-    argv: list[str] = []
+    out: dict[str, list[tuple[str, list[str]]]] = {}
     for name, section in cfg.sections().items():
-        base = getattr(default, name)
+        base, flags = getattr(default, name), out.setdefault(name, [])
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            if value == getattr(base, f.name):
+            if f.name in skip or (not every and value == getattr(base, f.name)) or value == []:
                 continue
             if isinstance(value, bool):
-                argv.append(flag_of(f.name) if value else "--no-" + f.name.replace("_", "-"))
+                flags.append((flag_of(f.name) if value else "--no-" + f.name.replace("_", "-"), []))
             elif isinstance(value, list):
-                argv += [flag_of(f.name), *(str(v) for v in value)]
+                flags.append((flag_of(f.name), [str(v) for v in value]))
             elif isinstance(value, dict):
-                argv += [flag_of(f.name), *(f"{k}={v!r}" for k, v in value.items())]
+                flags.append((flag_of(f.name), [f"{k}={v!r}" for k, v in value.items()]))
             else:
-                argv += [flag_of(f.name), str(value)]
-    return argv
+                flags.append((flag_of(f.name), [str(value)]))
+    return out
