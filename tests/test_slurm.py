@@ -242,3 +242,16 @@ def test_deepspeed_launcher_takes_the_training_flags_and_needs_no_ssh_on_one_nod
         ["bash", str(ROOT / "slurm/deepspeed_launch.sh")], capture_output=True, text=True
     )
     assert no_flags.returncode == 2 and "usage:" in no_flags.stderr
+
+
+def test_every_field_that_takes_a_path_is_made_absolute() -> None:
+    """A new option whose help speaks of a path, folder, file or shards must join recipe_args's
+    tables (or this list, saying why it needs no absolute path)."""
+    from bigclip.launch.recipe_args import PATH_FIELDS, PATH_OR_NAME_FIELDS
+
+    not_paths = {"resume": "a recipe always resumes 'latest' (bigclip slurm refuses a path)"}
+    for section in TrainConfig().sections().values():
+        for f in dataclasses.fields(section):
+            speaks = re.search(r"path|folder|file|shards|URI|s3://", f.metadata.get("help", ""))
+            if f.type == "str" and speaks:
+                assert f.name in {*PATH_FIELDS, *PATH_OR_NAME_FIELDS, *not_paths}, f.name
