@@ -79,9 +79,7 @@ def train_help(*, section: str = "", prog: str = "bigclip train", width: int = 0
         lines += _wrap(entry, width, indent="  ")
     for name in [section] if section else known:
         lines += ["", *section_help(name, width=width)]
-    return "\n".join(
-        [*lines, "", f"OpenCLIP's options that bigclip refuses or ignores: {prog} --help-openclip"]
-    )
+    return "\n".join([*lines, "", f"OpenCLIP options bigclip refuses or ignores: {prog} --help-openclip"])
 
 
 def section_help(name: str, *, width: int) -> list[str]:
