@@ -64,6 +64,10 @@ def validate_data(cfg: DataConfig, *, world_size: int) -> ShardList:
 def _validate_data_here(cfg: DataConfig, *, world_size: int) -> ShardList:
     Augmentation.from_cfg(cfg.aug_cfg)  # ConfigErrors for --aug-cfg, --image-mean/std in seconds
     image_normalizer(cfg)
+    if not cfg.train_data.strip():  # an evaluation-only run (TrainConfig.evaluates_only): nothing to train on
+        if cfg.val_data:
+            validate_shards(cfg.val_data, what="--val-data")
+        return ShardList(pattern="", urls=(), sizes=())
     shards = validate_shards(cfg.train_data).with_weights(cfg.train_data_upsampling_factors)
     if cfg.val_data:
         validate_shards(cfg.val_data, what="--val-data")
