@@ -112,7 +112,7 @@ def setup(cfg: TrainConfig) -> Run:
     apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
     tokenizer = build_tokenizer(cfg)
     configure_storage(s3_endpoint=cfg.checkpoint.s3_endpoint, s3_region=cfg.checkpoint.s3_region)
-    shards = data.validate_data(cfg.data, world_size=runtime.world_size)
+    shards = data.validate_data(cfg.data, world_size=runtime.world_size, evaluation_only=cfg.evaluates_only)
     zeroshot = ZeroShot.open(cfg)
     store = open_store(cfg, run_dir)
     sync, which = prepare_backup(cfg, run_dir, store)  # which: what --resume loads ('' for nothing)
