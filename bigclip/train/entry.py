@@ -1,5 +1,6 @@
 """The training entry that both doors share: `python -m bigclip.train` (__main__.py, also under
-torchrun and the deepspeed launcher's `--module`) and the console script's `bigclip train` (cli.py).
+torchrun and the deepspeed launcher's `--module`) and the console script's `bigclip train` (cli.py);
+`bigclip eval` is the same entry for a run with no --train-data (it evaluates, loop.evaluate_only).
 
 One function, so the two behave the same. In order:
 1. the preemption-signal handlers, before torch is imported (seconds), so a SIGUSR1/SIGTERM during
@@ -33,6 +34,8 @@ from bigclip.train.signals import catch_preemption_signals
 if TYPE_CHECKING:
     from bigclip.config import TrainConfig
 
+EVAL_PROG = "bigclip eval"  # the evaluation-only run by name (cli.py's `eval`)
+
 
 def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
     """Train with `argv` (default: sys.argv[1:]); returns the exit code (85: requeue me). Without
@@ -48,9 +51,6 @@ def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
 def eval_main(argv: list[str] | None = None) -> int:
     """`bigclip eval`: the evaluation-only run by name (`bigclip train` with no --train-data)."""
     return main(argv, prog=EVAL_PROG)
-
-
-EVAL_PROG = "bigclip eval"
 
 
 def _train(argv: list[str], *, prog: str) -> int:
