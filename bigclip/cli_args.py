@@ -208,9 +208,9 @@ def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
     setattr(section, name, openclip_flags.resolve_value(name, value))
 
 
-def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
+def parse_train_args(argv: list[str] | None = None, *, prog: str = "bigclip train") -> TrainConfig:
     """Parse flags (and an optional YAML file) into a validated TrainConfig."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     cfg = TrainConfig()
     if args.config:

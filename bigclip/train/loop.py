@@ -18,7 +18,7 @@ import torch.distributed as dist
 from bigclip import data
 from bigclip.config import TrainConfig
 from bigclip.errors import NonFiniteLossError
-from bigclip.train.evaluate import held_out_retrieval, val_due
+from bigclip.train.evaluate import evaluate, val_due
 from bigclip.train.metrics import (
     Average,
     StepTimer,
@@ -115,30 +115,6 @@ def close_run(run: Run, *, strict: bool = True) -> None:
         run.guards.close()
 
 
-@between_steps
-def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[str, float] | None:
-    """Held-out retrieval (with `retrieval`, given --val-data) and zero-shot classification (when due)."""
-    cfg = run.cfg.data
-    normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
-    metrics: dict[str, float] = {}
-    if retrieval and cfg.val_data and cfg.val_frequency:
-        metrics = held_out_retrieval(run.engine, cfg, run.tokenizer, run.runtime, normalize=normalize)
-    if run.zeroshot.due(run.progress.state.epoch, final=final):
-        run.checkpointer.wait()  # its loader forks workers (see build_loader)
-        metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
-                                         batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
-    if not metrics:
-        return None
-    state = run.progress.state
-    metrics["epoch"], metrics["step"] = state.epoch, state.step
-    if run.runtime.is_main:
-        get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
-        run.scalars.scalars({f"val/{k}": v for k, v in metrics.items()}, step=state.step)
-        with open(run.run_dir / "results.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-    return metrics
-
-
 def fit(run: Run) -> dict[str, Any]:
     cfg, progress, state = run.cfg, run.progress, run.progress.state
     loader = build_loader(run)
@@ -185,8 +161,18 @@ def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str
     }
 
 
+def evaluate_only(run: Run) -> dict[str, Any]:
+    """OpenCLIP's run without --train-data: evaluate the weights loaded (--pretrained, --resume)
+    once, at the epoch they reached, and end."""
+    metrics = evaluate(run, final=True)
+    close_run(run)
+    state = run.progress.state
+    return {"step": state.step, "epoch": state.epoch, "eval": metrics, "run_dir": str(run.run_dir)}
+
+
 def run_training(cfg: TrainConfig) -> dict[str, Any]:
-    return fit(setup(cfg))
+    run = setup(cfg)
+    return evaluate_only(run) if cfg.evaluates_only else fit(run)
 
 
 def main(cfg: TrainConfig) -> int:
@@ -194,7 +180,7 @@ def main(cfg: TrainConfig) -> int:
     run = None
     try:
         run = setup(cfg)
-        summary = fit(run)
+        summary = evaluate_only(run) if cfg.evaluates_only else fit(run)
     except Preempted as e:
         get_logger().info(f"{e}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued")
         return REQUEUE_EXIT_CODE
