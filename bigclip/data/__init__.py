@@ -4,8 +4,9 @@ May import storage, config, distributed and errors.
 
     shards = validate_data(cfg.data, world_size=n)   # before building the model: DataError in seconds
     tokenizer = build_tokenizer(cfg.data.tokenizer, context_length=L, vocab_size=V)
-    loader = build_train_loader(cfg.data, rank=r, world_size=n, seed=s, epoch=e, image_size=S,
-                                tokenizer=tokenizer, position=saved, shards=shards)
+    data = TrainData(cfg.data, rank=r, world_size=n, seed=s, image_size=S, tokenizer=tokenizer,
+                     shards=shards)       # the run's data workers, started once
+    loader = data.epoch(e, position=saved)   # a TrainLoader; build_train_loader(...) for one alone
     for batch in loader: ...            # TrainBatch(images, texts, keys)
     saved = loader.state_dict()          # collective; JSON-able; resumes at any world size
     held_out = load_eval_set(cfg.data.val_data, image_size=S, tokenizer=tokenizer)  # uint8 images
@@ -13,8 +14,10 @@ May import storage, config, distributed and errors.
 
 Module map: shards (patterns, existence, sizes, upsampling weights) -> streams (local / S3
 bytes) -> tar_samples (samples + cursors) -> decode -> worker (read, transform to uint8, batch)
--> batching + loader (consumer side: worker order, re-batching, epoch end; accounting: what
-each epoch read against its plan and what it lost) -> device
+(run by pool: persistent workers, handed each epoch's jobs, spread over the epoch's first seconds
+by open_schedule) -> batching + loader (consumer side: worker order, re-batching, epoch end;
+accounting: what each epoch read against its plan and what it lost; train_data: a run's loaders
+on one pool) -> device
 (normalisation on the GPU); validation checks all of it before a model is built. resume/ holds
 who reads what (assignment), what has been consumed (position) and how to continue the same
 stream (reader_state, stream_state, randomness). transforms (+ augment: --aug-cfg), eval,
@@ -41,6 +44,7 @@ _WHERE = {
     "ShardList": "shards",
     "Tokenizer": "tokenizer",
     "TrainBatch": "loader",
+    "TrainData": "train_data",
     "TrainLoader": "loader",
     "build_tokenizer": "tokenizer",
     "build_train_loader": "loader",
@@ -65,6 +69,7 @@ __all__ = [
     "ShardList",
     "Tokenizer",
     "TrainBatch",
+    "TrainData",
     "TrainLoader",
     "build_tokenizer",
     "build_train_loader",
@@ -87,6 +92,7 @@ if TYPE_CHECKING:
     from bigclip.data.loader import TrainBatch, TrainLoader, build_train_loader
     from bigclip.data.shards import ShardList, expand_pattern, validate_shards
     from bigclip.data.tokenizer import HashingTokenizer, Tokenizer, build_tokenizer
+    from bigclip.data.train_data import TrainData
     from bigclip.data.transforms import eval_transform, train_transform
     from bigclip.data.validation import validate_data
 
