@@ -166,7 +166,9 @@ def imds_request(endpoint: str):
     import botocore.awsrequest
 
     request = botocore.awsrequest.AWSRequest(
-        method="PUT", url=f"{endpoint}/latest/api/token", headers={"x-aws-ec2-metadata-token-ttl-seconds": "60"}
+        method="PUT",
+        url=f"{endpoint}/latest/api/token",
+        headers={"x-aws-ec2-metadata-token-ttl-seconds": "60"},
     )
     return request.prepare()
 
