@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bigclip.data.resume.assignment import ShardTask, Tail
+from bigclip.data.resume.assignment import ReaderAssignment, ShardTask, Tail
+from bigclip.data.resume.randomness import draws_key, stream_key
 from bigclip.data.resume.reader_state import ReaderState
 
 
@@ -40,6 +41,32 @@ class ReaderJob:
     crop_key: str  # (seed, epoch): with (shard, sample index), keys a sample's crop
     draws_key: str  # --dataset-resampled: which shard each draw is
     open_at: float = 0.0  # time.monotonic() before which the reader opens no shard (open_schedule.py)
+
+
+def reader_specs(assignment: ReaderAssignment, *, seed: int, epoch: int, rank: int) -> list[ReaderSpec]:
+    """Data worker i runs the i-th: the carry's readers first, then the round robin from its next
+    worker, so that the DataLoader's own round robin already delivers batches in stream order."""
+    origin, stream = assignment.origin.samples, assignment.stream
+    return [
+        ReaderSpec(
+            worker=w,
+            key=stream_key(seed=seed, epoch=epoch, origin=origin, rank=rank, worker=w),
+            plan=assignment.tasks[w],
+            state=stream.readers[w],
+            tail=assignment.tails[w],
+        )
+        for w in stream.carry + stream.active
+    ]
+
+
+def epoch_jobs(
+    specs: list[ReaderSpec], *, generation: int, seed: int, epoch: int, open_at: list[float]
+) -> list[ReaderJob]:
+    """One job per worker slot (`open_at` has one time per slot); slots past the readers still
+    unfinished get nothing to read."""
+    crop_key, draws = f"bigclip-crop/{seed}/{epoch}", draws_key(seed=seed, epoch=epoch)
+    padded: list[ReaderSpec | None] = [*specs, *[None] * (len(open_at) - len(specs))]
+    return [ReaderJob(generation, spec, crop_key, draws, at) for spec, at in zip(padded, open_at)]
 
 
 class JobBoard:

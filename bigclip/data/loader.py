@@ -5,7 +5,7 @@
     loader = data.epoch(e, position=saved_or_None)   # or build_train_loader(..., epoch=e) on its own
     for batch in loader:            # TrainBatch: images [B,3,H,W] normalised on d, texts [B,L], keys
         ...
-        state = loader.state_dict()  # collective: every rank calls it; JSON-able, world-size free
+        mine = loader.rank_state()   # this rank's own state for a checkpoint: no collective
 
 Workers: a loader of a `TrainData` runs on the run's data workers, started at the first epoch
 and kept (pool.py): it hands each worker its reader for the epoch (jobs.py) when iteration
@@ -32,14 +32,25 @@ sizes.json took samples away. `account_epoch()` then logs, on rank 0, one line w
 samples and steps read against the plan, the ranks that ran out and every loss counted by
 kind (accounting.py); `state_dict()` still lists what was not read as unconsumed.
 
-Resume: `position=` takes a `state_dict()` from any world size and worker count. At the same
-settings (world size, --workers, --batch-size, --shard-interleave, --seed, shards) the stream
-continues exactly: every rank gets the batches, samples and crops an uninterrupted run would
-have had (stream_state.py). Otherwise the unfinished shards are re-planned over this run's
-readers and continue at their cursors, so no sample of the epoch is seen twice or skipped,
-and a log line says why the order changed. With --dataset-resampled the same holds for the
-epoch's global sequence of shard draws (position.py): N -> M ranks, no draw is read twice or
-skipped, and crops stay keyed by (draw, sample).
+Saving and resuming the data position (the contract with the checkpoint; resume/rank_state.py):
+  save    every rank saves `loader.rank_state()`: its own state, JSON-able, no collective, O(1) in
+          world size (its readers' states and plans, what is left of its pieces, the epoch's
+          samples; a few KB, fewer as the world grows).
+  resume  at the same settings (world size, --workers, --batch-size, --shard-interleave, --seed,
+          shards; `continues_alone(state, world_size=, workers=, batch_size=, interleave=, seed=)`,
+          all-reduced so every rank agrees): every rank reads only its own state and passes it as
+          `position=`; the stream continues exactly, every rank getting the batches, samples and
+          crops an uninterrupted run would have had (stream_state.py).
+          Otherwise one process reads every rank's state and `merge_rank_states(states)` turns them
+          into the global, world-size-free position (position.py: O(shards), to broadcast), which
+          `position=` takes at any world size and worker count: the unfinished shards are
+          re-planned over this run's readers and continue at their cursors, so no sample of the
+          epoch is seen twice or skipped, and a log line says why the order changed.
+  before  `position=` still takes the global position checkpoints held before rank states
+          (`state_dict()`: collective, every rank's progress gathered and merged), with its stream
+          state: at the same settings that stream continues exactly too.
+With --dataset-resampled the same holds for the epoch's global sequence of shard draws
+(position.py): N -> M ranks, no draw is read twice or skipped, and crops stay keyed by (draw, sample).
 """
 
 from __future__ import annotations
@@ -56,12 +67,12 @@ from bigclip.config import DataConfig
 from bigclip.data.accounting import DataStats, EpochAccount, combine, gather_counts, no_batch_error, report
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
 from bigclip.data.device import image_normalizer
-from bigclip.data.jobs import ReaderJob, ReaderSpec
+from bigclip.data.jobs import ReaderJob, ReaderSpec, epoch_jobs, reader_specs
 from bigclip.data.open_schedule import OPEN_RATE, open_delays
 from bigclip.data.pool import ReaderPool
-from bigclip.data.resume.assignment import ReaderAssignment, assign_readers
+from bigclip.data.resume.assignment import assign_readers
 from bigclip.data.resume.position import DataPosition, RankProgress
-from bigclip.data.resume.randomness import draws_key, stream_key
+from bigclip.data.resume.rank_state import RankState, is_rank_state, merge_rank_states, own_assignment
 from bigclip.data.resume.reader_state import ReaderState
 from bigclip.data.resume.stream_state import RankStream, StreamSettings, StreamState
 from bigclip.data.shards import ShardList
@@ -106,7 +117,7 @@ class TrainLoader:
         self.num_samples = epoch_samples(cfg, self.shards)
         self.global_batch = cfg.batch_size * world_size
         self.steps_per_epoch = self.num_samples // self.global_batch
-        self.start = self._start_position(position, epoch)
+        self._specs = self._begin(position, epoch)
         self.device = torch.device(device) if device is not None else None
         self.normalizer = (
             image_normalizer(cfg, device=self.device or "cpu", dtype=image_dtype) if normalize else None
@@ -123,7 +134,6 @@ class TrainLoader:
         self.progress = RankProgress()
         self.stats = DataStats(readers=max(1, cfg.workers))
         self.steps = 0  # steps taken by this loader (the same on every rank)
-        self._specs = self._plan()
         # A remote store has a request rate to respect; a local disk does not (open_schedule.py).
         self.open_rate = None if all(is_local(u) for u in self.shards.urls) else open_rate
         self._owns_pool = pool is None  # built on its own: its workers stop with its epoch
@@ -138,54 +148,40 @@ class TrainLoader:
         self._stream_ended = False  # the epoch ended because some rank ran out of data
         self._ran_dry = False  # ...this one among them
 
-    def _start_position(self, position: dict[str, Any] | None, epoch: int) -> DataPosition:
-        resampled = self.cfg.dataset_resampled
-        if position is None:
-            return DataPosition.start_of(epoch, self.shards, resampled=resampled)
-        start = DataPosition.from_json(position)
-        start.check_compatible(self.shards, epoch=epoch, resampled=resampled)
-        return start
-
-    def _plan(self) -> list[ReaderSpec]:
-        """This rank's readers for the epoch (or its rest): the saved stream's, or a fresh plan."""
-        cfg = self.cfg
+    def _begin(self, position: dict[str, Any] | None, epoch: int) -> list[ReaderSpec]:
+        """Where this epoch starts, and this rank's readers for it: a fresh plan, a global position
+        (re-planned, or its saved stream continued), or this rank's own saved state (continued)."""
+        cfg, resampled = self.cfg, self.cfg.dataset_resampled
         self.settings = StreamSettings(
             self.world_size, cfg.workers, cfg.batch_size, cfg.shard_interleave, self.seed
         )
-        assignment = assign_readers(self.shards, self.start, self.settings, rank=self.rank)
-        self.origin, self.initial = assignment.origin, assignment.stream
+        self._saved = RankState.from_json(position) if is_rank_state(position) else None
+        if self._saved is not None:
+            self.start = self._saved.start()
+        elif position is not None:
+            self.start = DataPosition.from_json(position)
+        else:
+            self.start = DataPosition.start_of(epoch, self.shards, resampled=resampled)
+        self.start.check_compatible(self.shards, epoch=epoch, resampled=resampled)
+        if self._saved is not None:
+            assignment = own_assignment(self._saved, self.shards, self.settings, rank=self.rank)
+        else:
+            assignment = assign_readers(self.shards, self.start, self.settings, rank=self.rank)
+        # Right at least on this rank's pieces: what rank_state() advances by this loader's progress.
+        self.base = self._saved.local() if self._saved is not None else self.start
+        self.origin, self.initial, self.plans = assignment.origin, assignment.stream, assignment.tasks
         self.exact_resume = assignment.exact  # continues a saved stream exactly (same settings)
         # Per worker, the reader's state after the last sample consumed from it (as a row of ints).
         self.reader_rows = [r.to_ints() for r in assignment.stream.readers]
-        return self._reader_specs(assignment, seed=self.seed)
+        return reader_specs(assignment, seed=self.seed, epoch=self.start.epoch, rank=self.rank)
 
     def _jobs(self) -> list[ReaderJob]:
-        """The epoch's job for each worker, handed out when iteration starts (jobs.py); workers past
-        the readers still unfinished get nothing to read."""
-        generation, epoch, now = self.pool.next_generation(), self.start.epoch, time.monotonic()
-        slots = max(1, self.cfg.workers)
+        """The epoch's job for each worker, handed out when iteration starts (jobs.py)."""
+        slots, now = max(1, self.cfg.workers), time.monotonic()
         delays = open_delays(rank=self.rank, world_size=self.world_size, readers=slots,
                              interleave=self.cfg.shard_interleave, rate=self.open_rate)  # fmt: skip
-        crop_key, draws = f"bigclip-crop/{self.seed}/{epoch}", draws_key(seed=self.seed, epoch=epoch)
-        specs: list[ReaderSpec | None] = [*self._specs, *[None] * (slots - len(self._specs))]
-        return [
-            ReaderJob(generation, spec, crop_key, draws, now + delay) for spec, delay in zip(specs, delays)
-        ]
-
-    def _reader_specs(self, assignment: ReaderAssignment, *, seed: int) -> list[ReaderSpec]:
-        """Data worker i runs the i-th: the carry's readers first, then the round robin from its next
-        worker, so that the DataLoader's own round robin already delivers batches in stream order."""
-        epoch, origin = self.start.epoch, self.origin.samples
-        return [
-            ReaderSpec(
-                worker=w,
-                key=stream_key(seed=seed, epoch=epoch, origin=origin, rank=self.rank, worker=w),
-                plan=assignment.tasks[w],
-                state=assignment.stream.readers[w],
-                tail=assignment.tails[w],
-            )
-            for w in assignment.stream.carry + assignment.stream.active
-        ]
+        return epoch_jobs(self._specs, generation=self.pool.next_generation(), seed=self.seed,
+                          epoch=self.start.epoch, open_at=[now + d for d in delays])  # fmt: skip
 
     @property
     def samples_consumed(self) -> int:
@@ -298,19 +294,35 @@ class TrainLoader:
         report(account, rank=self.rank)
         return account
 
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own state for a checkpoint (resume/rank_state.py): no collective, JSON-able,
+        O(1) in world size. A loader at the same settings continues from it alone (continues_alone);
+        at others, resume from merge_rank_states(every rank's)."""
+        stream = None if self._stream_ended else self._rank_stream()
+        return RankState.build(
+            rank=self.rank, settings=self.settings, now=self.base.merge([self.progress]),
+            samples=self.samples_consumed, origin=self.origin, plans=self.plans,
+            readers=[ReaderState.from_ints(row) for row in self.reader_rows], stream=stream,
+        ).to_json()  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
         """The epoch's position, merged over all ranks (collective: call it on every rank). JSON-able."""
+        if self._saved is not None:  # started from a rank's own state: no global position to advance
+            return merge_rank_states(self._gather(self.rank_state()))
         self.progress.stream = None if self._stream_ended else self._rank_stream()
-        if self.group is None:
-            gathered = [self.progress]
-        else:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, self.progress, group=self.group)
+        gathered = self._gather(self.progress)
         merged = self.start.merge(gathered)
         if all(p.stream is not None for p in gathered):
             ranks = [p.stream for p in gathered]
             merged.stream = StreamState(self.settings, self.origin.to_json(), ranks)
         return merged.to_json()
+
+    def _gather(self, mine: Any) -> list[Any]:
+        if self.group is None:
+            return [mine]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return gathered
 
     def _rank_stream(self) -> RankStream:
         """Where this rank's stream stands: readers after their last consumed sample, order, carry."""
