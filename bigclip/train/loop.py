@@ -33,17 +33,21 @@ from bigclip.train.step import train_step
 from bigclip.train.step_log import log_step
 
 
-@between_steps
-def build_loader(run: Run) -> data.TrainLoader:
-    # Data workers are forked, and s3torchconnector tears its clients down before a fork:
-    # an upload in flight must finish first.
+def open_train_data(run: Run) -> data.TrainData:
+    """The run's data workers, started once: every epoch's loader runs on them."""
+    # They are forked when the first epoch starts, and s3torchconnector tears its clients down
+    # before a fork: an upload in flight must finish first. Later epochs fork nothing.
     run.checkpointer.wait()
-    return data.build_train_loader(
+    return data.TrainData(
         run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
-        epoch=run.progress.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-        position=run.progress.data_position, device=run.runtime.device, image_dtype=run.engine.image_dtype,
-        shards=run.shards,
+        image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer, device=run.runtime.device,
+        image_dtype=run.engine.image_dtype, shards=run.shards,
     )  # fmt: skip
+
+
+@between_steps
+def build_loader(run: Run, train_data: data.TrainData) -> data.TrainLoader:
+    return train_data.epoch(run.progress.state.epoch, position=run.progress.data_position)
 
 
 def micro_batches(loader: Any, *, k: int):
@@ -116,8 +120,13 @@ def close_run(run: Run, *, strict: bool = True) -> None:
 
 
 def fit(run: Run) -> dict[str, Any]:
+    with open_train_data(run) as train_data:
+        return fit_epochs(run, train_data)
+
+
+def fit_epochs(run: Run, train_data: data.TrainData) -> dict[str, Any]:
     cfg, progress, state = run.cfg, run.progress, run.progress.state
-    loader = build_loader(run)
+    loader = build_loader(run, train_data)
     steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
     progress.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
     progress.steps_per_epoch = steps_per_epoch
@@ -136,7 +145,7 @@ def fit(run: Run) -> dict[str, Any]:
         metrics = evaluate(run, retrieval=val_due(cfg, state.epoch), final=final) or metrics
         run.checkpointer.save_at_epoch_end(state)
         if state.step < progress.total_steps and state.epoch < cfg.optim.epochs:
-            loader = build_loader(run)
+            loader = build_loader(run, train_data)
     return finish(run, loader, metrics)
 
 
