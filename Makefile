@@ -50,15 +50,18 @@ demo: install
 # OpenCLIP's whole package (its factory imports torchvision) for the reference tests, in a venv
 # of its own: the torchvision wheel the registry serves is a CUDA build that cannot be imported
 # beside the CPU torch above. torch + torchvision + open_clip_torch (+ braceexpand, pandas and
-# webdataset, which its trainer open_clip_train.main imports): ~5.5 GB, 1-3 minutes from a
-# local index; created once, reused after (tests/support/reference_venv.py).
+# webdataset, which its trainer open_clip_train.main imports, at its training extra's pin: 3.3.0's
+# shard reader predates webdataset 1.0's end-of-shard marker; + tensorboard, for its
+# --report-to tensorboard): ~5.5 GB, 1-3 minutes from a local index; created once, reused after
+# (tests/support/reference_venv.py).
 REF_VENV ?= .venv-ref
 REF_TORCH ?= torch==2.14.1 torchvision==0.29.1
+REF_WDS := webdataset==0.2.86
 REF_PY := $(abspath $(REF_VENV))/bin/python
 ref-venv:
-	@$(REF_PY) -c "import open_clip, torchvision, braceexpand, pandas, webdataset" 2>/dev/null || ( \
+	@$(REF_PY) -c "import open_clip, torchvision, braceexpand, pandas, tensorboard; from importlib.metadata import version; assert '$(REF_WDS)' == 'webdataset==' + version('webdataset')" 2>/dev/null || ( \
 	    $(PYTHON) -m venv $(REF_VENV) && \
-	    { $(call RETRY,$(REF_VENV)/bin/python -m pip install -q --no-cache-dir $(REF_TORCH) ftfy regex tqdm safetensors braceexpand pandas webdataset); } && \
+	    { $(call RETRY,$(REF_VENV)/bin/python -m pip install -q --no-cache-dir $(REF_TORCH) ftfy regex tqdm safetensors braceexpand pandas tensorboard "$(REF_WDS)"); } && \
 	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps "$(OPEN_CLIP)" )
 
 # Both stacks: the whole suite on the main one, then the low stack's subset, whatever the first gave

@@ -37,6 +37,7 @@ REGION = re.compile(r"(<!-- rendered: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- 
 BIGG = ["--model", "ViT-bigG-14", "--precision", "amp_bf16", "--local-loss", "--gather-with-grad",
         "--loss-chunk-size", "1024"]  # fmt: skip
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", "ds_configs/zero3_vit_bigg.json"]
+RUN_LENGTH = ["--train-num-samples", "100000000", "--epochs", "390"]  # 39 B samples seen
 
 
 def doc_files() -> list[Path]:
@@ -65,7 +66,7 @@ def plan_rows(argv: list[str]) -> list[tuple[str, str]]:
 
 
 def plan_vit_bigg_1024() -> str:
-    argv = ["--gpus", "1024", *BIGG, "--batch-size", "160", "--grad-checkpointing"]
+    argv = ["--gpus", "1024", *BIGG, "--batch-size", "160", "--grad-checkpointing", *RUN_LENGTH]
     fsdp, zero3 = plan_rows(argv), dict(plan_rows([*argv, *ZERO3]))
     rows = [[q, v, zero3.get(q, "-")] for q, v in fsdp]
     return doc_tables.table(

@@ -17,6 +17,7 @@ from bigclip.errors import BigclipError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("bigclip.train.entry", "Train a CLIP model (the same entry as `python -m bigclip.train`)."),
+    "eval": ("bigclip.train.entry:eval_main", "Evaluate weights: retrieval and zero-shot, no training."),
     "demo": ("bigclip.demo.runner", "End-to-end demo on CPU: data, S3, 2-rank training, resume, retrieval."),
     "make-demo-data": ("bigclip.demo.data", "Write synthetic captioned-image webdataset shards."),
     "index-shards": (

@@ -1,8 +1,9 @@
 """Build the training argument parser from the config dataclasses, and parse into a TrainConfig.
 
 Precedence: dataclass defaults < `--config FILE.yaml` < command-line flags. OpenCLIP options
-bigclip refuses are declared from `bigclip.openclip_flags.REFUSED` and fail as they are parsed
-(`--help` leaves them out; `--help-openclip` lists them); OpenCLIP's other spellings of values are
+bigclip refuses are declared from `bigclip.openclip_flags.REFUSED` and fail as they are parsed;
+those that do not apply (`IGNORED`) are taken with their values and warned about once
+(`--help` leaves both out; `--help-openclip` lists them); OpenCLIP's other spellings of values are
 converted (or refused) by `resolve_value`. The help screens are `bigclip.cli_help`'s.
 """
 
@@ -86,6 +87,13 @@ class _Refuse(argparse.Action):
         raise ConfigError(openclip_flags.refusal(self.option_strings[0]))
 
 
+class _Ignore(argparse.Action):
+    """An OpenCLIP option that does not apply: its values are taken, one warning says why."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        openclip_flags.warn_ignored(self.option_strings[0])
+
+
 def _choices(f: dataclasses.Field) -> list[str] | None:
     """The field's choices plus OpenCLIP's spellings, which `resolve_value` converts or refuses."""
     choices = f.metadata.get("choices")
@@ -155,7 +163,7 @@ def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
     parser.add_argument("-h", "--help", nargs="?", const="", metavar="SECTION", action=_Help,
                         help="This screen, or one section of it.")  # fmt: skip
     parser.add_argument("--help-openclip", nargs=0, action=_HelpOpenclip,
-                        help="The OpenCLIP options bigclip refuses, with the reasons.")  # fmt: skip
+                        help="The OpenCLIP options bigclip refuses or ignores, with the reasons.")  # fmt: skip
     parser.add_argument(
         "--config", default=None, metavar="FILE.yaml", help="YAML file of options (flat or by section)."
     )
@@ -165,6 +173,8 @@ def build_parser(prog: str = "bigclip train") -> argparse.ArgumentParser:
             _add_field(group, f, owner)
     for flag in openclip_flags.REFUSED:  # not in --help: --help-openclip lists them
         parser.add_argument(flag, nargs="*", metavar="VALUE", action=_Refuse, help=argparse.SUPPRESS)
+    for flag in openclip_flags.IGNORED:  # no bigclip option takes a positional value: "*" is safe
+        parser.add_argument(flag, nargs="*", metavar="VALUE", action=_Ignore, help=argparse.SUPPRESS)
     return parser
 
 
@@ -188,6 +198,9 @@ def _load_yaml(path: str) -> dict[str, Any]:
 def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
     if flag_of(name) in openclip_flags.REFUSED:
         raise ConfigError(openclip_flags.refusal(flag_of(name)))
+    if flag_of(name) in openclip_flags.IGNORED:
+        openclip_flags.warn_ignored(flag_of(name))
+        return
     try:
         section = getattr(cfg, section_of(name))
     except KeyError:
@@ -195,9 +208,9 @@ def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
     setattr(section, name, openclip_flags.resolve_value(name, value))
 
 
-def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
+def parse_train_args(argv: list[str] | None = None, *, prog: str = "bigclip train") -> TrainConfig:
     """Parse flags (and an optional YAML file) into a validated TrainConfig."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     cfg = TrainConfig()
     if args.config:
@@ -218,21 +231,33 @@ def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def to_argv(cfg: TrainConfig) -> list[str]:
-    """The flags that reproduce `cfg` (non-default values only); used by script renderers."""
+    """The flags that reproduce `cfg` (non-default values only)."""
+    return [
+        word for flags in flags_by_section(cfg).values() for flag, values in flags for word in (flag, *values)
+    ]
+
+
+def flags_by_section(
+    cfg: TrainConfig, *, every: bool = False, skip: tuple[str, ...] = ()
+) -> dict[str, list[tuple[str, list[str]]]]:
+    """The flags that reproduce `cfg`, as (flag, its values) per section: the values other than the
+    defaults, or with `every` every field's (so the result does not depend on today's defaults), but
+    those named in `skip` and empty lists, which no flag spells (their flags take one value or more).
+    A renderer may write them one per line; `to_argv` joins them."""
     default = TrainConfig()
-    argv: list[str] = []
+    out: dict[str, list[tuple[str, list[str]]]] = {}
     for name, section in cfg.sections().items():
-        base = getattr(default, name)
+        base, flags = getattr(default, name), out.setdefault(name, [])
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            if value == getattr(base, f.name):
+            if f.name in skip or (not every and value == getattr(base, f.name)) or value == []:
                 continue
             if isinstance(value, bool):
-                argv.append(flag_of(f.name) if value else "--no-" + f.name.replace("_", "-"))
+                flags.append((flag_of(f.name) if value else "--no-" + f.name.replace("_", "-"), []))
             elif isinstance(value, list):
-                argv += [flag_of(f.name), *(str(v) for v in value)]
+                flags.append((flag_of(f.name), [str(v) for v in value]))
             elif isinstance(value, dict):
-                argv += [flag_of(f.name), *(f"{k}={v!r}" for k, v in value.items())]
+                flags.append((flag_of(f.name), [f"{k}={v!r}" for k, v in value.items()]))
             else:
-                argv += [flag_of(f.name), str(value)]
-    return argv
+                flags.append((flag_of(f.name), [str(value)]))
+    return out

@@ -3,8 +3,9 @@
 `--help`: one section per dataclass of TrainConfig, headed by its module docstring's first line,
 one entry per field: its flag, its help and its default (where it has one worth saying: not an
 empty text or list, not an off switch). `--help SECTION`: that section alone. `--help-openclip`:
-the OpenCLIP options bigclip refuses, each with the reason its refusal prints, and the other
-spellings bigclip takes. Each section fits one screen (tests/test_cli_help.py holds the budget).
+the OpenCLIP options bigclip refuses, each with the reason its refusal prints, those it ignores
+(with the reason its warning prints), and the other spellings bigclip takes. Each section fits
+one screen (tests/test_cli_help.py holds the budget).
 Torch-free, as the parser is: `--help` answers at once.
 """
 
@@ -72,13 +73,13 @@ def train_help(*, section: str = "", prog: str = "bigclip train", width: int = 0
     lines = [f"usage: {prog} [--config FILE.yaml] [--OPTION VALUE ...]", ""]
     for entry in (
         f"-h, --help [SECTION]  This screen, or one section of it: {', '.join(known)}.",
-        "--help-openclip  The OpenCLIP options bigclip refuses, with the reasons.",
+        "--help-openclip  The OpenCLIP options bigclip refuses or ignores, with the reasons.",
         "--config FILE.yaml  Options from a YAML file, flat or by section; the options given override it.",
     ):
         lines += _wrap(entry, width, indent="  ")
     for name in [section] if section else known:
         lines += ["", *section_help(name, width=width)]
-    return "\n".join([*lines, "", f"OpenCLIP's options that bigclip refuses: {prog} --help-openclip"])
+    return "\n".join([*lines, "", f"OpenCLIP options bigclip refuses or ignores: {prog} --help-openclip"])
 
 
 def section_help(name: str, *, width: int) -> list[str]:
@@ -119,8 +120,8 @@ def default_note(f: dataclasses.Field) -> str:
 
 
 def openclip_help(*, width: int = 0) -> str:
-    """OpenCLIP's options bigclip refuses (options sharing a reason together), the values it
-    refuses, and the other spellings it takes."""
+    """OpenCLIP's options bigclip refuses and those it ignores (options sharing a reason together),
+    the values it refuses, and the other spellings it takes."""
     width = width or columns()
     lines = _wrap("OpenCLIP options bigclip refuses; each fails as it is parsed, with this reason (exit code 2):",
                   width, indent="", hanging="")  # fmt: skip
@@ -128,6 +129,21 @@ def openclip_help(*, width: int = 0) -> str:
     for flag, why in openclip_flags.REFUSED.items():
         by_reason.setdefault(why, []).append(flag)
     for why, flags in by_reason.items():
+        lines += _wrap(" ".join(flags), width, indent="  ") + _wrap(why, width, indent=HANGING)
+    lines += [
+        "",
+        *_wrap(
+            "OpenCLIP options that do not apply to bigclip; each is taken, warned about once "
+            "and ignored (leaving it out changes no result):",
+            width,
+            indent="",
+            hanging="",
+        ),
+    ]
+    ignored: dict[str, list[str]] = {}
+    for flag, why in openclip_flags.IGNORED.items():
+        ignored.setdefault(why, []).append(flag)
+    for why, flags in ignored.items():
         lines += _wrap(" ".join(flags), width, indent="  ") + _wrap(why, width, indent=HANGING)
     lines += ["", "Values bigclip refuses, with the reason:"]
     for name, refused in openclip_flags.REFUSED_VALUES.items():

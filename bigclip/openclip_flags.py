@@ -1,14 +1,23 @@
-"""OpenCLIP trainer options that bigclip refuses, and OpenCLIP spellings converted to bigclip's.
+"""OpenCLIP trainer options that bigclip ignores or refuses, and OpenCLIP spellings converted to bigclip's.
 
 Every option of `open_clip_train.params` is either a field of the config dataclasses
-(`bigclip/config/`, same name and meaning) or listed here with why bigclip refuses it and
-what to use instead; `tests/test_openclip_flags.py` walks OpenCLIP's parser to keep it so.
-A refused flag is declared in the parser like any other (`--help` leaves it out, `--help-openclip`
-lists it with its reason), and giving it fails while the command line is parsed, before anything
-is built, exit code 2.
+(`bigclip/config/`, same name and meaning) or listed here, saying why it does not apply or why
+bigclip refuses it and what to use instead; `tests/test_openclip_flags.py` walks OpenCLIP's
+parser to keep it so. Listed flags are declared in the parser like any other (`--help` leaves them
+out, `--help-openclip` lists them with their reasons).
 
-Three kinds of entry:
-  REFUSED         flags with no bigclip meaning (DDP/Horovod, CSV data, CoCa, distillation...)
+The rule between the two lists: an option is IGNORED (one warning, then the run goes on as if it
+were not given) when leaving it out changes neither what is trained nor what is evaluated or
+saved: hints to machinery bigclip does not have (DDP, BatchNorm, TorchScript, timm optimizers,
+CoCa's loss, log display). It is REFUSED, failing while the command line is parsed (exit code 2,
+before anything is built), when ignoring it would silently change the results: other launchers
+(Horovod), other weights (--pretrained-image), another loss or model layout (distillation, CoCa
+models, NaFlex, custom text), other data (CSV, JSON captions, --max-image-pixels), another
+optimization (layer decay, --wd-exclude) or a memory plan the run relies on (--fsdp-offload-cpu).
+
+Four kinds of entry:
+  IGNORED         flags that do not apply to bigclip's runs: warned about once, then ignored
+  REFUSED         flags whose ignoring would change results (DDP/Horovod launch, distillation...)
   REFUSED_VALUES  values of accepted flags that bigclip does not implement (--precision bf16)
   VALUE_ALIASES   OpenCLIP's other spelling of a bigclip value (--precision amp_bfloat16)
 plus converters for flags that are aliases of a bigclip field with their own values
@@ -17,6 +26,8 @@ plus converters for flags that are aliases of a bigclip field with their own val
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from bigclip.errors import ConfigError
@@ -50,16 +61,6 @@ _JSON_TEXT = (
 # flag -> why it is refused and what to use instead (OpenCLIP 3.3.0's options and main's newer ones)
 REFUSED: dict[str, str] = {
     "--horovod": f"{_DDP}; launch with torchrun, srun or the deepspeed launcher",
-    "--ddp-static-graph": f"{_DDP} (FSDP2 per-block sharding needs no static-graph hint)",
-    "--use-bn-sync": "bigclip builds ViT towers, which have no BatchNorm to synchronise",
-    "--lock-image-freeze-bn-stats": (
-        "it freezes BatchNorm statistics, and bigclip's image towers are ViTs, which have none (their "
-        "LayerNorms freeze with --lock-image); drop the flag"
-    ),
-    "--csv-separator": _CSV,
-    "--csv-img-key": _CSV,
-    "--csv-caption-key": _CSV,
-    "--momentum": "it sets momentum for timm optimizers; bigclip uses AdamW (--optimizer adamw or adamw8bit)",
     "--pretrained-image": (
         "it loads timm ImageNet weights into timm image towers; bigclip builds OpenCLIP's ViT towers: "
         "use --pretrained with CLIP weights"
@@ -68,17 +69,10 @@ REFUSED: dict[str, str] = {
         "CustomTextCLIP (text tower under text.*) exists for Hugging Face text towers, which bigclip does "
         "not build; bigclip's models use CLIP's layout, which OpenCLIP loads as it is"
     ),
-    "--torchscript": "TorchScript is for inference export; for faster training use --torchcompile",
     "--trace": (
         "torch.jit.trace makes an inference-only model; bigclip trains: use --torchcompile for speed, and "
         "`bigclip consolidate` for weights to trace elsewhere"
     ),
-    "--copy-codebase": (
-        "bigclip runs as an installed package, not from a source tree; pin its version (pip install "
-        "bigclip==X); the run's resolved options are saved as config.yaml in the run folder"
-    ),
-    "--coca-caption-loss-weight": _COCA,
-    "--coca-contrastive-loss-weight": _COCA,
     "--distill-model": _DISTILL,
     "--distill-pretrained": _DISTILL,
     # OpenCLIP main (tests/data/openclip_main_params.json names the commit)
@@ -125,13 +119,8 @@ REFUSED: dict[str, str] = {
         ("--length-bucketing", "--bucket-chunk", "--bucket-pool", "--bucket-prefetch-pools"), _BUCKETS
     ),
     **dict.fromkeys(("--image-layer-decay", "--visual-layer-decay", "--text-layer-decay"), _LAYER_DECAY),
-    "--text-pooler-own-group": f"it places the text pooler in a layer-decay group; {_LAYER_DECAY}",
     "--json-text-key": _JSON_TEXT,
     "--json-text-key-probs": _JSON_TEXT,
-    "--fsdp-checkpoint": (
-        "bigclip always saves sharded (torch.distributed.checkpoint) checkpoints, which resume at any world size; "
-        "`bigclip consolidate` writes the full weights as safetensors"
-    ),
     "--fsdp-offload-cpu": (
         "FSDP2 CPU offload is not wired in; for optimizer or parameter offload use --engine deepspeed with a "
         "ds_config that has offload_optimizer/offload_param (see ds_configs/)"
@@ -141,21 +130,54 @@ REFUSED: dict[str, str] = {
         "bombs are skipped and counted; to drop large images by area, filter when making the shards "
         "(img2dataset --max_image_area)"
     ),
-    "--opt-fallback-list": (
-        "it routes parameters to the AdamW fallback of Muon-family timm optimizers; bigclip's optimizers are AdamW "
-        "(--optimizer adamw or adamw8bit) for every parameter"
-    ),
-    "--torchcompile-strategy": (
-        "bigclip compiles each residual block before sharding (--torchcompile), one strategy for both engines; "
-        "tune it with --torchcompile-mode and --torchcompile-backend"
-    ),
-    "--train-loss-ema-samples": (
-        "bigclip's log line shows the running average of the logged global losses since the epoch began (as "
-        "OpenCLIP 3.3.0); the per-step global loss is in the scalars (--log-metric-every-n-steps)"
-    ),
     "--wd-exclude": (
         "bigclip's weight-decay rule is OpenCLIP's default one, fixed (no decay for parameters of fewer than 2 "
         "dimensions or with bn, ln, bias or logit_scale in their name); extra patterns are not supported"
+    ),
+}
+
+# flag -> why it does not apply (what a user relying on it should know); see the module docstring.
+_NO_BATCHNORM = "bigclip builds ViT towers, which have no BatchNorm"
+IGNORED: dict[str, str] = {
+    "--ddp-static-graph": f"{_DDP} (FSDP2 per-block sharding needs no static-graph hint)",
+    "--use-bn-sync": f"{_NO_BATCHNORM} to synchronise",
+    "--lock-image-freeze-bn-stats": (
+        f"{_NO_BATCHNORM} statistics to freeze (their LayerNorms freeze with --lock-image)"
+    ),
+    **dict.fromkeys(
+        ("--csv-separator", "--csv-img-key", "--csv-caption-key"),
+        "it is read only with --dataset-type csv, which bigclip refuses (it reads webdataset shards, as "
+        "OpenCLIP does when these are given with webdataset data)",
+    ),
+    "--momentum": "it is passed only to timm optimizers (--opt timm/...); bigclip's AdamW has no momentum option",
+    "--torchscript": (
+        "TorchScript compiles the same computation; bigclip trains eager (or --torchcompile for speed), "
+        "with the same results"
+    ),
+    "--copy-codebase": (
+        "bigclip runs as an installed package, not from a source tree; the run's resolved options are "
+        "saved as config.yaml in the run folder (pin the version with pip install bigclip==X)"
+    ),
+    **dict.fromkeys(
+        ("--coca-caption-loss-weight", "--coca-contrastive-loss-weight"),
+        f"they weight CoCa's losses, read only for CoCa models: {_COCA}",
+    ),
+    "--text-pooler-own-group": "it places the text pooler in a layer-decay group, and bigclip has no layer decay",
+    "--fsdp-checkpoint": (
+        "bigclip always saves sharded (torch.distributed.checkpoint) checkpoints, which resume at any world "
+        "size; `bigclip consolidate` writes the full weights as safetensors"
+    ),
+    "--opt-fallback-list": (
+        "it routes parameters to the AdamW fallback of Muon-family timm optimizers; bigclip's optimizer is "
+        "AdamW for every parameter"
+    ),
+    "--torchcompile-strategy": (
+        "bigclip compiles each residual block before sharding (--torchcompile), one strategy for both "
+        "engines, with the same results; tune it with --torchcompile-mode and --torchcompile-backend"
+    ),
+    "--train-loss-ema-samples": (
+        "it smooths the loss shown in the log line; bigclip's line shows the running average of the logged "
+        "global losses since the epoch began (as OpenCLIP 3.3.0), and the per-step loss is in the scalars"
     ),
 }
 
@@ -222,6 +244,33 @@ def resolve_value(field_name: str, value: Any) -> Any:
 
 def refusal(flag: str) -> str:
     return f"{flag} is an OpenCLIP option bigclip does not take: {REFUSED[flag]}"
+
+
+def ignored_warning(flag: str) -> str:
+    return f"{flag} is an OpenCLIP option that does not apply to bigclip, ignored: {IGNORED[flag]}"
+
+
+_warned: set[str] = set()
+
+
+def warn_ignored(flag: str) -> None:
+    """Say once per process, on stderr, that `flag` is ignored; under a launcher, rank 0 alone
+    says it (every rank parses the same command line). Before logging starts, so also for
+    `bigclip slurm` and `bigclip plan`, which then leave the flag out of what they render."""
+    if flag in _warned or _launcher_rank() != 0:
+        return
+    _warned.add(flag)
+    print(f"bigclip: warning: {ignored_warning(flag)}", file=sys.stderr, flush=True)
+
+
+def _launcher_rank() -> int:
+    """This process's rank as torchrun/deepspeed (RANK) or srun (SLURM_PROCID) set it; 0 without one.
+    (bigclip.distributed reads the same variables, but imports torch.)"""
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 # OpenCLIP's `--use-bnb-linear` class names, mapped onto SwitchBack `--linear-kind`s.

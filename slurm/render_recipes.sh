@@ -2,9 +2,11 @@
 # Re-render the sbatch scripts checked in beside this file (tests/test_slurm.py checks that they
 # match): ViT-bigG-14 on 32, 64 and 128 nodes x 8 GPUs with FSDP2 and with DeepSpeed ZeRO-3, and a
 # small 1-node ViT-B-32 run. Usage, from the repository root: bash slurm/render_recipes.sh [OUT_DIR]
+# The jobs run in CHDIR (#SBATCH --chdir; their logs go to CHDIR/logs): the checked-in scripts name
+# a placeholder; render yours with CHDIR=/your/shared/folder (e.g. CHDIR="$PWD") and OUT_DIR.
 set -euo pipefail
 out="${1:-slurm}"
-bigclip=("${PYTHON:-python}" -m bigclip.cli slurm)
+bigclip=("${PYTHON:-python}" -m bigclip.cli slurm --chdir "${CHDIR:-/YOUR-SHARED-FS/bigclip}")
 
 # Data, checkpoints and logs live on S3; replace YOUR-BUCKET (and the shard list) with yours.
 # 100M samples per epoch x 390 epochs = 39B samples seen, at a global batch of 160 x GPUs.
@@ -17,7 +19,7 @@ bigg=(
     --save-every-n-steps 500 --async-save --remote-keep-last 3
     --log-every-n-steps 50 --remote-sync s3://YOUR-BUCKET/bigclip/logs
 )
-zero3=(--engine deepspeed --deepspeed-config ds_configs/zero3_vit_bigg.json)
+zero3=(--engine deepspeed --deepspeed-config zero3_vit_bigg)  # the name of the config bigclip ships
 
 for nodes in 32 64 128; do
     gpus=$((nodes * 8))

@@ -52,7 +52,13 @@ CASES = [
     row("consolidate-source-missing", "consolidate", "nope", "out.safetensors",
         says=("nope does not exist", "neither a weights file", "manifest.json")),
     row("consolidate-out-and-open-clip-dir", "consolidate", "notes.txt", "out.safetensors", "--open-clip-dir", "d",
-        says=("give OUT or --open-clip-dir DIR",)),
+        says=("give OUT, --open-clip-dir DIR or --transformers-dir DIR (one of them)",)),
+    row("consolidate-two-export-folders", "consolidate", "notes.txt", "--open-clip-dir", "d", "--transformers-dir", "e",
+        says=("give OUT, --open-clip-dir DIR or --transformers-dir DIR (one of them)",)),
+    row("consolidate-transformers-with-optimizer", "consolidate", "notes.txt", "--transformers-dir", "d",
+        "--with-optimizer", says=("--transformers-dir writes the model's weights, without optimizer state",)),
+    late("consolidate-transformers-siglip", "consolidate", "siglip.pt", "--transformers-dir", "hf", "--model", "tiny",
+         says=("learned logit bias (a SigLIP model)", "CLIPModel has no place", "--open-clip-dir")),
     row("consolidate-dtype-unknown", "consolidate", "notes.txt", "o.safetensors", "--dtype", "fp8",
         says=("--dtype", "invalid choice: 'fp8'")),
     row("consolidate-piece-size-unreadable", "consolidate", "notes.txt", "o.safetensors", "--piece-size", "1.2.3",
@@ -85,15 +91,19 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> Path:
+    import torch
+
     home = tmp_path_factory.mktemp("commands")
     (home / "notes.txt").write_text("not a folder\n")
+    # A SigLIP model's weights (a learned logit bias), which transformers' CLIPModel cannot hold.
+    torch.save({"logit_scale": torch.zeros(()), "logit_bias": torch.zeros(())}, home / "siglip.pt")
     return home
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_command_option(case: Case, home: Path) -> None:
     check(case, cwd=home, protect=[home])
-    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "siglip.pt"]
 
 
 def test_flag_settled_refusals_import_no_torch(home: Path) -> None:
@@ -123,4 +133,4 @@ def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(args: tuple[str,
         os.close(write)
     argparse_help = args[0] not in ("train", "models") and args[1:] == ("--help",)
     assert (done.returncode, done.stderr) == (0 if argparse_help else 141, "")
-    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "siglip.pt"]

@@ -24,6 +24,10 @@ DATA = "data/train/{00000..00001}.tar"
 # Importing torch and DeepSpeed alone takes 4-6 s on a busy 2-core box; the check itself is instant.
 DEEPSPEED_S = 10.0
 BASE = ("--model", "tiny", "--train-data", DATA, "--logs", "logs", "--name", "fresh")
+VAL = "data/val/{00000..00000}.tar"
+EVAL = ("--model", "tiny", "--val-data", VAL, "--logs", "logs", "--name", "fresh")
+# Refused once the process group and the run's checkpoint folder are up (torch imported, no model built).
+SET_UP_S = 15.0
 
 
 def train(name: str, *flags: str, says: tuple[str, ...], base: tuple[str, ...] = BASE, **kw) -> Case:
@@ -96,7 +100,13 @@ CASES = [
     train("config-missing", "--config", "missing.yaml", says=("--config missing.yaml: file not found",)),
     train("config-not-a-mapping", "--config", "list.yaml", says=("--config list.yaml", "mapping")),
     train("config-unknown-option", "--config", "unknown.yaml", says=("unknown option 'learning_rate'",)),
-    train("no-train-data", says=("--train-data is empty", "/data/{00000..00099}.tar"), base=("--logs", "logs")),
+    train("no-train-data", says=("--train-data is empty", "/data/{00000..00099}.tar", "--val-data"),
+          base=("--logs", "logs")),
+    # Without --train-data a run evaluates (OpenCLIP's way): it needs weights and an evaluation that runs.
+    train("eval-only-no-weights", says=("no --train-data", "no weights to evaluate", "--pretrained", "--resume"),
+          base=EVAL),
+    train("eval-only-frequency-zero", "--pretrained", "w.safetensors", "--val-frequency", "0",
+          says=("--val-frequency 0", "--val-data would never be evaluated"), base=EVAL),
     train("empty-train-data", "--train-data", "", says=("--train-data is empty",)),
     train("int-flag-float", "--epochs", "1.5", says=("--epochs", "invalid int value: '1.5'")),
     train("missing-value", "--lr", says=("--lr", "expected one argument")),
@@ -115,6 +125,25 @@ CASES = [
           "--batch-size", "8", says=('"train_micro_batch_size_per_gpu": 4 contradicts --batch-size (8)',),
           max_s=DEEPSPEED_S),
 ]  # fmt: skip
+
+EVAL_COMMAND = [  # `bigclip eval`: the evaluation-only run by name
+    Case("eval-nothing-given", bigclip("eval", "--logs", "logs", "--name", "fresh"),
+         ("nothing to evaluate on", "--val-data", "--imagenet-val", "the weights: --pretrained or --resume")),
+    Case("eval-no-data", bigclip("eval", "--model", "tiny", "--pretrained", "w.safetensors", "--logs", "logs"),
+         ("nothing to evaluate on", "--val-data SHARDS", "--imagenet-val DIR")),
+    Case("eval-no-weights", bigclip("eval", *EVAL), ("no weights to evaluate", "--pretrained", "--resume")),
+    Case("eval-with-train-data", bigclip("eval", *BASE, "--val-data", VAL, "--pretrained", "w.safetensors"),
+         ("--train-data", "bigclip eval only evaluates weights", "bigclip train")),
+    Case("eval-resume-latest-finds-none", bigclip("eval", *EVAL, "--resume", "latest"),
+         ("--resume latest", "holds no committed checkpoint", "--resume PATH", "--pretrained"), max_s=SET_UP_S),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", EVAL_COMMAND, ids=[c.name for c in EVAL_COMMAND])
+def test_bad_eval_command(case: Case, home: Path) -> None:
+    check(case, cwd=home, protect=[home])
+    assert not (home / "logs" / "fresh").exists()
+
 
 NO_GPU = [
     train(

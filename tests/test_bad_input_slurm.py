@@ -1,6 +1,7 @@
 """Bad `bigclip slurm` renderings: contradictions between the time limit, the signal and the planned
-checkpoint, no data, a plan that does not fit, and `-o` paths, each one line before anything is
-written (an existing script stays as it was).
+checkpoint, no data, a plan that does not fit (with the advice for its largest term), a requeue cap
+or working directory that cannot be, and `-o` paths, each one line before anything is written (an
+existing script stays as it was).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ CASES = [
           says=("GiB per GPU, more than --gpu-memory-gib 80", "--grad-checkpointing", "--force"), max_s=PLAN_S),
     slurm("plan-does-not-fit-small-gpu", *DATA, "--model", "ViT-L-14", "--batch-size", "256",
           "--gpu-memory-gib", "16", says=("more than --gpu-memory-gib 16", "bigclip plan"), max_s=PLAN_S),
+    slurm("plan-does-not-fit-loss", *DATA, "--model", "ViT-bigG-14", "--batch-size", "160", "--grad-checkpointing",
+          job=("--nodes", "128", "--gpus-per-node", "8"),
+          says=("its largest term is the loss buffers", "--loss-chunk-size 1024 (peak", "--force"), max_s=PLAN_S),
+    slurm("max-requeues-negative", *DATA, "--max-requeues", "-1", says=("--max-requeues -1", "give 1 or more")),
+    slurm("chdir-with-space", *DATA, "--chdir", "/my jobs", says=("--chdir '/my jobs'", "no spaces")),
     slurm("output-exists", *DATA, "-o", "job.sbatch", says=("-o job.sbatch: the file exists", "--force")),
     slurm("output-is-a-folder", *DATA, "-o", "scripts", says=("-o scripts: a folder", "scripts/job.sbatch")),
     slurm("output-under-a-file", *DATA, "-o", "notes.txt/job.sbatch",

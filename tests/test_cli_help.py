@@ -20,7 +20,7 @@ import pytest
 from bigclip import cli_help
 from bigclip.cli_args import build_parser, parse_train_args
 from bigclip.errors import ConfigError
-from bigclip.openclip_flags import REFUSED, REFUSED_VALUES, refusal, resolve_value
+from bigclip.openclip_flags import IGNORED, REFUSED, REFUSED_VALUES, refusal, resolve_value
 
 SCREEN_COLUMNS, SECTION_LINES = 100, 40
 SECTIONS = cli_help.sections()
@@ -112,6 +112,9 @@ def test_no_refused_option_is_in_help_and_each_is_in_help_openclip_with_its_reas
         with pytest.raises(ConfigError) as refused:  # still refused, with that reason
             parse_train_args([flag])
         assert str(refused.value) == refusal(flag) and str(refused.value).endswith(why)
+    for flag, why in IGNORED.items():
+        assert not mentions(help_text, flag), flag
+        assert mentions(listed, flag) and flat(why) in listed, flag
     for name, values in REFUSED_VALUES.items():
         for value, why in values.items():
             assert f"--{name.replace('_', '-')} {value} {flat(why)}" in listed

@@ -20,6 +20,7 @@ from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, noise_image_byt
 from bigclip.data import build_train_loader
 from bigclip.data.batching import WorkerOrder
 from bigclip.data.decode import decode_image
+from bigclip.data.resume.rank_state import merge_rank_states
 from bigclip.data.transforms import train_transform
 from bigclip.distributed import spawn
 from bigclip.errors import DataError
@@ -35,8 +36,9 @@ def dataset(tmp_path_factory):
     return write_dataset(root, SIZES, compressed=(3,), bad_every=6, textured=True)
 
 
-def run_epoch(rank, world_size, pattern, *, workers, position=None, resampled=False, max_steps=0):
-    """Batches (keys, images, texts), the position after each step, and the one after the loop."""
+def run_epoch(rank, world_size, pattern, *, workers, position=None, resampled=False, max_steps=0, own=False):
+    """Batches (keys, images, texts), the position after each step, and the one after the loop;
+    with `own`, this rank's own state (rank_state) in place of the gathered position."""
     cfg = data_config(
         pattern, workers=workers, batch_size=BATCH, dataset_resampled=resampled, train_num_samples=sum(SIZES)
     )
@@ -51,9 +53,9 @@ def run_epoch(rank, world_size, pattern, *, workers, position=None, resampled=Fa
         if batch is None:
             break
         batches.append((batch.keys, batch.images, batch.texts))
-        positions.append(loader.state_dict())  # collective: every rank is at the same step
+        positions.append(loader.rank_state() if own else loader.state_dict())  # state_dict: collective
     loader.close()
-    return batches, positions, loader.state_dict()
+    return batches, positions, loader.rank_state() if own else loader.state_dict()
 
 
 def same_batches(a, b) -> bool:
@@ -62,24 +64,29 @@ def same_batches(a, b) -> bool:
     )
 
 
-def resume_from_every_step(rank, world_size, pattern, options):
-    """Worker: the uninterrupted epoch, then a resume from each of its positions; what differed."""
+def resume_from_every_step(rank, world_size, pattern, options, kinds=("position",)):
+    """Worker: the uninterrupted epoch, then a resume from each of its positions (kind "position":
+    the gathered ones; "own": each rank's own state); what differed."""
     batches, positions, final = run_epoch(rank, world_size, pattern, **options)
+    own_states = (
+        run_epoch(rank, world_size, pattern, own=True, **options)[1:] if "own" in kinds else ([], None)
+    )
     differed = {}
-    for k, position in enumerate(positions, start=1):
-        rest, rest_positions, rest_final = run_epoch(rank, world_size, pattern, position=position, **options)
-        checks = {
-            "batches": same_batches(rest, batches[k:]),
-            "positions": rest_positions == positions[k:],
-            "final": rest_final == final,
-        }
-        if not all(checks.values()):
-            differed[k] = [name for name, ok in checks.items() if not ok]
+    for kind, own, (saved, last) in (("position", False, (positions, final)), ("own", True, own_states)):
+        for k, position in enumerate(saved if kind in kinds else [], start=1):
+            rest, rest_saved, rest_last = run_epoch(
+                rank, world_size, pattern, position=position, own=own, **options
+            )
+            checks = {"batches": same_batches(rest, batches[k:]), "saved": rest_saved == saved[k:],
+                      "final": rest_last == last}  # fmt: skip
+            if not all(checks.values()):
+                differed[(kind, k)] = [name for name, ok in checks.items() if not ok]
     replanned = run_epoch(rank, world_size, pattern, position=strip_stream(positions[0]), **options)[0]
     return {
         "steps": len(batches),
         "differed": differed,
         "positions": positions,
+        "own_states": own_states[0],
         "replanned_differs": not same_batches(replanned, batches[1:]),
     }
 
@@ -110,12 +117,18 @@ def test_crops_show_in_the_test_images():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_resume_at_the_same_settings_continues_the_exact_stream(dataset, workers):
-    results = spawn(resume_from_every_step, 2, dataset, {"workers": workers}, timeout_s=300)
+@pytest.mark.parametrize(
+    "workers, kinds", [(1, ("position",)), (2, ("own",)), (3, ("position", "own"))]
+)  # resumed from the gathered position (as checkpoints before per-rank states), from each rank's own state
+def test_resume_at_the_same_settings_continues_the_exact_stream(dataset, workers, kinds):
+    results = spawn(resume_from_every_step, 2, dataset, {"workers": workers}, kinds, timeout_s=300)
     assert [r["differed"] for r in results] == [{}, {}]
     steps = results[0]["steps"]
     assert steps >= 8 and results[1]["steps"] == steps
+    if "own" in kinds:  # every rank's own states merge into the gathered position, at every step
+        for k, position in enumerate(results[0]["positions"]):
+            merged = merge_rank_states([r["own_states"][k] for r in results])
+            assert merged == strip_stream(position)
     assert all(r["replanned_differs"] for r in results)  # without the stream state the order changes
     cases = stream_cases(results[0]["positions"], 2)
     assert any(k < steps for k in cases["mid_shard"])
@@ -128,7 +141,7 @@ def test_resume_at_the_same_settings_continues_the_exact_stream(dataset, workers
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.slow
 def test_resume_in_one_process_continues_the_exact_stream(dataset, workers):
-    result = resume_from_every_step(0, 1, dataset, {"workers": workers})
+    result = resume_from_every_step(0, 1, dataset, {"workers": workers}, ("position", "own"))
     assert result["differed"] == {} and result["steps"] >= 20 and result["replanned_differs"]
 
 
@@ -143,7 +156,8 @@ def test_a_replanned_stream_continues_exactly_from_its_own_origin(dataset):
 
 @pytest.mark.slow
 def test_resampled_stream_continues_exactly_at_the_same_settings(dataset):
-    result = resume_from_every_step(0, 1, dataset, {"workers": 2, "resampled": True, "max_steps": 12})
+    options = {"workers": 2, "resampled": True, "max_steps": 12}
+    result = resume_from_every_step(0, 1, dataset, options, ("position", "own"))
     assert result["differed"] == {} and result["steps"] == 12
 
 

@@ -1,7 +1,8 @@
 """Exact resume of the data stream across world sizes and worker counts, with real processes over gloo.
 
-Phase 1 consumes a few steps at N ranks and gathers the position; phase 2 resumes it at M
-ranks (other worker counts) and runs to the end of the epoch; phase 3 drains, on one rank
+Phase 1 consumes a few steps at N ranks and merges the position from every rank's own state
+(checked equal to the one the ranks gather); phase 2 resumes it at M ranks (other worker
+counts) and runs to the end of the epoch; phase 3 drains, on one rank
 with batch size 1, whatever the end-of-epoch rule left. Across the three phases every valid
 sample must appear exactly once: nothing seen twice, nothing lost, and what phase 2's end
 rule dropped is exactly what its final position still lists as unconsumed.
@@ -17,6 +18,7 @@ from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, valid_keys, wri
 from bigclip.data import build_train_loader, validate_data
 from bigclip.data.resume.assignment import draw_shard
 from bigclip.data.resume.position import decode_bitmap
+from bigclip.data.resume.rank_state import merge_rank_states
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError, DataError
 
@@ -53,6 +55,7 @@ def run_phase(
     return {
         "keys": keys,
         "state": loader.state_dict(),
+        "rank_state": loader.rank_state(),
         "steps": loader.steps,
         "skipped": loader.stats.skipped_total,
     }
@@ -63,14 +66,19 @@ def spawned_phase(rank, world_size, pattern, options):
 
 
 def run_ranks(world_size, pattern, **options):
-    """All ranks' keys, the gathered position and the step count; a world of one runs in this process."""
+    """All ranks' keys, the position and the step count; a world of one runs in this process.
+
+    The position is the one merged from every rank's own state (no collective), checked equal to the
+    one the ranks gathered (less its stream state, which a resume at another world size ignores)."""
     if world_size == 1:
         results = [run_phase(0, 1, pattern, **options)]
     else:
         results = spawn(spawned_phase, world_size, pattern, options, timeout_s=240)
     assert all(r["state"] == results[0]["state"] for r in results), "ranks disagree on the gathered position"
     assert len({r["steps"] for r in results}) == 1, "ranks took different numbers of steps"
-    return [k for r in results for k in r["keys"]], results[0]["state"], results[0]["steps"]
+    merged = merge_rank_states([r["rank_state"] for r in reversed(results)])  # any order
+    assert merged == {k: v for k, v in results[0]["state"].items() if k != "stream"}
+    return [k for r in results for k in r["keys"]], merged, results[0]["steps"]
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def test_engines_and_linear_kinds_see_models_only_through_the_contract():
 
 
 # What of models/ the planner (plan/) and consolidation (weights/consolidate*.py and its OpenCLIP
-# export) may import, with the reason: the contract's static half, which describes a model by its
+# and transformers exports) may import, with the reason: the contract's static half, which describes a model by its
 # --model name without torch and without building it.
 STATIC_CONTRACT = {
     "bigclip.models.shape": "ModelShape and its parts, ModelOptions, ModelFamily: what a model is",
@@ -196,7 +196,10 @@ MODEL_BUILDERS = {  # (importer, imported): why it builds the real model
     ("bigclip.plan.dryrun", "bigclip.models.from_config"): "the dry run builds the model the training loop "
     "builds, through the same entry (build_model, model_factory), and shards it with the real engines",
 }
-SEES_MODELS_STATICALLY = ("bigclip.plan", "bigclip.weights.consolidate", "bigclip.weights.open_clip_export")
+SEES_MODELS_STATICALLY = (
+    "bigclip.plan", "bigclip.weights.consolidate", "bigclip.weights.open_clip_export",
+    "bigclip.weights.transformers_export",
+)  # fmt: skip
 
 
 def test_the_planner_and_consolidation_see_models_only_through_the_static_contract():

@@ -60,7 +60,6 @@ def test_text_layer_norms_stay_trainable_unless_frozen():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--lock-image", "--lock-image-freeze-bn-stats"], "ViTs, which have none"),
         (["--lock-image-unlocked-groups", "2"], "only with --lock-image"),
         (["--lock-text-unlocked-layers", "1"], "only with --lock-text"),
         (["--lock-text-freeze-layer-norm"], "only with --lock-text"),

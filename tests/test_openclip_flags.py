@@ -9,6 +9,8 @@ support/openclip_main.py to regenerate it). A new OpenCLIP option fails here unt
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -21,7 +23,7 @@ from bigclip.cli_args import build_parser, parse_train_args
 from bigclip.cli_help import openclip_help
 from bigclip.config import TrainConfig, section_of
 from bigclip.errors import ConfigError
-from bigclip.openclip_flags import REFUSED, REFUSED_VALUES
+from bigclip.openclip_flags import IGNORED, REFUSED, REFUSED_VALUES, ignored_warning
 
 # Declared by work merged separately (issue 12 part B; the data-path and checkpoint branches).
 PENDING = {
@@ -109,7 +111,8 @@ def test_openclip_has_the_options_this_test_was_written_for():
     assert len(flags) >= 90 and {"--dataset-type", "--horovod", "--precision"} <= flags
     main = {s for a in MAIN_OPTIONS for s in a.option_strings}
     assert len(MAIN_COMMIT) == 40 and len(MAIN_OPTIONS) >= 140 and {"--fsdp", "--use-naflex"} <= main
-    assert set(REFUSED) <= flags | main and set(PENDING) <= flags  # no refusal of an option nobody has
+    assert set(REFUSED) | set(IGNORED) <= flags | main and set(PENDING) <= flags  # none that nobody has
+    assert not set(REFUSED) & set(IGNORED)
 
 
 @pytest.mark.parametrize(("flag", "argv", "value"), cases(), ids=lambda x: x if isinstance(x, str) else "")
@@ -144,6 +147,9 @@ def test_defaults_that_matter_are_openclip_mains():
 
 
 def accepted_or_refused(flag: str, argv: list[str], value: str | None) -> None:
+    if flag in IGNORED:  # taken with its value and ignored: the config is the default one
+        assert parse_train_args(argv).to_dict() == parse_train_args([]).to_dict()
+        return
     if flag in REFUSED or value in REFUSED_VALUES.get(flag.removeprefix("--").replace("-", "_"), {}):
         with pytest.raises(ConfigError) as refused:
             parse_train_args(argv)
@@ -173,10 +179,53 @@ def check_meaning(cfg: TrainConfig, flag: str, argv: list[str], value: str | Non
 def test_refused_flags_are_declared_once_and_listed_by_help_openclip():
     text = openclip_help()
     declared = build_parser()._option_string_actions
-    for flag in REFUSED:
+    for flag in [*REFUSED, *IGNORED]:
         assert flag in text and flag in declared
     fields = {f for s in TrainConfig().sections().values() for f in vars(s)}
-    assert not {f.removeprefix("--").replace("-", "_") for f in REFUSED} & fields
+    assert not {f.removeprefix("--").replace("-", "_") for f in [*REFUSED, *IGNORED]} & fields
+
+
+IGNORED_RUN = ["--ddp-static-graph", "--use-bn-sync", "--momentum", "0.9", "--csv-separator", ",",
+               "--coca-caption-loss-weight", "2.0", "--ddp-static-graph", "--lock-image", "--lock-image-freeze-bn-stats"]  # fmt: skip
+
+
+def test_flags_that_do_not_apply_warn_once_each_on_rank_0_and_change_nothing(tmp_path):
+    """A command line with OpenCLIP's DDP and BatchNorm flags (one given twice) trains as without
+    them; each is named once on stderr, with why, and only by rank 0 of a launch."""
+    (tmp_path / "run.yaml").write_text("use_bn_sync: true\ntorchscript: true\n")
+    code = (
+        "import sys; from bigclip.cli_args import parse_train_args as p; import json;"
+        "print(json.dumps(p(sys.argv[1:]).to_dict()))"
+    )  # fmt: skip
+    argv = [
+        sys.executable,
+        "-c",
+        code,
+        "--config",
+        str(tmp_path / "run.yaml"),
+        "--model",
+        "tiny",
+        *IGNORED_RUN,
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")}
+    rank0 = subprocess.run(argv, capture_output=True, text=True, check=True, env=env, timeout=60)
+    lines = rank0.stderr.splitlines()
+    named = [
+        "--ddp-static-graph",
+        "--use-bn-sync",
+        "--momentum",
+        "--csv-separator",
+        "--coca-caption-loss-weight",
+        "--lock-image-freeze-bn-stats",
+        "--torchscript",
+    ]  # the flags, then the file (read after them)
+    assert lines == [f"bigclip: warning: {ignored_warning(flag)}" for flag in named], lines
+    expected = parse_train_args(["--model", "tiny", "--lock-image"]).to_dict()
+    assert json.loads(rank0.stdout) == expected  # nothing of them reached the run's config
+    rank1 = subprocess.run(
+        argv, capture_output=True, text=True, check=True, env={**env, "RANK": "1"}, timeout=60
+    )
+    assert rank1.stderr == "" and json.loads(rank1.stdout) == expected
 
 
 def test_openclips_distributed_guide_command_parses():
@@ -251,3 +300,57 @@ def test_log_local_and_debug_choose_who_logs_and_how_much(tmp_path):
     node_master.debug("hello from rank 8")
     assert "hello from rank 8" in (tmp_path / "out-8.log").read_text()
     assert setup_logging(rank=9, local_rank=1, log_local=True).level == logging.WARNING
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["--use-bnb-linear", "SwitchBackLinearGlobal"], {},
+         "linear kind switchback-global: SwitchBack int8 (global quantisation) in every block's MLP linears "
+         "(attention stays 16-bit); int8 matmuls on the PyTorch path (torch._int_mm): Triton runs on CUDA "
+         "tensors, and this run computes on the CPU"),
+        (["--int8", "switchback-vectorwise", "--int8-attention", "--device", "cuda"],
+         {"BIGCLIP_SWITCHBACK_BACKEND": "torch"},
+         "linear kind switchback-vectorwise: SwitchBack int8 (vectorwise quantisation) in every block's MLP "
+         "and attention linears; int8 matmuls on the PyTorch path (torch._int_mm): BIGCLIP_SWITCHBACK_BACKEND=torch"),
+        (["--linear-kind", "fp8-rowwise"], {},
+         "linear kind fp8-rowwise: torchao float8 (rowwise scales) in every block's MLP and attention linears; "
+         "emulated on the CPU (torchao's casts, high-precision matmuls)"),
+    ],
+    ids=["use-bnb-linear", "forced-torch-path", "fp8"],
+)  # fmt: skip
+def test_the_linear_kind_and_its_path_are_logged_once(monkeypatch, argv, env, expected):
+    """OpenCLIP's --use-bnb-linear (and --int8, --linear-kind) say at start which kind runs where."""
+    import logging
+
+    from bigclip.models import from_config
+
+    if expected.startswith("linear kind fp8"):
+        pytest.importorskip("torchao", reason="--linear-kind fp8-* needs torchao (bigclip[fp8])")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(from_config, "_said", set())
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("bigclip.models")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    try:
+        cfg = parse_train_args(["--model", "tiny", *argv])
+        for _ in range(2):  # ZeRO-3 builds the model again on the device: still one line
+            from_config.build_model(cfg)
+    finally:
+        logger.removeHandler(handler)
+    assert records == [expected]
+
+
+def test_the_triton_path_is_named_with_its_version(monkeypatch):
+    triton = pytest.importorskip("triton", reason="SwitchBack's Triton kernels need triton (bigclip[int8])")
+    from bigclip.ops.int8.custom_ops import describe_path
+
+    monkeypatch.setenv("BIGCLIP_SWITCHBACK_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert describe_path("cpu") == (
+        f"bigclip's Triton kernels (triton {triton.__version__}) under Triton's CPU interpreter (TRITON_INTERPRET=1)"
+    )

@@ -17,7 +17,7 @@ from bigclip.cli_args import parse_train_args
 from bigclip.distributed import spawn
 from bigclip.engines.optim import make_optimizer, param_groups
 from bigclip.errors import ConfigError
-from bigclip.train.evaluate import retrieval_top1
+from bigclip.train.evaluate import retrieval_metrics
 
 RECORDER = "bigclip_test_recorder"
 
@@ -121,12 +121,13 @@ def test_chunked_retrieval_scores_equal_the_whole_matrix():
     torch.manual_seed(0)
     image = torch.nn.functional.normalize(torch.randn(50, 8), dim=1)
     text = torch.nn.functional.normalize(image + 0.8 * torch.randn(50, 8), dim=1)
-    text[7] = text[3]  # a tie: argmax keeps the first, chunked or not
-    whole = retrieval_top1(image, text, chunk_size=0)
-    assert 0 < whole["image_to_text_R@1"] < 1
+    text[7] = text[3]  # a tie: the lower index ranks first (argmax's order), chunked or not
+    whole = retrieval_metrics(image, text, logit_scale=10.0, batch_size=16, chunk_size=0)
+    assert 0 < whole["image_to_text_R@1"] < whole["image_to_text_R@5"] < 1
     for chunk in (1, 7, 50, 4096):
-        assert retrieval_top1(image, text, chunk_size=chunk) == whole
-    half = retrieval_top1(image.bfloat16(), text.bfloat16(), chunk_size=7, fp32=False)  # 'model' precision
+        assert retrieval_metrics(image, text, logit_scale=10.0, batch_size=16, chunk_size=chunk) == whole
+    half = retrieval_metrics(image.bfloat16(), text.bfloat16(), logit_scale=10.0, batch_size=16, chunk_size=7,
+                             fp32=False)  # 'model' precision  # fmt: skip
     assert half["num_samples"] == 50
     cfg = parse_train_args(["--val-retrieval-chunk-size", "0", "--val-retrieval-precision", "model"])
     assert (cfg.data.val_retrieval_chunk_size, cfg.data.val_retrieval_precision) == (0, "model")

@@ -198,3 +198,70 @@ def test_selective_checkpointing_is_priced_between_none_and_full() -> None:
         + tokens_times_layers
         + one_block
     )
+
+
+def _advice(argv: list[str], gpus: int, memory_gib: float = 80.0):
+    from bigclip.plan.advice import advise
+
+    plan = build_plan(
+        from_train_config(parse_train_args(argv), gpus=gpus), Hardware(gpu_memory_gib=memory_gib)
+    )
+    assert not plan.fits
+    return plan, advise(plan, build_plan)
+
+
+BIGG_CKPT = ["--model", "ViT-bigG-14", "--grad-checkpointing"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "gpus", "memory", "term", "first", "never"),
+    [
+        # OpenCLIP's loss at a global batch of 163,840: ~400 GiB of logits; more GPUs would grow them.
+        ([*BIGG_CKPT, "--batch-size", "160"], 1024, 80, "loss buffers", "--loss-chunk-size 1024",
+         ("--grad-checkpointing", "twice the GPUs")),
+        (["--model", "ViT-bigG-14", "--batch-size", "512"], 1, 80, "activations", "--grad-checkpointing", ()),
+        ([*BIGG_CKPT, "--batch-size", "1", "--loss-chunk-size", "64"], 1, 24, "model state", "twice the GPUs",
+         ("--grad-checkpointing",)),
+    ],
+    ids=["loss", "activations", "model-state"],
+)  # fmt: skip
+def test_advice_follows_the_largest_term_and_each_remedy_is_replanned(argv, gpus, memory, term, first, never):
+    plan, advice = _advice(argv, gpus, memory)
+    assert advice.largest[0] == advice.term[0] == term
+    m = plan.memory
+    sizes = {"loss buffers": m.loss_buffers, "activations": m.activations + m.backward_workspace}
+    assert advice.largest[1] == sizes.get(term, advice.largest[1])
+    assert advice.remedies[0][0].startswith(first) and advice.remedies[0][2]  # the best one fits
+    for flags, peak, fits in advice.remedies:
+        assert not flags.startswith(never), flags
+        other = parse_train_args([*argv, *flags.split(" (")[0].split()]) if flags.startswith("--") else None
+        if other is not None:  # the peak said is the plan of the flags said
+            replanned = build_plan(from_train_config(other, gpus=gpus), Hardware(gpu_memory_gib=memory))
+            assert (replanned.memory.peak, replanned.fits) == (peak, fits)
+
+
+def test_plan_prints_the_advice_the_run_time_and_gpu_hours(capsys: pytest.CaptureFixture) -> None:
+    argv = ["--gpus", "1024", *BIGG_CKPT, "--batch-size", "160", "--train-num-samples", "100000000",
+            "--epochs", "390"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    advice = out.split("does not fit: ")[1]
+    assert advice.startswith("its largest term is the loss buffers") and "--loss-chunk-size 1024" in advice
+    assert "--grad-checkpointing" not in advice and "GPUs" not in advice
+    assert main([*argv, "--loss-chunk-size", "1024", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    steps = 390 * (100_000_000 // (160 * 1024))  # the loop's steps per epoch, every epoch
+    assert plan["optimizer_steps"] == steps and not plan["steps_bounded"]
+    assert plan["run_time_s"] == pytest.approx(steps * plan["step_time_s"])
+    assert plan["gpu_hours"] == pytest.approx(plan["run_time_s"] * 1024 / 3600)
+    assert main([*argv, "--loss-chunk-size", "1024"]) == 0
+    text = capsys.readouterr().out
+    assert f"optimizer steps              {steps:,}" in text and "does not fit" not in text
+    assert f"{plan['gpu_hours']:,.0f} (1,024 GPUs)" in text
+    # --max-steps ends it first; without --train-num-samples it is an upper bound; with neither, unknown.
+    for extra, expected in ((["--max-steps", "1000"], 1000), (["--train-num-samples", "0", "--max-steps", "50"], 50),
+                            (["--train-num-samples", "0"], None)):  # fmt: skip
+        assert main([*argv, "--loss-chunk-size", "1024", *extra, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["optimizer_steps"] == expected
+    assert main([*argv, "--loss-chunk-size", "1024", "--train-num-samples", "0"]) == 0
+    assert "unknown: give --train-num-samples" in capsys.readouterr().out

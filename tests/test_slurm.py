@@ -1,10 +1,13 @@
 """sbatch scripts: shellcheck-clean, their resources right with and without GPU GRES, their training
-command accepted by bigclip's parser, torchrun's shutdown timeout from the planned checkpoint time,
-the checked-in ones in sync with the renderer, and the DeepSpeed-launcher script's command line.
+command accepted by bigclip's parser with every option explicit and every path absolute against
+the job's --chdir, torchrun's shutdown timeout from the planned checkpoint time, the plan's advice
+when it does not fit, the checked-in ones in sync with the renderer, and the DeepSpeed-launcher
+script's command line.
 (The script's signal and requeue logic: test_slurm_script.py; under a real Slurm: test_slurm_cluster.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -15,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from bigclip.cli_args import parse_train_args
+from bigclip.cli_help import flag_of
+from bigclip.config import TrainConfig
 from bigclip.errors import ConfigError
 from bigclip.launch.slurm import main as slurm_main
 
@@ -58,10 +63,26 @@ def test_rendered_script_passes_shellcheck_and_its_command_parses(
     assert f"#SBATCH --nodes={nodes}\n" in text and "#SBATCH --requeue\n" in text
     assert "#SBATCH --signal=USR1@600\n" in text and "#SBATCH --partition=gpu\n" in text
     assert f"#SBATCH --ntasks-per-node={8 if launcher == 'srun' else 1}\n" in text
-    cfg = parse_train_args(train_args_of(script))
+    words = train_args_of(script)
+    cfg = parse_train_args(words)
     assert cfg.model.model == "ViT-bigG-14" and cfg.data.batch_size == 160 and cfg.model.grad_checkpointing
     assert cfg.checkpoint.resume == "latest" and cfg.log.name  # what a requeued job needs
     assert f'RUN_DIR="{cfg.log.logs}/{cfg.log.name}"' in text
+    assert f"#SBATCH --chdir={Path.cwd()}\n" in text and cfg.log.logs == str(Path.cwd() / "logs")
+    assert_every_option_is_given(words, cfg)
+
+
+def assert_every_option_is_given(words: list[str], cfg: TrainConfig) -> None:
+    """Each field of every config section has its flag in TRAIN_ARGS (so no default decides what the
+    job does), but the launcher's --local-rank and empty lists, which no flag can spell."""
+    given = {w for w in words if w.startswith("--")}
+    for section in cfg.sections().values():
+        for f in dataclasses.fields(section):
+            spelled = {flag_of(f.name), "--no-" + f.name.replace("_", "-")}
+            if f.name == "local_rank" or getattr(section, f.name) == []:
+                assert not spelled & given, f.name
+            else:
+                assert spelled & given, f"{flag_of(f.name)} is not in TRAIN_ARGS"
 
 
 @pytest.mark.slow
@@ -74,6 +95,11 @@ def test_checked_in_scripts_are_what_the_renderer_makes(tmp_path: Path) -> None:
     assert len(rendered) == 7  # bigG x {32, 64, 128} nodes x {FSDP2, ZeRO-3} + the 1-node script
     for name in rendered:
         assert (tmp_path / name).read_text() == (ROOT / "slurm" / name).read_text(), f"re-render slurm/{name}"
+    bigg = ROOT / "slurm" / "vit_bigg_fsdp_128x8.sbatch"
+    words = train_args_of(bigg)
+    assert_every_option_is_given(words, parse_train_args(words))
+    assert "--warmup 10000" in bigg.read_text().split("Rendered by:")[1].splitlines()[0]  # the command
+    assert words[words.index("--warmup") + 1] == "10000"  # and the arguments: a default, given all the same
     subprocess.run([shellcheck(), *map(str, (ROOT / "slurm").glob("*.sbatch")), str(ROOT / "slurm/render_recipes.sh")],
                    check=True)  # fmt: skip
 
@@ -106,6 +132,42 @@ def test_resources_fit_clusters_with_and_without_gpu_gres(
     subprocess.run([shellcheck(), str(script)], check=True)
 
 
+def test_relative_paths_become_absolute_against_the_jobs_working_directory(tmp_path: Path) -> None:
+    """A job runs in --chdir (default: where it was rendered): every local path of the training flags
+    is absolute there; URIs, a pretrained tag and a shipped DeepSpeed config's name stay as given."""
+    job_dir = tmp_path / "job"
+    (job_dir / "configs").mkdir(parents=True)
+    (job_dir / "configs" / "mine.json").write_text((ROOT / "ds_configs" / "zero3.json").read_text())
+    train = ["--model", "ViT-B-32", "--train-data", "shards/{0..3}.tar::s3://b/more/{0..1}.tar",
+             "--train-data-upsampling-factors", "1::2", "--dataset-resampled", "--val-data", "~/val/{0..1}.tar",
+             "--logs", "runs", "--batch-keys-file", "keys/run", "--pretrained", "laion2b_s34b_b79k",
+             "--remote-sync", "s3://b/runs"]  # fmt: skip
+    for deepspeed, expected in ((["--deepspeed-config", "configs/mine.json"], str(job_dir / "configs/mine.json")),
+                                (["--deepspeed-config", "zero3"], "zero3")):  # fmt: skip
+        script = render(tmp_path, "--nodes", "2", "--gpus-per-node", "8", "--chdir", str(job_dir), *train,
+                        "--engine", "deepspeed", *deepspeed)  # fmt: skip
+        cfg = parse_train_args(train_args_of(script))
+        assert cfg.engine.deepspeed_config == expected
+    assert f"#SBATCH --chdir={job_dir}\n" in script.read_text()
+    assert cfg.data.train_data == f"{job_dir}/shards/{{0..3}}.tar::s3://b/more/{{0..1}}.tar"
+    assert cfg.data.val_data == str(Path.home() / "val/{0..1}.tar")
+    assert (cfg.log.logs, cfg.log.batch_keys_file) == (str(job_dir / "runs"), str(job_dir / "keys/run"))
+    assert (cfg.model.pretrained, cfg.log.remote_sync) == ("laion2b_s34b_b79k", "s3://b/runs")
+    assert f'RUN_DIR="{job_dir}/runs/' in script.read_text()
+
+
+def test_a_plan_that_does_not_fit_gets_the_advice_of_its_largest_term() -> None:
+    """ViT-bigG-14 at 163,840 samples with OpenCLIP's loss: ~400 GiB of logits per GPU. The advice is
+    --loss-chunk-size, not --grad-checkpointing (given) nor more nodes (the logits grow with them)."""
+    with pytest.raises(ConfigError) as refused:
+        slurm_main(["--nodes", "128", "--gpus-per-node", "8", "--model", "ViT-bigG-14", "--batch-size", "160",
+                    "--grad-checkpointing", *DATA])  # fmt: skip
+    message = str(refused.value)
+    assert "its largest term is the loss buffers" in message and "--loss-chunk-size 1024 (peak" in message
+    advice = message.split("its largest term")[1].split("(`bigclip plan`")[0]
+    assert "--grad-checkpointing" not in advice and "--nodes" not in advice
+
+
 def test_torchrun_waits_for_the_planned_checkpoint_before_killing_ranks(tmp_path: Path) -> None:
     planned = render(tmp_path, "--nodes", "1", "--gpus-per-node", "8", "--launcher", "torchrun", *BIGG)
     assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=" in planned.read_text()
@@ -133,6 +195,10 @@ def test_bad_job_options_get_clear_errors(tmp_path: Path) -> None:
         slurm_main(["--nodes", "2", "--gpus-per-node", "0", "--model", "tiny"])
     with pytest.raises(ConfigError, match="--constraint 'a100 ib': no spaces"):
         slurm_main([*base, "--constraint", "a100 ib"])
+    with pytest.raises(ConfigError, match="--chdir '/my jobs': no spaces"):
+        slurm_main([*base, "--chdir", "/my jobs"])
+    with pytest.raises(ConfigError, match="--max-requeues -1: give 1 or more"):
+        slurm_main([*base, "--max-requeues", "-1"])
 
 
 def _deepspeed_launch_argv(tmp_path: Path, env: dict[str, str], *train: str) -> list[str]:
@@ -176,3 +242,16 @@ def test_deepspeed_launcher_takes_the_training_flags_and_needs_no_ssh_on_one_nod
         ["bash", str(ROOT / "slurm/deepspeed_launch.sh")], capture_output=True, text=True
     )
     assert no_flags.returncode == 2 and "usage:" in no_flags.stderr
+
+
+def test_every_field_that_takes_a_path_is_made_absolute() -> None:
+    """A new option whose help speaks of a path, folder, file or shards must join recipe_args's
+    tables (or this list, saying why it needs no absolute path)."""
+    from bigclip.launch.recipe_args import PATH_FIELDS, PATH_OR_NAME_FIELDS
+
+    not_paths = {"resume": "a recipe always resumes 'latest' (bigclip slurm refuses a path)"}
+    for section in TrainConfig().sections().values():
+        for f in dataclasses.fields(section):
+            speaks = re.search(r"path|folder|file|shards|URI|s3://", f.metadata.get("help", ""))
+            if f.type == "str" and speaks:
+                assert f.name in {*PATH_FIELDS, *PATH_OR_NAME_FIELDS, *not_paths}, f.name

@@ -86,7 +86,8 @@ def _render(s: Scenario, root: Path, demo_data) -> Path:
     out = root / s.name / "job.sbatch"
     out.parent.mkdir(parents=True)
     job = ["--nodes", "1", "--cpus-per-gpu", "1", "--no-exclusive", "--python", sys.executable,
-           "--signal-seconds", "60", "--checkpoint-seconds", "40", "--time", "00:10:00", *s.job_args]  # fmt: skip
+           "--signal-seconds", "60", "--checkpoint-seconds", "40", "--time", "00:10:00", "--chdir", str(out.parent),
+           *s.job_args]  # fmt: skip
     train = ["--model", "tiny", "--train-data", demo_data.train_pattern, "--precision", "fp32",
              "--batch-size", "32", "--workers", "2", "--warmup", "2", "--epochs", "40",
              "--max-steps", str(s.steps), "--save-every-n-steps", "8", "--save-frequency", "0",

@@ -69,7 +69,7 @@ esac
 
 def render(tmp_path: Path, *argv: str) -> Path:
     out = tmp_path / "job.sbatch"
-    assert slurm_main([*argv, "-o", str(out)]) == 0
+    assert slurm_main([*argv, "-o", str(out), "--force"]) == 0
     return out
 
 
@@ -167,6 +167,33 @@ def test_the_script_requeues_only_when_nobody_else_did_and_never_a_cancelled_job
     out = _run_signalled(script, env, tmp_path, signal.SIGTERM)
     assert f"bigclip sbatch: {expected}" in out, out
     assert _requeues(tmp_path) == (["requeue", env["SLURM_JOB_ID"]] if requeued else [])
+
+
+@pytest.mark.parametrize(("restarts", "requeued"), [(1, True), (2, False)])
+def test_the_script_stops_requeueing_after_its_cap(tmp_path: Path, restarts: int, requeued: bool) -> None:
+    """--max-requeues 2: the job's third run (SLURM_RESTART_COUNT 2) asks for a requeue and gets a
+    line saying it is not requeued, and why; its second run is still requeued."""
+    script = _fake_job(tmp_path, "--max-requeues", "2")
+    assert "# Requeue cap: 2 (--max-requeues)" in script.read_text()
+    env = _job_env(tmp_path, restarts)
+    out = _run_signalled(script, env, tmp_path, signal.SIGUSR1)
+    capped = "bigclip sbatch: not requeueing: this job has been requeued 2 times, the cap (--max-requeues 2)"
+    assert (capped in out) != requeued, out
+    assert _requeues(tmp_path) == (["requeue", env["SLURM_JOB_ID"]] if requeued else [])
+
+
+def test_the_requeue_cap_follows_the_planned_length_of_the_run(tmp_path: Path) -> None:
+    """Without --max-requeues: MIN_REQUEUE_CAP, or twice the job runs the plan needs when more."""
+    from bigclip.launch.slurm_job import MIN_REQUEUE_CAP
+
+    base = ["--nodes", "1", "--gpus-per-node", "8", "--model", "tiny", "--train-data", "/data/{0..3}.tar",
+            "--logs", str(tmp_path / "logs")]  # fmt: skip
+    short = render(tmp_path, *base, "--train-num-samples", "1000").read_text()
+    assert f"# Requeue cap: {MIN_REQUEUE_CAP} (the default; the plan needs" in short
+    long = render(tmp_path, *base, "--train-num-samples", "1000000000000", "--time", "00:20:00").read_text()
+    runs = int(re.search(r": (\d+) run\(s\) of 00:20:00\)", long).group(1))
+    assert runs > MIN_REQUEUE_CAP and f"# Requeue cap: {2 * runs} (twice the runs the plan needs" in long
+    assert f"MAX_REQUEUES={2 * runs}\n" in long
 
 
 def test_a_signal_before_the_launch_requeues_without_starting_the_ranks(tmp_path: Path) -> None:

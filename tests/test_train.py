@@ -22,7 +22,8 @@ def test_two_ranks_learn_and_log(demo_data, tmp_path):
     assert metrics["text_to_image_R@1"] > 5 * metrics["chance"]
     run_dir = Path(summary["run_dir"])
     log = (run_dir / "out.log").read_text()
-    assert "Train Epoch: 0 [" in log and "/s/gpu LR:" in log and "Contrastive_loss:" in log
+    assert "Train Epoch: 0 [" in log and "/s/gpu LR:" in log
+    assert "Contrastive_loss:" in log and " Loss: " in log  # OpenCLIP's: each loss term, then the total
     assert "Data (t): " in log and "Loader capacity: " in log
     assert (
         "Model TFLOP/s/gpu: " in log and " ETA: " in log and "MFU" not in log
@@ -30,7 +31,7 @@ def test_two_ranks_learn_and_log(demo_data, tmp_path):
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/logit_scale", "train/samples_per_second", "train/data_time",
+    assert {"train/loss", "train/lr", "train/scale", "train/samples_per_second", "train/data_time",
             "train/peak_memory_gb", "train/data_capacity_per_gpu", "val/image_to_text_R@1",
             "train/tflops_per_gpu", "train/eta_hours"} <= tags  # fmt: skip
     assert "train/mfu" not in tags

@@ -90,6 +90,13 @@ class DataConfig:
         choices=("fast", "exact"),
     )
 
+    def evaluation_sets(self) -> dict[str, int]:
+        """The evaluation sets given, as {flag: its frequency in epochs} (0: never evaluated)."""
+        given = {"--val-data": (self.val_data, self.val_frequency),
+                 "--imagenet-val": (self.imagenet_val, self.zeroshot_frequency),
+                 "--imagenet-v2": (self.imagenet_v2, self.zeroshot_frequency)}  # fmt: skip
+        return {flag: every for flag, (value, every) in given.items() if value.strip()}
+
     def validate(self) -> None:
         if self.train_data_upsampling_factors and not self.dataset_resampled:
             raise ConfigError(

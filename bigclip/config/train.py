@@ -27,6 +27,12 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    @property
+    def evaluates_only(self) -> bool:
+        """OpenCLIP's evaluation-only run: no --train-data, an evaluation set given. The weights
+        (--pretrained, --resume) are evaluated once and the run ends."""
+        return not self.data.train_data.strip() and bool(self.data.evaluation_sets())
+
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 

@@ -90,10 +90,13 @@ class Chunk:
 class WorkerOrder(Iterator[dict[str, Any]]):
     """Worker batches in round-robin order over `active` (the next worker first), from any source order."""
 
-    def __init__(self, source: Iterator[dict[str, Any]], *, active: list[int]) -> None:
+    def __init__(
+        self, source: Iterator[dict[str, Any]], *, active: list[int], generation: int | None = None
+    ) -> None:
         self.source = source
         self.active = deque(active)  # workers still in the round robin, the next to deliver first
         self.waiting: dict[int, deque[dict[str, Any]]] = defaultdict(deque)  # arrived early
+        self.generation = generation  # the epoch start its batches must come from (pool.py)
 
     def __next__(self) -> dict[str, Any]:
         if not self.active:
@@ -110,6 +113,13 @@ class WorkerOrder(Iterator[dict[str, Any]]):
             batch = next(self.source, None)
             if batch is None:
                 raise RuntimeError(f"data worker {worker} stopped without sending its last batch")
+            if self.generation is not None and batch.get("generation") != self.generation:
+                # The pool drains a previous epoch's batches before the next starts: one here
+                # would put another epoch's samples into this one.
+                raise RuntimeError(
+                    f"data worker {batch['worker']} sent a batch of epoch start {batch.get('generation')} "
+                    f"during epoch start {self.generation}"
+                )
             self.waiting[batch["worker"]].append(batch)
         return self.waiting[worker].popleft()
 

@@ -1,11 +1,17 @@
 """The per-rank training loader: batches for the training loop, and an exact, resumable position.
 
-    loader = build_train_loader(cfg.data, rank=r, world_size=n, seed=s, epoch=e,
-                                image_size=224, tokenizer=tok, position=saved_or_None,
-                                device=d, image_dtype=torch.bfloat16)
+    data = TrainData(cfg.data, rank=r, world_size=n, seed=s, image_size=224, tokenizer=tok,
+                     device=d, image_dtype=torch.bfloat16)     # train_data.py: once per run
+    loader = data.epoch(e, position=saved_or_None)   # or build_train_loader(..., epoch=e) on its own
     for batch in loader:            # TrainBatch: images [B,3,H,W] normalised on d, texts [B,L], keys
         ...
-        state = loader.state_dict()  # collective: every rank calls it; JSON-able, world-size free
+        mine = loader.rank_state()   # this rank's own state for a checkpoint: no collective
+
+Workers: a loader of a `TrainData` runs on the run's data workers, started at the first epoch
+and kept (pool.py): it hands each worker its reader for the epoch (jobs.py) when iteration
+starts, and at the epoch's end lets them idle. A loader built on its own (`build_train_loader`)
+starts its own workers and stops them at its epoch's end. On an object store, the readers' first
+shard opens are spread over the epoch's first seconds (open_schedule.py; `open_rate`).
 
 Images arrive from the workers as uint8 and are normalised on `device` in `image_dtype`
 (device.py); `loader.stats.take_capacity()` says how many samples/s the workers could have
@@ -26,19 +32,29 @@ sizes.json took samples away. `account_epoch()` then logs, on rank 0, one line w
 samples and steps read against the plan, the ranks that ran out and every loss counted by
 kind (accounting.py); `state_dict()` still lists what was not read as unconsumed.
 
-Resume: `position=` takes a `state_dict()` from any world size and worker count. At the same
-settings (world size, --workers, --batch-size, --shard-interleave, --seed, shards) the stream
-continues exactly: every rank gets the batches, samples and crops an uninterrupted run would
-have had (stream_state.py). Otherwise the unfinished shards are re-planned over this run's
-readers and continue at their cursors, so no sample of the epoch is seen twice or skipped,
-and a log line says why the order changed. With --dataset-resampled the same holds for the
-epoch's global sequence of shard draws (position.py): N -> M ranks, no draw is read twice or
-skipped, and crops stay keyed by (draw, sample).
+Saving and resuming the data position (the contract with the checkpoint; resume/rank_state.py):
+  save    every rank saves `loader.rank_state()`: its own state, JSON-able, no collective, O(1) in
+          world size (its readers' states and plans, what is left of its pieces, the epoch's
+          samples; a few KB, fewer as the world grows).
+  resume  at the same settings (world size, --workers, --batch-size, --shard-interleave, --seed,
+          shards; `continues_alone(state, world_size=, workers=, batch_size=, interleave=, seed=)`,
+          all-reduced so every rank agrees): every rank reads only its own state and passes it as
+          `position=`; the stream continues exactly, every rank getting the batches, samples and
+          crops an uninterrupted run would have had (stream_state.py).
+          Otherwise one process reads every rank's state and `merge_rank_states(states)` turns them
+          into the global, world-size-free position (position.py: O(shards), to broadcast), which
+          `position=` takes at any world size and worker count: the unfinished shards are
+          re-planned over this run's readers and continue at their cursors, so no sample of the
+          epoch is seen twice or skipped, and a log line says why the order changed.
+  before  `position=` still takes the global position checkpoints held before rank states
+          (`state_dict()`: collective, every rank's progress gathered and merged), with its stream
+          state: at the same settings that stream continues exactly too.
+With --dataset-resampled the same holds for the epoch's global sequence of shard draws
+(position.py): N -> M ranks, no draw is read twice or skipped, and crops stay keyed by (draw, sample).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -46,29 +62,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from bigclip.config import DataConfig
 from bigclip.data.accounting import DataStats, EpochAccount, combine, gather_counts, no_batch_error, report
-from bigclip.data.augment import Augmentation
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
-from bigclip.data.decode import SampleKeys
 from bigclip.data.device import image_normalizer
-from bigclip.data.resume.assignment import ReaderAssignment, assign_readers
+from bigclip.data.jobs import ReaderJob, ReaderSpec, epoch_jobs, reader_specs
+from bigclip.data.open_schedule import OPEN_RATE, open_delays
+from bigclip.data.pool import ReaderPool
+from bigclip.data.resume.assignment import assign_readers
 from bigclip.data.resume.position import DataPosition, RankProgress
-from bigclip.data.resume.randomness import draws_key, stream_key
+from bigclip.data.resume.rank_state import RankState, is_rank_state, merge_rank_states, own_assignment
 from bigclip.data.resume.reader_state import ReaderState
 from bigclip.data.resume.stream_state import RankStream, StreamSettings, StreamState
 from bigclip.data.shards import ShardList
 from bigclip.data.tar_samples import Cursor
 from bigclip.data.tokenizer import Tokenizer
-from bigclip.data.transforms import train_transform
 from bigclip.data.validation import epoch_samples, validate_data
-from bigclip.data.worker import ReaderSpec, ReaderStream
-from bigclip.data.worker_signals import shield_worker
 from bigclip.distributed import cpu_group
-
-FORK_SETTLE_S = 0.05  # see _settle_before_fork
+from bigclip.storage.schemes import is_local
 
 
 @dataclass
@@ -79,7 +91,8 @@ class TrainBatch:
 
 
 class TrainLoader:
-    """One rank's loader for one epoch (or the rest of one). Iterate it once; build a new one per epoch."""
+    """One rank's loader for one epoch (or the rest of one). Iterate it once; the next epoch is
+    another TrainLoader, on the same workers when both come from one `TrainData` (train_data.py)."""
 
     def __init__(
         self,
@@ -96,13 +109,15 @@ class TrainLoader:
         image_dtype: torch.dtype = torch.float32,
         normalize: bool = True,
         shards: ShardList | None = None,
+        pool: ReaderPool | None = None,
+        open_rate: float | None = OPEN_RATE,
     ) -> None:
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.cfg, self.rank, self.world_size, self.seed = cfg, rank, world_size, seed
         self.shards = shards or validate_data(cfg, world_size=world_size)
         self.num_samples = epoch_samples(cfg, self.shards)
         self.global_batch = cfg.batch_size * world_size
         self.steps_per_epoch = self.num_samples // self.global_batch
-        self.start = self._start_position(position, epoch)
+        self._specs = self._begin(position, epoch)
         self.device = torch.device(device) if device is not None else None
         self.normalizer = (
             image_normalizer(cfg, device=self.device or "cpu", dtype=image_dtype) if normalize else None
@@ -119,7 +134,13 @@ class TrainLoader:
         self.progress = RankProgress()
         self.stats = DataStats(readers=max(1, cfg.workers))
         self.steps = 0  # steps taken by this loader (the same on every rank)
-        self._dataset = self._reader_stream(seed=seed, image_size=image_size, tokenizer=tokenizer)
+        # A remote store has a request rate to respect; a local disk does not (open_schedule.py).
+        self.open_rate = None if all(is_local(u) for u in self.shards.urls) else open_rate
+        self._owns_pool = pool is None  # built on its own: its workers stop with its epoch
+        pin = self.device is not None and self.device.type == "cuda"
+        self.pool = pool or ReaderPool.for_config(
+            cfg, self.shards, image_size=image_size, tokenizer=tokenizer, pin_memory=pin
+        )
         self._iterated = False
         self._batches: Generator[TrainBatch, None, None] | None = None
         self._order: WorkerOrder | None = None
@@ -127,55 +148,40 @@ class TrainLoader:
         self._stream_ended = False  # the epoch ended because some rank ran out of data
         self._ran_dry = False  # ...this one among them
 
-    def _start_position(self, position: dict[str, Any] | None, epoch: int) -> DataPosition:
-        resampled = self.cfg.dataset_resampled
-        if position is None:
-            return DataPosition.start_of(epoch, self.shards, resampled=resampled)
-        start = DataPosition.from_json(position)
-        start.check_compatible(self.shards, epoch=epoch, resampled=resampled)
-        return start
-
-    def _reader_stream(self, *, seed: int, image_size: int, tokenizer: Tokenizer) -> ReaderStream:
-        cfg, epoch = self.cfg, self.start.epoch
+    def _begin(self, position: dict[str, Any] | None, epoch: int) -> list[ReaderSpec]:
+        """Where this epoch starts, and this rank's readers for it: a fresh plan, a global position
+        (re-planned, or its saved stream continued), or this rank's own saved state (continued)."""
+        cfg, resampled = self.cfg, self.cfg.dataset_resampled
         self.settings = StreamSettings(
-            self.world_size, cfg.workers, cfg.batch_size, cfg.shard_interleave, seed
+            self.world_size, cfg.workers, cfg.batch_size, cfg.shard_interleave, self.seed
         )
-        assignment = assign_readers(self.shards, self.start, self.settings, rank=self.rank)
-        self.origin, self.initial = assignment.origin, assignment.stream
+        self._saved = RankState.from_json(position) if is_rank_state(position) else None
+        if self._saved is not None:
+            self.start = self._saved.start()
+        elif position is not None:
+            self.start = DataPosition.from_json(position)
+        else:
+            self.start = DataPosition.start_of(epoch, self.shards, resampled=resampled)
+        self.start.check_compatible(self.shards, epoch=epoch, resampled=resampled)
+        if self._saved is not None:
+            assignment = own_assignment(self._saved, self.shards, self.settings, rank=self.rank)
+        else:
+            assignment = assign_readers(self.shards, self.start, self.settings, rank=self.rank)
+        # Right at least on this rank's pieces: what rank_state() advances by this loader's progress.
+        self.base = self._saved.local() if self._saved is not None else self.start
+        self.origin, self.initial, self.plans = assignment.origin, assignment.stream, assignment.tasks
         self.exact_resume = assignment.exact  # continues a saved stream exactly (same settings)
         # Per worker, the reader's state after the last sample consumed from it (as a row of ints).
         self.reader_rows = [r.to_ints() for r in assignment.stream.readers]
-        return ReaderStream(
-            readers=self._reader_specs(assignment, seed=seed),
-            urls=self.shards.urls,
-            resampled=self.start.resampled,
-            batch_size=cfg.batch_size,
-            interleave=cfg.shard_interleave,
-            transform=train_transform(
-                image_size, aug=Augmentation.from_cfg(cfg.aug_cfg), fast=cfg.train_transform == "fast"
-            ),
-            tokenizer=tokenizer,
-            crop_key=f"bigclip-crop/{seed}/{epoch}",
-            draws_key=draws_key(seed=seed, epoch=epoch),
-            cumulative=self.shards.cumulative_weights(),
-            keys=SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),
-            sizes=self.shards.sizes,
-        )
+        return reader_specs(assignment, seed=self.seed, epoch=self.start.epoch, rank=self.rank)
 
-    def _reader_specs(self, assignment: ReaderAssignment, *, seed: int) -> list[ReaderSpec]:
-        """Data worker i runs the i-th: the carry's readers first, then the round robin from its next
-        worker, so that the DataLoader's own round robin already delivers batches in stream order."""
-        epoch, origin = self.start.epoch, self.origin.samples
-        return [
-            ReaderSpec(
-                worker=w,
-                key=stream_key(seed=seed, epoch=epoch, origin=origin, rank=self.rank, worker=w),
-                plan=assignment.tasks[w],
-                state=assignment.stream.readers[w],
-                tail=assignment.tails[w],
-            )
-            for w in assignment.stream.carry + assignment.stream.active
-        ]
+    def _jobs(self) -> list[ReaderJob]:
+        """The epoch's job for each worker, handed out when iteration starts (jobs.py)."""
+        slots, now = max(1, self.cfg.workers), time.monotonic()
+        delays = open_delays(rank=self.rank, world_size=self.world_size, readers=slots,
+                             interleave=self.cfg.shard_interleave, rate=self.open_rate)  # fmt: skip
+        return epoch_jobs(self._specs, generation=self.pool.next_generation(), seed=self.seed,
+                          epoch=self.start.epoch, open_at=[now + d for d in delays])  # fmt: skip
 
     @property
     def samples_consumed(self) -> int:
@@ -198,16 +204,20 @@ class TrainLoader:
         return self._batches
 
     def close(self) -> None:
-        """Stop the worker processes now (e.g. after leaving the loop early at --max-steps)."""
+        """End this epoch's iteration now (e.g. after leaving the loop early at --max-steps); a loader
+        built on its own (no `pool`) also stops its worker processes."""
         if self._batches is not None:
             self._batches.close()
+        if self._owns_pool:
+            self.pool.close()
 
     def _generate(self) -> Iterator[TrainBatch]:
         started_empty = self.start.samples == 0
-        self._settle_before_fork()
-        source = iter(self._dataloader())
-        order = self._order = WorkerOrder(source, active=self.initial.active)
+        jobs = self._jobs()
+        source = self.pool.start(jobs)
+        order = self._order = WorkerOrder(source, active=self.initial.active, generation=jobs[0].generation)
         rebatcher = self._rebatcher = Rebatcher(self.cfg.batch_size, on_chunk=self._learn)
+        failed = True
         try:
             for worker in self.initial.carry:  # resumed: the unconsumed tails of last batches, oldest first
                 rebatcher.refill(order.next_from(worker))
@@ -219,46 +229,21 @@ class TrainLoader:
                     # longer describes a stream to continue (the position still counts them unconsumed).
                     self._stream_ended = True
                     break
-                yield self._consume(chunk)
+                try:
+                    yield self._consume(chunk)
+                except GeneratorExit:  # close(): the epoch ends here, as planned by the caller
+                    failed = False
+                    raise
+            failed = False
         finally:
-            order.close()  # drops the DataLoader iterator: shuts the worker processes down
+            order.close()
             del source
+            if self._owns_pool:
+                self.pool.close()
+            elif not failed:  # (after a failure the workers may be gone: the error must surface)
+                self.pool.idle(jobs[0].generation)
         if self.steps == 0 and started_empty:
             self._raise_no_batch()
-
-    def _dataloader(self) -> DataLoader:
-        pin = self.device is not None and self.device.type == "cuda"
-        # Fork on Linux even when this process was itself started by multiprocessing 'spawn'
-        # (bigclip.distributed.spawn), which would otherwise be inherited and make every worker
-        # re-import torch: seconds per worker per epoch. Workers never touch CUDA, so fork is safe.
-        context = "fork" if sys.platform.startswith("linux") and self.cfg.workers > 0 else None
-        return DataLoader(
-            self._dataset,
-            batch_size=None,
-            num_workers=self.cfg.workers,
-            pin_memory=pin,
-            multiprocessing_context=context,
-            # The workers' randomness is keyed by position (randomness.py), so their base seed is
-            # unused; drawing it from a private generator leaves the training process's RNG
-            # (patch dropout) untouched, which exact resume relies on.
-            generator=torch.Generator().manual_seed(0),
-            worker_init_fn=shield_worker,  # preemption signals are the rank's to handle
-        )
-
-    def _settle_before_fork(self) -> None:
-        """Give torch.distributed's threads time to finish with Python before the workers are forked.
-
-        CPython before 3.11.10 can leave a forked child deadlocked for good if another thread
-        is creating a Python thread state at the moment of fork (CPython gh-112275): a hung
-        data worker, a hung run. gloo's worker threads do just that right after a collective
-        completes (they take the GIL to release its tensors), and a loader is typically built
-        right after one (validate_data's broadcast, the last step's all-reduce, a checkpoint).
-        Sleeping releases the GIL, so they finish first. Seen here (Python 3.11.7, 2 ranks): of
-        loaders built right after a broadcast, about one in 500 hung without this, none of
-        1,500 with it.
-        """
-        if self.cfg.workers > 0 and dist.is_initialized() and sys.version_info < (3, 11, 10):
-            time.sleep(FORK_SETTLE_S)
 
     def _all_ranks_have(self, has_batch: bool) -> bool:
         if self.group is None:
@@ -309,19 +294,35 @@ class TrainLoader:
         report(account, rank=self.rank)
         return account
 
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own state for a checkpoint (resume/rank_state.py): no collective, JSON-able,
+        O(1) in world size. A loader at the same settings continues from it alone (continues_alone);
+        at others, resume from merge_rank_states(every rank's)."""
+        stream = None if self._stream_ended else self._rank_stream()
+        return RankState.build(
+            rank=self.rank, settings=self.settings, now=self.base.merge([self.progress]),
+            samples=self.samples_consumed, origin=self.origin, plans=self.plans,
+            readers=[ReaderState.from_ints(row) for row in self.reader_rows], stream=stream,
+        ).to_json()  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
         """The epoch's position, merged over all ranks (collective: call it on every rank). JSON-able."""
+        if self._saved is not None:  # started from a rank's own state: no global position to advance
+            return merge_rank_states(self._gather(self.rank_state()))
         self.progress.stream = None if self._stream_ended else self._rank_stream()
-        if self.group is None:
-            gathered = [self.progress]
-        else:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, self.progress, group=self.group)
+        gathered = self._gather(self.progress)
         merged = self.start.merge(gathered)
         if all(p.stream is not None for p in gathered):
             ranks = [p.stream for p in gathered]
             merged.stream = StreamState(self.settings, self.origin.to_json(), ranks)
         return merged.to_json()
+
+    def _gather(self, mine: Any) -> list[Any]:
+        if self.group is None:
+            return [mine]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return gathered
 
     def _rank_stream(self) -> RankStream:
         """Where this rank's stream stands: readers after their last consumed sample, order, carry."""

@@ -37,20 +37,21 @@ def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
     )
 
 
-def validate_data(cfg: DataConfig, *, world_size: int) -> ShardList:
+def validate_data(cfg: DataConfig, *, world_size: int, evaluation_only: bool = False) -> ShardList:
     """Every data error that can be found before a model is built: shards (train and val) and epoch size.
 
-    Returns the training shards, to pass to `build_train_loader(shards=...)` so they are listed once.
+    Returns the training shards, to pass to `build_train_loader(shards=...)` so they are listed once
+    (with `evaluation_only`, a run with no training data: none, the held-out shards checked).
     Under torch.distributed this is collective: rank 0 lists and broadcasts the result (or its
     error), so 1024 ranks cost one listing of the bucket, not 1024 bursts that S3 would throttle.
     """
     group = cpu_group()
     if group is None or dist.get_world_size(group) == 1:
-        return _validate_data_here(cfg, world_size=world_size)
+        return _validate_data_here(cfg, world_size=world_size, evaluation_only=evaluation_only)
     result: list[Any] = [None]
     if dist.get_rank(group) == 0:
         try:
-            result[0] = _validate_data_here(cfg, world_size=world_size)
+            result[0] = _validate_data_here(cfg, world_size=world_size, evaluation_only=evaluation_only)
         except Exception as e:  # sent to every rank, so all of them stop with the same message
             result[0] = (
                 e if isinstance(e, DataError) else DataError(f"rank 0 could not check the data: {e!r}")
@@ -61,9 +62,13 @@ def validate_data(cfg: DataConfig, *, world_size: int) -> ShardList:
     return result[0]
 
 
-def _validate_data_here(cfg: DataConfig, *, world_size: int) -> ShardList:
+def _validate_data_here(cfg: DataConfig, *, world_size: int, evaluation_only: bool = False) -> ShardList:
     Augmentation.from_cfg(cfg.aug_cfg)  # ConfigErrors for --aug-cfg, --image-mean/std in seconds
     image_normalizer(cfg)
+    if evaluation_only:  # no --train-data (TrainConfig.evaluates_only): the held-out shards alone
+        if cfg.val_data:
+            validate_shards(cfg.val_data, what="--val-data")
+        return ShardList(pattern="", urls=(), sizes=())
     shards = validate_shards(cfg.train_data).with_weights(cfg.train_data_upsampling_factors)
     if cfg.val_data:
         validate_shards(cfg.val_data, what="--val-data")

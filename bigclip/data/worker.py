@@ -22,6 +22,11 @@ shards found damaged (`broken`), empty, or holding another count than sizes.json
 (`mismatched`), so that nothing is lost in silence. A worker's batches end where its
 count of emitted samples reaches a multiple of batch_size, so the last batch may be short,
 or even empty but for that bookkeeping; the consumer re-batches.
+
+The workers live for the whole run (pool.py): a `ReaderStream` holds what does not change
+between epochs (shards, transform, tokenizer), and each epoch's part, a `ReaderJob` per worker
+(its reader, the epoch's keys, when it may open its first shard), reaches the worker through
+the job board when the epoch starts.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +45,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from bigclip.data.augment import erase_boxes
 from bigclip.data.decode import BAD_IMAGE, DEFAULT_KEYS, SampleKeys, decode_sample
-from bigclip.data.resume.assignment import ShardTask, Tail
+from bigclip.data.jobs import JobBoard, ReaderJob
+from bigclip.data.resume.assignment import ShardTask
 from bigclip.data.resume.randomness import choose, choose_weighted, keyed_rng
 from bigclip.data.resume.reader_state import OpenShardState, ReaderState, encode_row
 from bigclip.data.resume.spans import NO_STOP
@@ -53,17 +59,6 @@ log = logging.getLogger("bigclip.data")
 
 LOGGED_SKIPS_PER_WORKER = 5  # then counts only: the training loop logs totals
 MAX_FRUITLESS_DRAWS = 100  # --dataset-resampled: give up after this many useless shards in a row
-
-
-@dataclass
-class ReaderSpec:
-    """One reader: its worker index on this rank, the key of its random choices, its shards, its start."""
-
-    worker: int
-    key: str  # randomness.stream_key(...)
-    plan: list[ShardTask]  # shards (draws, with --dataset-resampled) to read in order
-    state: ReaderState = field(default_factory=ReaderState)
-    tail: Tail | None = None  # --dataset-resampled: the draws to read after the plan, endlessly
 
 
 @dataclass
@@ -100,61 +95,48 @@ class _Pending:
 
 
 class ReaderStream(IterableDataset):
-    """An IterableDataset whose data worker `i` runs `readers[i]` (workers past the end yield nothing)."""
+    """An IterableDataset whose data worker `i` runs, each epoch, the i-th job posted on `board`."""
 
     def __init__(
         self,
         *,
-        readers: list[ReaderSpec],
         urls: tuple[str, ...],
         resampled: bool,
         batch_size: int,
         interleave: int,
         transform: TrainTransform,
         tokenizer: Tokenizer,
-        crop_key: str,
-        draws_key: str = "",
         cumulative: list[float] | None = None,
         keys: SampleKeys = DEFAULT_KEYS,
         sizes: tuple[int | None, ...] = (),
     ) -> None:
-        self.readers = readers
         self.urls = urls
         self.sizes = sizes  # sizes.json's counts, per shard (None where unknown)
         self.resampled = resampled  # tasks are draws of shards with replacement, endlessly
-        self.draws_key, self.cumulative = draws_key, cumulative  # which shard each draw is
+        self.cumulative = cumulative  # draw weights: which shard each draw is
         self.batch_size = batch_size
         self.interleave = interleave
         self.transform = transform
         self.tokenizer = tokenizer
-        self.crop_key = crop_key  # (seed, epoch): with (shard, sample index), keys a sample's crop
         self.keys = keys  # --image-key / --text-key
         self.storage = StorageState.capture()  # restored in the worker: a spawned one starts without it
-
-    def url(self, task: int) -> str:
-        """The shard a task id names: the shard itself, or the shard drawn at that draw."""
-        return self.urls[self.shard_of(task)]
-
-    def shard_of(self, task: int) -> int:
-        return task if not self.resampled else choose_weighted(self.draws_key, task, self.cumulative)
-
-    def size(self, task: int) -> int | None:
-        return self.sizes[self.shard_of(task)] if self.sizes else None
+        self.board: JobBoard = JobBoard.in_process()  # pool.py gives it the workers' board
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.storage.restore()
         info = get_worker_info()
-        index = info.id if info is not None else 0
-        if index < len(self.readers):
-            yield from Reader(self, self.readers[index]).batches()
+        job = self.board.take(info.id if info is not None else 0)
+        if job.reader is not None:
+            yield from Reader(self, job).batches()
 
 
 class Reader:
     """One reader's mutable state while it runs, in its data worker."""
 
-    def __init__(self, stream: ReaderStream, spec: ReaderSpec) -> None:
-        self.stream, self.spec = stream, spec
-        start = spec.state
+    def __init__(self, stream: ReaderStream, job: ReaderJob) -> None:
+        assert job.reader is not None
+        self.stream, self.job, self.spec = stream, job, job.reader
+        start = self.spec.state
         self.draws, self.tasks, self.emitted = start.draws, start.tasks, start.emitted
         self.fruitless = start.fruitless
         self.open = [self._reopen(s) for s in start.open]
@@ -165,8 +147,22 @@ class Reader:
     def _pending(self) -> _Pending:
         return _Pending(self.stream.batch_size, self.stream.transform.image_size, erase=self.erase)
 
+    def url(self, task: int) -> str:
+        """The shard a task id names: the shard itself, or the shard drawn at that draw."""
+        return self.stream.urls[self.shard_of(task)]
+
+    def shard_of(self, task: int) -> int:
+        stream = self.stream
+        return task if not stream.resampled else choose_weighted(self.job.draws_key, task, stream.cumulative)
+
+    def size(self, task: int) -> int | None:
+        return self.stream.sizes[self.shard_of(task)] if self.stream.sizes else None
+
     def batches(self) -> Iterator[dict[str, Any]]:
         """Batches ending at multiples of batch_size emitted samples, then the last (short or empty) one."""
+        wait = self.job.open_at - time.monotonic()
+        if wait > 0:  # the epoch's first opens are spread over its first seconds (open_schedule.py)
+            time.sleep(wait)
         pending = self._pending()
         while self._fill():
             which = choose(self.spec.key, self.draws, len(self.open))
@@ -205,12 +201,12 @@ class Reader:
             return None
         else:
             draw = tail.draw(self.tasks - len(plan))
-            task = ShardTask(draw, self.stream.url(draw), START)
+            task = ShardTask(draw, self.url(draw), START)
         self.tasks += 1
         return task
 
     def _reopen(self, state: OpenShardState) -> _OpenShard:
-        url = self.stream.url(state.shard)
+        url = self.url(state.shard)
         reader = ShardSamples(url, start=state.read, stop=state.stop)
         piece = (state.shard, state.first, state.stop)
         return _OpenShard(*piece, reader, iter(reader), state.read, state.valid, state.fruitful)
@@ -219,7 +215,7 @@ class Reader:
         stop = NO_STOP if shard.stop is None else shard.stop
         pending.ends.append([shard.shard, shard.first, stop, *shard.valid.to_json()])
         self.fruitless = 0 if shard.fruitful else self.fruitless + 1
-        url = self.stream.url(shard.shard)
+        url = self.url(shard.shard)
         if shard.reader.error:
             pending.broken.append(url)
             log.warning("shard %s ends early, keeping what was read: %s", url, shard.reader.error)
@@ -228,7 +224,7 @@ class Reader:
 
     def _check_count(self, shard: _OpenShard, url: str, pending: _Pending) -> None:
         """Report an empty shard, or one whose samples are not what sizes.json says (the plan's basis)."""
-        found, size = shard.reader.end_index, self.stream.size(shard.shard)
+        found, size = shard.reader.end_index, self.size(shard.shard)
         if shard.first == 0 and shard.stop is None and found == 0:
             pending.empty.append(url)
         expected = shard.stop if shard.stop is not None else size
@@ -242,7 +238,7 @@ class Reader:
         if pixels is None:
             reason = decoded if isinstance(decoded, str) else BAD_IMAGE
             pending.skipped[reason] += 1
-            self._log_skip(reason, raw, self.stream.url(shard.shard))
+            self._log_skip(reason, raw, self.url(shard.shard))
             return False
         shard.valid, shard.fruitful = raw.after, True
         slot = len(pending.keys)
@@ -282,7 +278,7 @@ class Reader:
         """Keyed by (seed, epoch, shard or draw, sample index): the same at every world size."""
         # A plain crop keeps its key, so older checkpoints resume on the same crops.
         extra = (purpose,) if purpose else ()
-        return keyed_rng(self.stream.crop_key, task, index, *extra)
+        return keyed_rng(self.job.crop_key, task, index, *extra)
 
     def _log_skip(self, reason: str, raw: RawSample, url: str) -> None:
         self.logged_skips += 1
@@ -292,6 +288,7 @@ class Reader:
     def _emit(self, pending: _Pending, *, last: bool) -> dict[str, Any]:
         n = len(pending.keys)
         return {
+            "generation": self.job.generation,  # the consumer checks it is the epoch it is on
             "worker": self.spec.worker,
             "last": last,
             "images": pending.images[:n],

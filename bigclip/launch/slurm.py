@@ -4,10 +4,13 @@
         [--launcher srun|torchrun|deepspeed] [--time 24:00:00] [--partition P] [--account A] [--qos Q] \\
         [--constraint C] [--gres none|SPEC] [-o job.sbatch]
 
-The training flags are parsed (and so checked) by bigclip's own parser, then written back in
-canonical form (`cli_args.to_argv`) into the script's TRAIN_ARGS. Requeueing needs the rerun to
-find the same checkpoints, so the script always trains with `--resume latest` and a fixed
-`--name` (the job name unless given) under a fixed `--logs`. Launch layouts:
+The training flags are parsed (and so checked) by bigclip's own parser, then written back into the
+script's TRAIN_ARGS with every option explicit and every local path absolute (launch/recipe_args.py),
+so the job trains the same wherever it is submitted from and whatever bigclip's defaults become; the
+script runs in --chdir (default: the current directory). Requeueing needs the rerun to find the
+same checkpoints, so the script always trains with `--resume latest` and a fixed `--name` (the job
+name unless given) under a fixed `--logs`; it requeues itself at most --max-requeues times (default:
+MIN_REQUEUE_CAP, or twice the job runs the plan needs at its step time). Launch layouts:
   srun      one task per rank; bigclip reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
   torchrun  one task per node running torchrun with the c10d rendezvous on the first node.
   deepspeed one task per node running DeepSpeed's launcher (`deepspeed --no_ssh`, node rank
@@ -24,27 +27,24 @@ checked against --signal-seconds.
 from __future__ import annotations
 
 import argparse
-import copy
-import math
 import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bigclip.cli_args import ArgumentParser, parse_train_args, to_argv
+from bigclip.cli_args import ArgumentParser, parse_train_args
 from bigclip.config import TrainConfig
 from bigclip.errors import ConfigError
+from bigclip.launch.recipe_args import train_args_lines, with_absolute_paths
+from bigclip.launch.slurm_job import MIN_REQUEUE_CAP, Job, check_plan, job_plan, requeue_cap, time_seconds
 from bigclip.launch.slurm_template import BODY, DEEPSPEED_LAUNCH, HEADER, SRUN_LAUNCH, TORCHRUN_LAUNCH, fill
 
 if TYPE_CHECKING:
-    from bigclip.plan.planner import Plan
+    pass
 
 LAUNCHERS = {"srun": SRUN_LAUNCH, "torchrun": TORCHRUN_LAUNCH, "deepspeed": DEEPSPEED_LAUNCH}
-NODE_UPLOAD_BYTES_PER_S = 500e6  # a conservative S3 upload rate for one node's checkpoint shards
-CHECKPOINT_FLOOR_S = 120
 # After the requeue marker, how long the script waits for the launcher before it stops waiting (a
 # lost node's tasks never end): room for start-up noise, a slow step, a retried upload.
 LAUNCHER_GRACE_S = 30
@@ -52,38 +52,6 @@ LAUNCHER_GRACE_S = 30
 # limit inside the signal window would signal the job before it trains, and requeue it forever.
 MIN_TRAIN_WINDOW_S = 60
 SBATCH_VALUE = re.compile(r"[^\s'\"\\$`]+")  # values that land unquoted on #SBATCH lines
-
-
-@dataclass(frozen=True)
-class Job:
-    nodes: int
-    gpus_per_node: int
-    ranks_per_node: int = 0  # 0: one per GPU
-    gres: str = ""  # "": --gpus-per-node; "none": no GPU request; else a --gres spec
-    launcher: str = "srun"
-    time: str = "24:00:00"
-    signal_seconds: int = 600
-    checkpoint_seconds: int = 0  # 0: planned from the model and world size
-    cpus_per_gpu: int = 12
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
-    exclusive: bool = True
-    job_name: str = ""
-    python: str = "python"
-    setup: str = ""  # a shell line run before launching (e.g. `source .venv/bin/activate`)
-    gpu_memory_gib: float = 80.0  # what the plan must fit in, per GPU
-    force: bool = False  # render a plan that does not fit, over an existing -o file
-
-    @property
-    def ranks(self) -> int:
-        """Ranks per node."""
-        return self.ranks_per_node or self.gpus_per_node
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.ranks
 
 
 def job_parser() -> argparse.ArgumentParser:
@@ -116,6 +84,12 @@ def job_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu-memory-gib", type=float, default=Job.gpu_memory_gib,
                    help="Memory per GPU the run's plan must fit in (`bigclip plan` computes it).")  # fmt: skip
+    p.add_argument("--chdir", default="", metavar="DIR",
+                   help="The job's working directory (#SBATCH --chdir); relative paths in the training "
+                   "flags are made absolute against it. (default: the current directory)")  # fmt: skip
+    p.add_argument("--max-requeues", type=int, default=0, metavar="N",
+                   help=f"Requeue the job at most N times, then stop saying so (default: {MIN_REQUEUE_CAP}, or "
+                   "twice the job runs the plan needs when more).")  # fmt: skip
     p.add_argument("--force", action="store_true",
                    help="Render a plan that does not fit --gpu-memory-gib, and over an existing -o file.")  # fmt: skip
     p.add_argument("-o", "--output", default="",
@@ -132,27 +106,20 @@ def validate_job(job: Job) -> Job:
         raise ConfigError(f"--launcher {job.launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     if job.ranks < 1:
         raise ConfigError("--gpus-per-node 0 (a CPU partition) needs --ranks-per-node N")
+    if job.max_requeues < 0:
+        raise ConfigError(f"--max-requeues {job.max_requeues}: give 1 or more, or 0 for the planned cap")
     if job.signal_seconds < 60:
         raise ConfigError("--signal-seconds below 60 leaves too little time to checkpoint before the limit")
     _check_time(job)
     if job.job_name and not re.fullmatch(r"[A-Za-z0-9._-]+", job.job_name):
         raise ConfigError(f"--job-name {job.job_name!r}: use letters, digits, '.', '_' and '-'")
-    for flag in ("gres", "partition", "account", "qos", "constraint"):
+    for flag in ("gres", "partition", "account", "qos", "constraint", "chdir"):
         value = getattr(job, flag)
         if value and not SBATCH_VALUE.fullmatch(value):
             raise ConfigError(
                 f"--{flag} {value!r}: no spaces, quotes, $, ` or \\ (it is written on a #SBATCH line)"
             )
     return job
-
-
-def time_seconds(value: str) -> int:
-    """Slurm's D-HH:MM:SS (or HH:MM:SS) in seconds."""
-    found = re.fullmatch(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})", value)
-    if not found:
-        raise ConfigError(f"--time {value!r}: use HH:MM:SS or D-HH:MM:SS")
-    days, hours, minutes, seconds = (int(x or 0) for x in found.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def _check_time(job: Job) -> None:
@@ -163,46 +130,6 @@ def _check_time(job: Job) -> None:
             f"{job.signal_seconds} sends ahead of it (each run would be signalled at once and requeued forever); "
             f"give --time of at least {job.signal_seconds + MIN_TRAIN_WINDOW_S} s or a smaller --signal-seconds"
         )
-
-
-def job_plan(cfg: TrainConfig, job: Job) -> Plan:
-    """`bigclip plan` for this job, sized with FSDP2's sharding: ZeRO's per-rank share is within 15%
-    of it, and planning ZeRO would import DeepSpeed to resolve its config (seconds) just to render."""
-    from bigclip.plan.planner import Hardware, build_plan
-    from bigclip.plan.spec import from_train_config
-
-    as_fsdp = copy.deepcopy(cfg)
-    as_fsdp.engine.engine = "fsdp"
-    return build_plan(from_train_config(as_fsdp, gpus=job.world), Hardware(gpu_memory_gib=job.gpu_memory_gib))
-
-
-def planned_checkpoint_seconds(plan: Plan, job: Job) -> int:
-    """Seconds from a signal to the ranks' exit: finish the step, save and upload one node's shards
-    (at NODE_UPLOAD_BYTES_PER_S, S3 requests at the per-prefix rate), twice over, at least 120."""
-    if job.checkpoint_seconds:
-        return job.checkpoint_seconds
-    from bigclip.plan.planner import S3_WRITES_PER_PREFIX_PER_S
-
-    upload = plan.checkpoint_rank0_bytes * job.ranks / NODE_UPLOAD_BYTES_PER_S
-    requests = plan.s3_requests_per_save / S3_WRITES_PER_PREFIX_PER_S
-    return max(CHECKPOINT_FLOOR_S, math.ceil(2 * (upload + requests + plan.step_time_s)))
-
-
-def check_plan(cfg: TrainConfig, job: Job, plan: Plan) -> int:
-    """Refuse a job that cannot run as planned; returns the planned checkpoint seconds."""
-    if job.gpus_per_node and not plan.fits and not job.force:
-        raise ConfigError(
-            f"the plan needs {plan.memory.peak / 2**30:.1f} GiB per GPU, more than --gpu-memory-gib "
-            f"{job.gpu_memory_gib:g} leaves ({plan.hardware.headroom:.0%} kept free): lower --batch-size, add "
-            "--grad-checkpointing or nodes (see `bigclip plan` with the same flags), or pass --force"
-        )
-    checkpoint_s = planned_checkpoint_seconds(plan, job)
-    if job.signal_seconds < checkpoint_s:
-        raise ConfigError(
-            f"--signal-seconds {job.signal_seconds} is shorter than the planned checkpoint time ({checkpoint_s} s): "
-            "the time limit would cut the checkpoint short; raise it, or set --checkpoint-seconds"
-        )
-    return checkpoint_s
 
 
 def default_job_name(cfg: TrainConfig, job: Job) -> str:
@@ -222,18 +149,6 @@ def requeue_ready(cfg: TrainConfig, name: str) -> TrainConfig:
     return cfg
 
 
-def train_args_lines(cfg: TrainConfig) -> str:
-    argv, lines = to_argv(cfg), []
-    i = 0
-    while i < len(argv):  # one flag (and its value) per line
-        flag = argv[i]
-        has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-        pair = [flag, argv[i + 1]] if has_value else [flag]
-        lines.append("    " + " ".join(shlex.quote(x) for x in pair))
-        i += len(pair)
-    return "\n".join(lines)
-
-
 def resource_lines(job: Job) -> str:
     lines = []
     if job.gpus_per_node and job.gres != "none":
@@ -244,8 +159,15 @@ def resource_lines(job: Job) -> str:
 
 def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") -> str:
     name = job.job_name or default_job_name(cfg, job)
-    cfg = requeue_ready(cfg, name)
-    checkpoint_s = check_plan(cfg, job, job_plan(cfg, job))
+    chdir = Path(job.chdir or os.getcwd()).expanduser().absolute()
+    if not SBATCH_VALUE.fullmatch(str(chdir)):
+        raise ConfigError(f"the job's working directory {str(chdir)!r} holds a space, a quote, $, ` or \\ (it is "
+                          "written on a #SBATCH line): give --chdir DIR without them")  # fmt: skip
+    cfg = with_absolute_paths(requeue_ready(cfg, name), chdir)
+    _check_safe_values(cfg)
+    plan = job_plan(cfg, job)
+    checkpoint_s = check_plan(cfg, job, plan)
+    cap, cap_why = requeue_cap(cfg, job, plan)
     extra = [f"#SBATCH --{flag}={getattr(job, flag)}" for flag in ("partition", "account", "qos", "constraint")
              if getattr(job, flag)]  # fmt: skip
     values = {
@@ -259,17 +181,21 @@ def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") ->
         "OMP_THREADS": str(max(1, job.cpus_per_gpu // 2)),
         "ENV_SETUP": job.setup + "\n" if job.setup else "", "WORLD": str(job.world),
         "TRAIN_ARGS": train_args_lines(cfg), "PYTHON": job.python, "LAUNCHER_GRACE": str(LAUNCHER_GRACE_S),
+        "CHDIR": str(chdir), "MAX_REQUEUES": str(cap), "MAX_REQUEUES_WHY": cap_why,
     }  # fmt: skip
     launch = fill(LAUNCHERS[job.launcher], values)
     return fill(HEADER, values) + fill(BODY, {**values, "LAUNCH": launch})
 
 
-def _check_safe_values(cfg: TrainConfig) -> None:
-    """Values that land in the script unquoted (inside double quotes) must not expand; and a job
-    without data would start, fail and be requeued."""
+def _check_has_data(cfg: TrainConfig) -> None:
+    """A job without data would start, fail and be requeued."""
     if not cfg.data.train_data:
         raise ConfigError("no --train-data: the job would start, fail and be requeued; give the shards, e.g. "
                           "--train-data 's3://bucket/laion/{00000..41407}.tar'")  # fmt: skip
+
+
+def _check_safe_values(cfg: TrainConfig) -> None:
+    """Values that land in the script unquoted (inside double quotes) must not expand."""
     for value, flag in ((cfg.log.logs, "--logs"), (cfg.log.name, "--name")):
         if re.search(r'[$`"\\\n]', value):
             raise ConfigError(f"{flag} {value!r}: no $, `, \\, quotes or newlines in paths the script uses")
@@ -293,7 +219,7 @@ def main(argv: list[str]) -> int:
     options = {k: v for k, v in vars(args).items() if k != "output"}
     job = validate_job(Job(**options))
     cfg = parse_train_args(train_argv)
-    _check_safe_values(cfg)
+    _check_has_data(cfg)
     if args.output:
         _check_output(Path(args.output), force=job.force)
     script = render(job, cfg, command=" ".join(shlex.quote(a) for a in _without_output(argv)))

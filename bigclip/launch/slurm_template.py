@@ -10,8 +10,11 @@ HEADER = """\
 #!/bin/bash
 # {{TITLE}}
 # Rendered by: bigclip slurm {{COMMAND}}
-# Re-render instead of editing by hand. Submit with sbatch from the bigclip checkout (paths are
-# relative to it); `bigclip plan` with the same training flags shows its memory and speed.
+# Re-render instead of editing by hand; `bigclip plan` with the same training flags shows its memory,
+# speed and length. It runs in its --chdir below: every path in it is absolute, and TRAIN_ARGS gives
+# every training option, so it trains the same from wherever it is submitted and whatever bigclip's
+# defaults become.
+# Requeue cap: {{MAX_REQUEUES}} ({{MAX_REQUEUES_WHY}}).
 #SBATCH --job-name={{JOB_NAME}}
 #SBATCH --nodes={{NODES}}
 #SBATCH --ntasks-per-node={{TASKS_PER_NODE}}
@@ -20,6 +23,7 @@ HEADER = """\
 #SBATCH --signal=USR1@{{SIGNAL_SECONDS}}
 #SBATCH --open-mode=append
 #SBATCH --output={{OUTPUT}}
+#SBATCH --chdir={{CHDIR}}
 {{EXTRA_SBATCH}}"""
 
 BODY = """
@@ -30,8 +34,9 @@ set -uo pipefail
 # SIGTERM to every process of the job when it requeues or cancels it (then waits KillWait). The
 # ranks finish their step, commit a checkpoint (the async upload included), rank 0 writes
 # $RUN_DIR/requeue.json, and they exit with 85; this script then requeues the job, once, and the
-# rerun resumes with --resume latest at that step. Planned checkpoint time: {{CHECKPOINT_SECONDS}} s;
-# GraceTime and KillWait must leave at least that.
+# rerun resumes with --resume latest at that step. After {{MAX_REQUEUES}} requeues (SLURM_RESTART_COUNT)
+# it stops requeueing and says so: a job that asks again at every run would otherwise cycle for ever.
+# Planned checkpoint time: {{CHECKPOINT_SECONDS}} s; GraceTime and KillWait must leave at least that.
 # This shell gets signals too (a B: signal, scancel --batch or --full, a requeue, a cancel). It must
 # not die of them (SLURM would end the job step under the ranks' checkpoint): it passes them on to
 # the ranks, as SIGUSR1 through the launcher, and keeps waiting.
@@ -59,11 +64,14 @@ requeued_already() {
     restarts=$(job_field Restarts)
     (( ${restarts:-0} > ${SLURM_RESTART_COUNT:-0} ))
 }
+MAX_REQUEUES={{MAX_REQUEUES}}
 requeue_once() {
     local state reason
     state=$(job_field JobState) reason=$(job_field Reason)
     if requeued_already; then
         echo "bigclip sbatch: SLURM has requeued this job already (preemption, scontrol requeue or a node failure); it resumes from the last checkpoint"
+    elif (( ${SLURM_RESTART_COUNT:-0} >= MAX_REQUEUES )); then
+        echo "bigclip sbatch: not requeueing: this job has been requeued ${SLURM_RESTART_COUNT:-0} times, the cap (--max-requeues $MAX_REQUEUES); resubmit this script to resume from the last checkpoint"
     elif [[ "$state" == RUNNING || "$reason" == TimeLimit ]]; then
         # The requeue makes SLURM end this job at once, SIGTERM to scontrol included: it ignores it.
         if (trap '' TERM; scontrol requeue "$SLURM_JOB_ID") || requeued_already; then

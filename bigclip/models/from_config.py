@@ -7,6 +7,7 @@ while `clip.py` and friends stay plain modules that know neither.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -73,16 +74,44 @@ def run_device_type(cfg: TrainConfig) -> str:
 
 
 def apply_linear_kind(model: CLIP, cfg: TrainConfig) -> None:
-    """Swap the blocks' linears for the run's --linear-kind (config/linear_kinds.py)."""
+    """Swap the blocks' linears for the run's --linear-kind (config/linear_kinds.py), and say once
+    per process which kind runs and on which code path (`--use-bnb-linear` and `--int8` name a
+    kind through OpenCLIP's or bitsandbytes' words: the line says what they became)."""
     kind = linear_kind(cfg.model.linear_kind)
     if kind.family == "switchback":
+        from bigclip.ops.int8.custom_ops import describe_path
         from bigclip.ops.int8.switchback import apply_int8
 
         apply_int8(model, kind.name, include_attention=cfg.model.int8_attention)
+        where = (
+            "MLP and attention linears"
+            if cfg.model.int8_attention
+            else "MLP linears (attention stays 16-bit)"
+        )
+        _say_once(f"linear kind {kind.name}: SwitchBack int8 ({kind.variant} quantisation) in every block's "
+                  f"{where}; int8 matmuls on {describe_path(run_device_type(cfg))}")  # fmt: skip
     elif kind.family == "fp8":
         from bigclip.ops.fp8.float8 import apply_fp8, needs_emulation
 
-        apply_fp8(model, kind.variant, emulate=needs_emulation(run_device_type(cfg)))
+        emulate = needs_emulation(run_device_type(cfg))
+        apply_fp8(model, kind.variant, emulate=emulate)
+        path = (
+            "emulated on the CPU (torchao's casts, high-precision matmuls)"
+            if emulate
+            else "fp8 GEMMs on the GPU"
+        )
+        _say_once(f"linear kind {kind.name}: torchao float8 ({kind.variant} scales) in every block's MLP and "
+                  f"attention linears; {path}")  # fmt: skip
+
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """Under the run's logger (rank 0 prints it); ZeRO-3 builds the model twice, the line is one."""
+    if line not in _said:
+        _said.add(line)
+        logging.getLogger("bigclip.models").info(line)
 
 
 def synthetic_batch(

@@ -16,7 +16,10 @@ the master weight and two Adam moments (4 + 8 bytes; 2 + 4 with pure_bf16). S3 r
 a save does (measured against a loopback endpoint, tests/test_plan.py): per rank one HEAD of
 .metadata and `io_threads` multipart uploads of (2 + parts) requests each; rank 0 adds 12 (clear
 the step folder, write and rename .metadata, write the manifest). The chunked loss's exchange is
-priced in bytes sent per GPU and seconds at --link-gbps (plan/comm.py).
+priced in bytes sent per GPU and seconds at --link-gbps (plan/comm.py). The run's length is its
+optimizer steps (`run_steps`: what ends it first, --max-steps or its epochs of --train-num-samples,
+counted as the loader counts them) at the planned step time, and its GPU-hours those hours times
+the GPUs. A plan that does not fit prints the advice for its largest term (advice.py).
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bigclip.config import TrainConfig
 from bigclip.models.flops import forward_flops as model_forward_flops
 from bigclip.models.shape import ParamShape
+from bigclip.plan.advice import advise
 from bigclip.plan.comm import loss_exchange_bytes, transfer_seconds
 from bigclip.plan.memory import MemoryPlan, plan_memory, recomputed_flops
 from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
@@ -76,6 +81,37 @@ class Plan:
         if self.loss_exchange_bytes is None:
             return None
         return transfer_seconds(self.loss_exchange_bytes, link_gbps=self.hardware.link_gbps)
+
+
+def run_steps(cfg: TrainConfig, *, gpus: int) -> int | None:
+    """Optimizer steps the run takes: --max-steps, or all its epochs when they end it first (each of
+    --train-num-samples // global micro-batch // --accum-freq steps, at least one, as the training
+    loop counts them); None when neither --max-steps nor --train-num-samples says."""
+    samples, max_steps = cfg.data.train_num_samples, cfg.optim.max_steps
+    if not samples:
+        return max_steps or None
+    per_epoch = max(1, samples // (cfg.data.batch_size * gpus) // cfg.optim.accum_freq)
+    return min(max_steps, per_epoch * cfg.optim.epochs) if max_steps else per_epoch * cfg.optim.epochs
+
+
+def human_duration(seconds: float) -> str:
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} days ({seconds / 3600:,.0f} h)"
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def run_rows(plan: Plan, steps: int | None, *, bounded: bool = False) -> list[tuple[str, str]]:
+    """The run's steps, length and GPU-hours at the planned step time. `bounded`: --max-steps is
+    known but not the epochs' length, so the run may end sooner."""
+    if steps is None:
+        return [("run time", "unknown: give --train-num-samples (or --max-steps) to price the whole run")]
+    hours = steps * plan.step_time_s / 3600
+    up_to = "at most " if bounded else ""
+    return [
+        ("optimizer steps", f"{up_to}{steps:,}"),
+        (f"run time at {plan.hardware.mfu:.0%} MFU", up_to + human_duration(hours * 3600)),
+        ("GPU-hours", f"{up_to}{hours * plan.spec.gpus:,.0f} ({plan.spec.gpus:,} GPUs)"),
+    ]
 
 
 def forward_flops(spec: PlanSpec) -> float:
@@ -230,12 +266,19 @@ def dry_run_rows(plan: Plan, train_argv: list[str]) -> list[tuple[str, str]]:
 def print_plan(options: PlanOptions) -> int:
     """`bigclip plan`'s output for options parsed and checked by plan/options.py."""
     plan = build_plan(from_train_config(options.train, gpus=options.gpus), options.hardware)
+    steps = run_steps(options.train, gpus=options.gpus)
+    bounded = steps is not None and not options.train.data.train_num_samples
     if options.json:
-        print(json.dumps(to_json(plan), indent=2))
+        hours = steps * plan.step_time_s / 3600 if steps is not None else None
+        run = {"optimizer_steps": steps, "steps_bounded": bounded, "run_time_s": hours and hours * 3600,
+               "gpu_hours": hours and hours * plan.spec.gpus}  # fmt: skip
+        print(json.dumps({**to_json(plan), **run}, indent=2))
         return 0
-    rows = report_rows(plan)
+    rows = report_rows(plan) + run_rows(plan, steps, bounded=bounded)
     if options.dry_run:
         rows += dry_run_rows(plan, options.train_argv)
     print(f"{plan.spec.model} on {plan.spec.gpus} GPUs, {plan.spec.engine}, {plan.spec.precision}, rank 0:")
     print(format_rows(rows, markdown=options.markdown))
+    if not plan.fits:
+        print(f"\ndoes not fit: {advise(plan, build_plan).text()}")
     return 0

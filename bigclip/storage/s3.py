@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bigclip.errors import StorageError
+from bigclip.storage.s3_credentials import process_session
 from bigclip.storage.settings import storage_settings
 
 S3_SCHEME = "s3://"
@@ -108,7 +109,6 @@ def boto3_client(settings: S3Settings, *, fast_fail: bool = False, max_attempts:
     key = (os.getpid(), settings, fast_fail, max_attempts)
     if key not in _boto3_clients:
         require_s3_package("boto3")
-        import boto3
         from botocore.config import Config
 
         retries = (
@@ -120,7 +120,8 @@ def boto3_client(settings: S3Settings, *, fast_fail: bool = False, max_attempts:
         config = Config(
             s3={"addressing_style": "path" if settings.path_style else "auto"}, retries=retries, **timeouts
         )
-        _boto3_clients[key] = boto3.client(
+        # One session per process: its keys are looked up once, with backoff (s3_credentials.py).
+        _boto3_clients[key] = process_session().client(
             "s3", region_name=settings.region_name, endpoint_url=settings.endpoint, config=config
         )
     return _boto3_clients[key]

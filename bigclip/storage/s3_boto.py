@@ -1,8 +1,9 @@
 """An S3 prefix as a `Location` through boto3: what processes that fork, and their children, use.
 
 s3torchconnector's CRT clients are torn down before every fork (it registers an at-fork
-handler), and a training process forks its data-loader workers at each epoch start: a CRT
-request running in a background thread at that moment fails or hangs. So what runs across
+handler), and a training process forks data-loader workers (the training data's once per run,
+evaluation's at each evaluation): a CRT request running in a background thread at that moment
+fails or hangs. So what runs across
 forks (`open_location(..., fork_safe=True)`: data shards read in the workers, the remote sync's
 thread) reaches S3 through boto3, which forks leave alone: the client is looked up per process
 on every use (`boto3_client`), so a location made before a fork works after it. Shards stream

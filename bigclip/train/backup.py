@@ -73,8 +73,9 @@ def _remote_checkpoints(sync: RemoteSync | None) -> Location | None:
 
 
 def guard_new_run(cfg: TrainConfig, store: CheckpointStore, sync: RemoteSync | None) -> None:
-    """Collective: refuse to start over an earlier run's checkpoints (see the module docstring)."""
-    if cfg.checkpoint.resume:
+    """Collective: refuse to start over an earlier run's checkpoints (see the module docstring). An
+    evaluation-only run writes no checkpoint: it may evaluate in a run's folder."""
+    if cfg.checkpoint.resume or cfg.evaluates_only:
         return
 
     def check() -> None:

@@ -1,5 +1,6 @@
 """The training entry that both doors share: `python -m bigclip.train` (__main__.py, also under
-torchrun and the deepspeed launcher's `--module`) and the console script's `bigclip train` (cli.py).
+torchrun and the deepspeed launcher's `--module`) and the console script's `bigclip train` (cli.py);
+`bigclip eval` is the same entry for a run with no --train-data (it evaluates, loop.evaluate_only).
 
 One function, so the two behave the same. In order:
 1. the preemption-signal handlers, before torch is imported (seconds), so a SIGUSR1/SIGTERM during
@@ -33,21 +34,32 @@ from bigclip.train.signals import catch_preemption_signals
 if TYPE_CHECKING:
     from bigclip.config import TrainConfig
 
+EVAL_PROG = "bigclip eval"  # the evaluation-only run by name (cli.py's `eval`)
+
 
 def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
-    """Train with `argv` (default: sys.argv[1:]); returns the exit code (85: requeue me)."""
+    """Train with `argv` (default: sys.argv[1:]); returns the exit code (85: requeue me). Without
+    --train-data and with an evaluation set, the run evaluates its weights and ends (OpenCLIP's
+    evaluation-only run)."""
     catch_preemption_signals()
     try:
-        return _train(sys.argv[1:] if argv is None else argv)
+        return _train(sys.argv[1:] if argv is None else argv, prog=prog)
     except BigclipError as e:
         return refuse(f"{prog}: error: {e}")
 
 
-def _train(argv: list[str]) -> int:
+def eval_main(argv: list[str] | None = None) -> int:
+    """`bigclip eval`: the evaluation-only run by name (`bigclip train` with no --train-data)."""
+    return main(argv, prog=EVAL_PROG)
+
+
+def _train(argv: list[str], *, prog: str) -> int:
     from bigclip.cli_args import parse_train_args
     from bigclip.train.preflight import check_flags, check_machine
 
-    cfg = parse_train_args(argv)
+    cfg = parse_train_args(argv, prog=prog if prog == EVAL_PROG else "bigclip train")
+    if prog == EVAL_PROG:
+        _check_eval_command(cfg)
     check_flags(cfg)
     check_machine(cfg)  # torch: only now, and only torch (the loop's imports take seconds more)
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -56,6 +68,23 @@ def _train(argv: list[str]) -> int:
 
     with _nothing_left_if_refused(cfg):
         return record(train)(cfg)
+
+
+def _check_eval_command(cfg: TrainConfig) -> None:
+    """`bigclip eval` evaluates and never trains: say so rather than start a training run."""
+    from bigclip.errors import ConfigError
+
+    if cfg.data.train_data.strip():
+        raise ConfigError(
+            f"--train-data {cfg.data.train_data!r}: {EVAL_PROG} only evaluates weights; to train, run "
+            "`bigclip train` with the same flags"
+        )
+    if not cfg.data.evaluation_sets():
+        weights = cfg.model.pretrained or cfg.checkpoint.resume
+        raise ConfigError(
+            "nothing to evaluate on: give --val-data SHARDS (retrieval), --imagenet-val DIR or --imagenet-v2 DIR "
+            "(zero-shot classification)" + ("" if weights else ", and the weights: --pretrained or --resume")
+        )
 
 
 @contextlib.contextmanager

@@ -1,5 +1,11 @@
-"""Zero-shot retrieval on held-out image-caption pairs: top-1 image->text and text->image, and
-when to run it (`val_due`, OpenCLIP's --val-frequency).
+"""Evaluation as OpenCLIP's trainer runs it (`open_clip_train/train.py` `evaluate`), when it runs
+(`val_due`: --val-frequency; zeroshot.py: --zeroshot-frequency) and where it is reported.
+
+Held-out retrieval on --val-data gives OpenCLIP's `get_clip_metrics` (R@1/5/10, mean and median
+rank, image->text and text->image) and its `clip_val_loss`; zero-shot classification is zeroshot.py.
+The results go to the log (OpenCLIP's `Eval Epoch:` line), the metric sinks under `val/` and one
+JSON line per evaluation in LOGS/NAME/results.jsonl, under OpenCLIP's names, plus bigclip's
+`step` and `chance`.
 
 Sample i's image matches caption i. Every rank embeds the samples with index = rank (mod world
 size); ranks pad to the same number of samples because a sharded model needs every rank in
@@ -8,10 +14,14 @@ every forward. Features are gathered and scored on all ranks (identical results)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from bigclip import data
 from bigclip.config import DataConfig, TrainConfig
@@ -19,6 +29,13 @@ from bigclip.data import EvalSample, ImageNormalizer, Tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
+from bigclip.train.metrics import get_logger
+from bigclip.train.run import between_steps
+
+if TYPE_CHECKING:
+    from bigclip.train.run import Run
+
+RECALL_AT = (1, 5, 10)  # OpenCLIP's get_clip_metrics
 
 
 def val_due(cfg: TrainConfig, epoch: int) -> bool:
@@ -27,41 +44,72 @@ def val_due(cfg: TrainConfig, epoch: int) -> bool:
     return bool(every) and (epoch % every == 0 or epoch == cfg.optim.epochs)
 
 
-def retrieval_top1(
-    image_features: torch.Tensor, text_features: torch.Tensor, *, chunk_size: int = 4096, fp32: bool = True
-) -> dict[str, float]:
-    """Top-1 accuracy both ways for L2-normalised, index-aligned features; chance is 1/N.
-    OpenCLIP main's --val-retrieval-chunk-size: scores `chunk_size` rows at a time (0: the whole
-    N x N matrix at once), exact either way; --val-retrieval-precision: fp32 or the features' dtype."""
+def retrieval_metrics(
+    image_features: torch.Tensor, text_features: torch.Tensor, *, logit_scale: float, batch_size: int,
+    chunk_size: int = 4096, fp32: bool = True,
+) -> dict[str, float]:  # fmt: skip
+    """OpenCLIP's retrieval metrics and clip_val_loss for L2-normalised, index-aligned features;
+    chance (R@1 of a random ranking) is 1/N. OpenCLIP main's --val-retrieval-chunk-size: scores
+    `chunk_size` rows at a time (0: the whole N x N matrix at once), exact either way;
+    --val-retrieval-precision: fp32 or the features' dtype."""
     if fp32:
         image_features, text_features = image_features.float(), text_features.float()
+    metrics: dict[str, float] = {}
+    for name, queries, keys in (("image_to_text", image_features, text_features),
+                                ("text_to_image", text_features, image_features)):  # fmt: skip
+        metrics |= rank_metrics(name, truth_ranks(queries, keys, chunk_size=chunk_size))
     n = image_features.shape[0]
-    truth = torch.arange(n, device=image_features.device)
-    return {
-        "image_to_text_R@1": (_best_match(image_features, text_features, chunk_size) == truth)
-        .float()
-        .mean()
-        .item(),
-        "text_to_image_R@1": (_best_match(text_features, image_features, chunk_size) == truth)
-        .float()
-        .mean()
-        .item(),
-        "num_samples": n,
-        "chance": 1.0 / n,
-    }
+    loss = clip_val_loss(image_features, text_features, logit_scale=logit_scale, batch_size=batch_size)
+    return metrics | {"clip_val_loss": loss, "num_samples": n, "chance": 1.0 / n}
 
 
-def _best_match(queries: torch.Tensor, keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """For each query row, the index of its highest-scoring key (the first one on a tie, as argmax)."""
+def truth_ranks(queries: torch.Tensor, keys: torch.Tensor, *, chunk_size: int) -> torch.Tensor:
+    """For each query row i, the 0-based place of key i among its scores, best first: how many keys
+    score higher, plus those that tie at a lower index (argmax's order, so R@1 is argmax == i).
+    OpenCLIP's argsort orders ties arbitrarily; the logit scale, a positive factor, changes no rank."""
     step = chunk_size if chunk_size > 0 else max(1, queries.shape[0])
-    return torch.cat([(part @ keys.T).argmax(dim=1) for part in queries.split(step)])
+    index = torch.arange(keys.shape[0], device=keys.device)
+    ranks = []
+    for start in range(0, queries.shape[0], step):
+        scores = queries[start : start + step] @ keys.T
+        own_index = torch.arange(start, start + scores.shape[0], device=keys.device)
+        own = scores.gather(1, own_index.unsqueeze(1))
+        ahead = (scores > own) | ((scores == own) & (index.unsqueeze(0) < own_index.unsqueeze(1)))
+        ranks.append(ahead.sum(dim=1))
+    return torch.cat(ranks)
+
+
+def rank_metrics(name: str, ranks: torch.Tensor) -> dict[str, float]:
+    """OpenCLIP's names and formulas: mean rank and floor(median) rank, 1-based; R@k."""
+    places = ranks.cpu().numpy()
+    metrics = {
+        f"{name}_mean_rank": float(places.mean() + 1),
+        f"{name}_median_rank": float(np.floor(np.median(places)) + 1),
+    }
+    return metrics | {f"{name}_R@{k}": float(np.mean(places < k)) for k in RECALL_AT}
+
+
+def clip_val_loss(
+    image_features: torch.Tensor, text_features: torch.Tensor, *, logit_scale: float, batch_size: int
+) -> float:
+    """OpenCLIP's clip_val_loss: the symmetric CLIP loss within each batch of its validation loader
+    (`batch_size` consecutive samples, the last one partial), averaged over samples. It depends on
+    the batch size, as OpenCLIP's does (a batch of B has chance loss log B)."""
+    total = 0.0
+    for image, text in zip(image_features.split(batch_size), text_features.split(batch_size)):
+        logits = logit_scale * image.float() @ text.float().T
+        labels = torch.arange(logits.shape[0], device=logits.device)
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+        total += loss.item() * logits.shape[0]
+    return total / max(image_features.shape[0], 1)
 
 
 @torch.no_grad()
 def _embed(
     engine: Engine, share: list, *, batch_size: int, device: torch.device, normalize: ImageNormalizer
-) -> tuple[torch.Tensor, torch.Tensor]:
-    images, texts = [], []
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """This rank's image and text features, and the model's logit scale (exponentiated)."""
+    images, texts, scale = [], [], 0.0
     for start in range(0, len(share), batch_size):
         chunk = share[start : start + batch_size]
         out = engine.forward(
@@ -70,7 +118,8 @@ def _embed(
         )
         images.append(out["image_features"].float())
         texts.append(out["text_features"].float())
-    return torch.cat(images), torch.cat(texts)
+        scale = float(out["logit_scale"].float().mean())  # replicated: the same on every rank and batch
+    return torch.cat(images), torch.cat(texts), scale
 
 
 def _gather_in_order(local: torch.Tensor, *, world: int, total: int) -> torch.Tensor:
@@ -95,17 +144,20 @@ def evaluate_retrieval(
 ) -> dict[str, float]:
     """`my_samples`: this rank's share of the held-out set, indices rank, rank + world, ... in order
     (as `bigclip.data.iter_eval_samples(..., rank=, world_size=)` yields them); `normalize` puts
-    their uint8 images on the device, as the training loader does (`data.image_normalizer`)."""
+    their uint8 images on the device, as the training loader does (`data.image_normalizer`).
+    `batch_size` (per rank) sets the forwards and clip_val_loss's batches."""
     share, total = _padded_share(list(my_samples), runtime)
     was_training = engine.module.training
     engine.eval()
-    image_local, text_local = _embed(
+    image_local, text_local, scale = _embed(
         engine, share, batch_size=batch_size, device=runtime.device, normalize=normalize
     )
     engine.train(was_training)
     image = _gather_in_order(image_local, world=runtime.world_size, total=total)
     text = _gather_in_order(text_local, world=runtime.world_size, total=total)
-    return retrieval_top1(image, text, chunk_size=chunk_size, fp32=fp32)
+    return retrieval_metrics(
+        image, text, logit_scale=scale, batch_size=batch_size, chunk_size=chunk_size, fp32=fp32
+    )
 
 
 def held_out_retrieval(
@@ -144,3 +196,36 @@ def _padded_share(mine: list[EvalSample], runtime: Runtime) -> tuple[list[EvalSa
         )
     per_rank, total = int(counts.max()), int(counts.sum())
     return mine + [mine[0]] * (per_rank - len(mine)), total
+
+
+@between_steps
+def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[str, float] | None:
+    """Collective: zero-shot classification (when due) and held-out retrieval (with `retrieval`,
+    given --val-data and --val-frequency), reported as OpenCLIP reports them; None if neither ran."""
+    cfg = run.cfg.data
+    normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
+    metrics: dict[str, float] = {}
+    if run.zeroshot.due(run.progress.state.epoch, final=final):
+        run.checkpointer.wait()  # its loader forks workers (see loop.build_loader)
+        metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
+                                         batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
+    if retrieval and cfg.val_data and cfg.val_frequency:
+        metrics |= held_out_retrieval(run.engine, cfg, run.tokenizer, run.runtime, normalize=normalize)
+    if not metrics:
+        return None
+    state = run.progress.state
+    metrics["epoch"], metrics["step"] = state.epoch, state.step
+    if run.runtime.is_main:
+        report(run, metrics)
+    return metrics
+
+
+def report(run: Run, metrics: dict[str, float]) -> None:
+    """Rank 0: OpenCLIP's `Eval Epoch:` line, the `val/` scalars (at the step: bigclip evaluates
+    mid-epoch too, at a --max-steps end) and one line of results.jsonl."""
+    get_logger().info(
+        f"Eval Epoch: {metrics['epoch']} " + "\t".join(f"{k}: {round(v, 4):.4f}" for k, v in metrics.items())
+    )
+    run.scalars.scalars({f"val/{k}": v for k, v in metrics.items()}, step=int(metrics["step"]))
+    with open(run.run_dir / "results.jsonl", "a") as f:
+        f.write(json.dumps(metrics) + "\n")

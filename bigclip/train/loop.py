@@ -18,7 +18,7 @@ import torch.distributed as dist
 from bigclip import data
 from bigclip.config import TrainConfig
 from bigclip.errors import NonFiniteLossError
-from bigclip.train.evaluate import held_out_retrieval, val_due
+from bigclip.train.evaluate import evaluate, val_due
 from bigclip.train.metrics import (
     Average,
     StepTimer,
@@ -33,17 +33,21 @@ from bigclip.train.step import train_step
 from bigclip.train.step_log import log_step
 
 
-@between_steps
-def build_loader(run: Run) -> data.TrainLoader:
-    # Data workers are forked, and s3torchconnector tears its clients down before a fork:
-    # an upload in flight must finish first.
+def open_train_data(run: Run) -> data.TrainData:
+    """The run's data workers, started once: every epoch's loader runs on them."""
+    # They are forked when the first epoch starts, and s3torchconnector tears its clients down
+    # before a fork: an upload in flight must finish first. Later epochs fork nothing.
     run.checkpointer.wait()
-    return data.build_train_loader(
+    return data.TrainData(
         run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
-        epoch=run.progress.state.epoch, image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer,
-        position=run.progress.data_position, device=run.runtime.device, image_dtype=run.engine.image_dtype,
-        shards=run.shards,
+        image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer, device=run.runtime.device,
+        image_dtype=run.engine.image_dtype, shards=run.shards,
     )  # fmt: skip
+
+
+@between_steps
+def build_loader(run: Run, train_data: data.TrainData) -> data.TrainLoader:
+    return train_data.epoch(run.progress.state.epoch, position=run.progress.data_position)
 
 
 def micro_batches(loader: Any, *, k: int):
@@ -115,33 +119,14 @@ def close_run(run: Run, *, strict: bool = True) -> None:
         run.guards.close()
 
 
-@between_steps
-def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[str, float] | None:
-    """Held-out retrieval (with `retrieval`, given --val-data) and zero-shot classification (when due)."""
-    cfg = run.cfg.data
-    normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
-    metrics: dict[str, float] = {}
-    if retrieval and cfg.val_data and cfg.val_frequency:
-        metrics = held_out_retrieval(run.engine, cfg, run.tokenizer, run.runtime, normalize=normalize)
-    if run.zeroshot.due(run.progress.state.epoch, final=final):
-        run.checkpointer.wait()  # its loader forks workers (see build_loader)
-        metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
-                                         batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
-    if not metrics:
-        return None
-    state = run.progress.state
-    metrics["epoch"], metrics["step"] = state.epoch, state.step
-    if run.runtime.is_main:
-        get_logger().info("Eval: " + "  ".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
-        run.scalars.scalars({f"val/{k}": v for k, v in metrics.items()}, step=state.step)
-        with open(run.run_dir / "results.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-    return metrics
-
-
 def fit(run: Run) -> dict[str, Any]:
+    with open_train_data(run) as train_data:
+        return fit_epochs(run, train_data)
+
+
+def fit_epochs(run: Run, train_data: data.TrainData) -> dict[str, Any]:
     cfg, progress, state = run.cfg, run.progress, run.progress.state
-    loader = build_loader(run)
+    loader = build_loader(run, train_data)
     steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned: sets the LR schedule
     progress.total_steps = cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs
     progress.steps_per_epoch = steps_per_epoch
@@ -160,7 +145,7 @@ def fit(run: Run) -> dict[str, Any]:
         metrics = evaluate(run, retrieval=val_due(cfg, state.epoch), final=final) or metrics
         run.checkpointer.save_at_epoch_end(state)
         if state.step < progress.total_steps and state.epoch < cfg.optim.epochs:
-            loader = build_loader(run)
+            loader = build_loader(run, train_data)
     return finish(run, loader, metrics)
 
 
@@ -185,8 +170,18 @@ def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str
     }
 
 
+def evaluate_only(run: Run) -> dict[str, Any]:
+    """OpenCLIP's run without --train-data: evaluate the weights loaded (--pretrained, --resume)
+    once, at the epoch they reached, and end."""
+    metrics = evaluate(run, final=True)
+    close_run(run)
+    state = run.progress.state
+    return {"step": state.step, "epoch": state.epoch, "eval": metrics, "run_dir": str(run.run_dir)}
+
+
 def run_training(cfg: TrainConfig) -> dict[str, Any]:
-    return fit(setup(cfg))
+    run = setup(cfg)
+    return evaluate_only(run) if cfg.evaluates_only else fit(run)
 
 
 def main(cfg: TrainConfig) -> int:
@@ -194,7 +189,7 @@ def main(cfg: TrainConfig) -> int:
     run = None
     try:
         run = setup(cfg)
-        summary = fit(run)
+        summary = evaluate_only(run) if cfg.evaluates_only else fit(run)
     except Preempted as e:
         get_logger().info(f"{e}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued")
         return REQUEUE_EXIT_CODE

@@ -22,6 +22,7 @@ from bigclip.config import LogConfig, TrainConfig
 from bigclip.storage.redact import redact
 
 LOGGER_NAME = "bigclip"
+LOSS_NAME = "contrastive_loss"  # OpenCLIP's name for the CLIP and SigLIP loss term (loss.py, output_dict)
 
 
 def log_file_name(*, rank: int, local_rank: int, log_local: bool) -> str | None:
@@ -184,7 +185,8 @@ def train_log_line(
     loss: float,
     loss_avg: float,
 ) -> str:
-    """OpenCLIP's training log line, field for field."""
+    """OpenCLIP's training log line, field for field: each loss term by name, then the total
+    (`Loss:`; bigclip has one term, the contrastive loss)."""
     digits = len(str(samples_per_epoch))
     percent = 100.0 * samples_done / max(samples_per_epoch, 1)
     per_second = global_batch / max(timer.batch.avg, 1e-9)
@@ -192,5 +194,6 @@ def train_log_line(
         f"Train Epoch: {epoch} [{samples_done:>{digits}}/{samples_per_epoch} ({percent:.0f}%)] "
         f"Data (t): {timer.data.avg:.3f} Batch (t): {timer.batch.avg:.3f}, "
         f"{per_second:#g}/s, {per_second / world_size:#g}/s/gpu "
-        f"LR: {lr:5f} Logit Scale: {logit_scale:.3f} Contrastive_loss: {loss:#.5g} ({loss_avg:#.5g})"
+        f"LR: {lr:5f} Logit Scale: {logit_scale:.3f} {LOSS_NAME.capitalize()}: {loss:#.5g} ({loss_avg:#.5g}) "
+        f"Loss: {loss:#.5g} ({loss_avg:#.5g})"
     )

@@ -15,15 +15,40 @@ import os
 from bigclip.config import EngineConfig, TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.errors import ConfigError
+from bigclip.models.hf_hub import HF_HUB_PREFIX
 
 
 def check_flags(cfg: TrainConfig) -> None:
     """Checks a run needs beyond `TrainConfig.validate` (which `bigclip plan`/`slurm` share), with
     the world size the launcher's environment declares."""
-    if not cfg.data.train_data.strip():
-        raise ConfigError("--train-data is empty; give a shard pattern such as /data/{00000..00099}.tar")
+    if cfg.evaluates_only:
+        check_evaluation_only(cfg)
+    elif not cfg.data.train_data.strip():
+        raise ConfigError(
+            "--train-data is empty; give a shard pattern such as /data/{00000..00099}.tar (or, to evaluate "
+            "weights without training, --val-data, --imagenet-val or --imagenet-v2 with --pretrained or --resume)"
+        )
     _check_tag_tokenizer(cfg)
     _check_global_batch(cfg, world_size=launch_world_size())
+
+
+def check_evaluation_only(cfg: TrainConfig) -> None:
+    """A run without --train-data evaluates weights (OpenCLIP's way): it needs weights to evaluate
+    and an evaluation that runs (a frequency of 0 turns one off, as in training)."""
+    weights = cfg.model.pretrained or cfg.checkpoint.resume or cfg.model.model.startswith(HF_HUB_PREFIX)
+    if not weights:
+        raise ConfigError(
+            "no --train-data: this run only evaluates, and has no weights to evaluate; give them with "
+            "--pretrained FILE|TAG|URI or --resume PATH|latest (or add --train-data to train)"
+        )
+    sets = cfg.data.evaluation_sets()
+    if not any(sets.values()):
+        off = {"--val-frequency 0" if flag == "--val-data" else "--zeroshot-frequency 0" for flag in sets}
+        frequencies = " and ".join(sorted(off, reverse=True))
+        raise ConfigError(
+            f"no --train-data and {frequencies}: {', '.join(sets)} would never be evaluated, so the run would do "
+            "nothing; leave the frequency at its default (or any N > 0)"
+        )
 
 
 def launch_world_size(env: dict[str, str] | None = None) -> int:

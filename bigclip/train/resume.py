@@ -112,7 +112,8 @@ def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int,
             f"pass --model {saved_model}, or start from its weights with --pretrained"
         )
     saved_batch = int(meta.get("global_batch", global_batch))
-    if saved_batch != global_batch and not cfg.checkpoint.allow_batch_size_change:
+    # An evaluation-only run takes no step: the batch it evaluates with changes nothing.
+    if saved_batch != global_batch and not (cfg.checkpoint.allow_batch_size_change or cfg.evaluates_only):
         raise ConfigError(
             f"--resume {uri}: the checkpoint was trained with global batch {saved_batch}, this run has {global_batch} "
             "(--batch-size x --accum-freq x ranks); change --batch-size to keep it, or pass "

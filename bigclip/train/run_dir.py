@@ -76,7 +76,9 @@ def open_run_dir(cfg: TrainConfig, run_dir: Path, runtime: Runtime) -> None:
     the lines held so far."""
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        # An evaluation may run in a training run's folder: it leaves that run's config.yaml as it is.
+        config = "eval-config.yaml" if cfg.evaluates_only else "config.yaml"
+        (run_dir / config).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     logger = get_logger()
     for held in [h for h in logger.handlers if isinstance(h, _HeldLines)]:
         held.path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from bigclip import data
 from bigclip.config import EngineConfig, TrainConfig
 from bigclip.distributed import init_distributed
 from bigclip.engines import build_engine
+from bigclip.errors import ConfigError
 from bigclip.models.from_config import build_model, model_config, model_factory
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.settings import configure_storage
@@ -83,6 +84,18 @@ def resumed_progress(store: CheckpointStore, contents: CheckpointContents, *, wh
     return progress
 
 
+def check_weights_to_evaluate(cfg: TrainConfig, store: CheckpointStore, which: str) -> None:
+    """An evaluation-only run whose --resume latest finds nothing (and has no --pretrained to fall
+    back on) would evaluate freshly initialised weights: refused. `which` and the store's listing
+    agree on every rank, so every rank raises together."""
+    if which or pretrained.applies(cfg, store):
+        return
+    raise ConfigError(
+        f"--resume {cfg.checkpoint.resume}: {store.root} holds no committed checkpoint, so this evaluation-only "
+        "run has no weights to evaluate; name a checkpoint with --resume PATH, or give --pretrained"
+    )
+
+
 def setup(cfg: TrainConfig) -> Run:
     """Check everything that can fail cheaply (data, storage) before building the model."""
     check_flags(cfg)
@@ -99,13 +112,15 @@ def setup(cfg: TrainConfig) -> Run:
     apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
     tokenizer = build_tokenizer(cfg)
     configure_storage(s3_endpoint=cfg.checkpoint.s3_endpoint, s3_region=cfg.checkpoint.s3_region)
-    shards = data.validate_data(cfg.data, world_size=runtime.world_size)
+    shards = data.validate_data(cfg.data, world_size=runtime.world_size, evaluation_only=cfg.evaluates_only)
     zeroshot = ZeroShot.open(cfg)
     store = open_store(cfg, run_dir)
     sync, which = prepare_backup(cfg, run_dir, store)  # which: what --resume loads ('' for nothing)
     check_resume_target(
         store, cfg, which, global_batch=cfg.data.batch_size * cfg.optim.accum_freq * runtime.world_size
     )
+    if cfg.evaluates_only:
+        check_weights_to_evaluate(cfg, store, which)
     open_run_dir(cfg, run_dir, runtime)  # the checks passed: the folder, config.yaml, out.log
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "

@@ -1,5 +1,6 @@
 """What the loop reports every `--log-every-n-steps`: OpenCLIP's log line (with the loader's
-capacity, model TFLOP/s per GPU, MFU and the ETA appended) and the scalars.
+capacity, model TFLOP/s per GPU, MFU and the ETA appended) and the scalars, every
+`--log-metric-every-n-steps`: OpenCLIP's `train/` names and values, then bigclip's own.
 
 Values are tensors until a log step: reading a device tensor (`.item()`) waits for the GPU, so
 this runs only on log steps. The loss logged is the global one (averaged over ranks) and the
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from bigclip.distributed import cpu_group
 from bigclip.train import throughput
-from bigclip.train.metrics import Average, StepTimer, get_logger, peak_memory_gb, train_log_line
+from bigclip.train.metrics import LOSS_NAME, Average, StepTimer, get_logger, peak_memory_gb, train_log_line
 from bigclip.train.step import StepOutput, verify_inputs
 
 if TYPE_CHECKING:
@@ -55,19 +56,20 @@ def log_step(
             + f" Loader capacity: {capacity:#g}/s/gpu"  # Data (t) above is the wait for data
             + throughput.log_fields(pace)
         )  # fmt: skip
-    run.scalars.scalars(
-        {
-            "train/loss": loss_value,
-            "train/lr": lr,
-            "train/logit_scale": scale,
-            "train/grad_norm": out.stats.grad_norm.item(),
-            "train/samples_per_second": samples_per_s,
-            "train/data_time": timer.data.avg,
-            "train/data_capacity_per_gpu": capacity,  # < samples_per_second / world size: data-bound
-            "train/batch_time": timer.batch.avg,
-            "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
-        }
-        | throughput.scalars(pace),
-        step=state.step,
-    )
+    openclip = {  # open_clip_train/train.py's names: dashboards built on OpenCLIP runs read these
+        "train/data_time": timer.data.avg,
+        "train/batch_time": timer.batch.avg,
+        "train/samples_per_second": samples_per_s,
+        "train/samples_per_second_per_gpu": samples_per_s / run.runtime.world_size,
+        "train/scale": scale,  # the logit scale, exponentiated
+        "train/lr": lr,
+        f"train/{LOSS_NAME}": loss_value,  # each loss term by name (bigclip has one)...
+        "train/loss": loss_value,  # ...and their sum
+    }
+    own = {
+        "train/grad_norm": out.stats.grad_norm.item(),
+        "train/data_capacity_per_gpu": capacity,  # < samples_per_second_per_gpu: data-bound
+        "train/peak_memory_gb": peak_memory_gb(run.runtime.device),
+    }
+    run.scalars.scalars(openclip | own | throughput.scalars(pace), step=state.step)
     timer.reset()

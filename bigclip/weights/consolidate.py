@@ -4,6 +4,7 @@
     bigclip consolidate runs/x/checkpoints/step_00001200 s3://b/x/ --max-shard-size 5GB --dtype bf16
     bigclip consolidate registry:vit-h-14-v1 full.safetensors --with-optimizer --registry s3://b/reg
     bigclip consolidate runs/x/checkpoints --open-clip-dir hub/vit-b-32     # OpenCLIP / HF Hub folder
+    bigclip consolidate runs/x/checkpoints --transformers-dir hf/vit-b-32   # transformers' CLIPModel
 
 SRC: a bigclip checkpoint written by either engine at any world size (local, `s3://`, or
 `registry:NAME`), or a `.safetensors`/`.pt`/`.bin` file to convert. OUT: a `.safetensors`
@@ -19,7 +20,9 @@ Memory: the source is read in pieces of `--piece-size` with `--read-ahead` piece
 its shards are not row-major ranges of it (e.g. sharded along dim 1), and then one tensor plus
 one shard. Nothing appears under OUT's names until every byte is written; the checksum
 manifest (OUT_STEM.manifest.json) is written last. `--open-clip-dir DIR` writes the folder
-OpenCLIP's `local-dir:` loader and the Hugging Face Hub take instead (see open_clip_export.py).
+OpenCLIP's `local-dir:` loader and the Hugging Face Hub take instead (see open_clip_export.py);
+`--transformers-dir DIR` the folder `transformers.CLIPModel.from_pretrained` loads
+(transformers_export.py).
 """
 
 from __future__ import annotations
@@ -70,6 +73,22 @@ def non_tensor_state(source: WeightSource) -> dict[str, Any]:
     return {key: reader.read_value(key) for key in reader.value_keys() if not key.startswith(source.prefix)}
 
 
+def _export_transformers(
+    source: WeightSource, pairs: list, folder: str, *, model: str, dtype: str, overwrite: bool,
+    max_shard_size: str, progress: bool, piece_bytes: int, read_ahead: int,
+) -> WriteResult:  # fmt: skip
+    from bigclip.weights.transformers_export import prepare
+
+    export = prepare(source, pairs, folder, model=model, dtype=dtype, overwrite=overwrite,
+                     max_shard_bytes=parse_size(max_shard_size) if max_shard_size else 0)  # fmt: skip
+    bar = progress_bar(sum(o.nbytes for _, o in pairs), label="export", enabled=progress)
+    pieces = source.reader.stream([s for s, _ in pairs], piece_bytes=piece_bytes, window=read_ahead)
+    result = export.write(pieces, on_bytes=bar.update)
+    bar.close()
+    log.info("exported %s -> %s for transformers' CLIPModel", source.uri, folder)
+    return result
+
+
 def consolidate(
     src: str,
     out: str,
@@ -83,12 +102,17 @@ def consolidate(
     piece_bytes: int = PIECE_BYTES,
     read_ahead: int = 4,
     open_clip_dir: str = "",
+    transformers_dir: str = "",
     model: str = "",
 ) -> WriteResult:
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     source = open_weights(src, registry=registry)
     pairs = output_tensors(source, dtype=DTYPES[dtype], with_optimizer=with_optimizer)
+    if transformers_dir:
+        return _export_transformers(source, pairs, transformers_dir, model=model, dtype=dtype, overwrite=overwrite,
+                                    max_shard_size=max_shard_size, progress=progress, piece_bytes=piece_bytes,
+                                    read_ahead=read_ahead)  # fmt: skip
     if open_clip_dir:
         from bigclip.weights.open_clip_export import export_open_clip
 

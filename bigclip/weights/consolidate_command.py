@@ -2,7 +2,7 @@
 (consolidate.py, which imports torch and the readers) only for options that hold.
 
 Everything argv settles fails first, in a fraction of a second: unknown or missing options, OUT
-against --open-clip-dir, sizes that do not read, --read-ahead below 1, and a local SRC that does
+against --open-clip-dir and --transformers-dir, sizes that do not read, --read-ahead below 1, and a local SRC that does
 not exist. What only the source can say (its format, its manifest, its CRCs) is consolidate.py's.
 """
 
@@ -32,7 +32,16 @@ def consolidate_parser() -> argparse.ArgumentParser:
         default="",
         help="Instead of OUT: a folder OpenCLIP loads as local-dir:DIR and the Hugging Face Hub takes as it is.",
     )
-    parser.add_argument("--model", default="", help="With --open-clip-dir: the model, if SRC does not say.")
+    parser.add_argument(
+        "--transformers-dir",
+        default="",
+        help="Instead of OUT: a folder Hugging Face transformers loads as CLIPModel.from_pretrained(DIR).",
+    )
+    parser.add_argument(
+        "--model",
+        default="",
+        help="With --open-clip-dir or --transformers-dir: the model, if SRC does not say.",
+    )
     parser.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES, help="dtype of the weights written.")
     parser.add_argument(
         "--max-shard-size", default="", help="Split into shards of at most this size, e.g. 5GB."
@@ -54,11 +63,15 @@ def parse_consolidate_args(argv: list[str]) -> argparse.Namespace:
     """The options, every check argv (and the local file system, for SRC) can settle done."""
     parser = consolidate_parser()
     args = parser.parse_args(argv)
-    if bool(args.out) == bool(args.open_clip_dir):
-        parser.error("give OUT or --open-clip-dir DIR (one of them)")
+    if sum(map(bool, (args.out, args.open_clip_dir, args.transformers_dir))) != 1:
+        parser.error("give OUT, --open-clip-dir DIR or --transformers-dir DIR (one of them)")
     if args.open_clip_dir and (args.max_shard_size or args.with_optimizer):
         parser.error(
             "--open-clip-dir writes one weights file (OpenCLIP's loader reads one), without optimizer state"
+        )
+    if args.transformers_dir and args.with_optimizer:
+        parser.error(
+            "--transformers-dir writes the model's weights, without optimizer state (CLIPModel holds none)"
         )
     if args.max_shard_size:
         _size("--max-shard-size", args.max_shard_size)
@@ -102,7 +115,7 @@ def main(argv: list[str]) -> int:
         args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
         with_optimizer=args.with_optimizer, overwrite=args.overwrite, registry=args.registry or "",
         progress=not args.no_progress, piece_bytes=args.piece_bytes, read_ahead=args.read_ahead,
-        open_clip_dir=args.open_clip_dir, model=args.model,
+        open_clip_dir=args.open_clip_dir, transformers_dir=args.transformers_dir, model=args.model,
     )  # fmt: skip
     plan = result.plan
     for name in plan.names():

@@ -9,6 +9,7 @@ every module that builds ViT CLIP models is OpenCLIP's own, unchanged.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -35,6 +36,10 @@ def _placeholder_torchvision() -> None:
 
     for name in ("torchvision", "torchvision.ops", "torchvision.ops.misc"):
         sys.modules[name] = types.ModuleType(name)
+        # A spec, as importlib gives real modules: transformers (which OpenCLIP's hf_model imports
+        # when it is installed) asks find_spec("torchvision"), which raises for a module without one;
+        # with it, transformers finds no version and no file, and takes torchvision as absent.
+        sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
     sys.modules["torchvision.ops.misc"].FrozenBatchNorm2d = FrozenBatchNorm2d
 
 

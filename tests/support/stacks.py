@@ -10,8 +10,8 @@ are the ones a test ran on, and pyproject.toml's bounds are exactly what .venv-l
 The subset: every test of the code that differs between torch releases (engines, training loop,
 loss, int8 kernels, data on the device, checkpoints) and every test that touches a dependency
 installed at its lower bound (S3: boto3, moto, s3torchconnector; the tokenizer: ftfy, regex;
-DeepSpeed; bitsandbytes; webdataset; tensorboard; wandb). The rest (layout, Slurm, planning,
-CLI wording, OpenCLIP's reference environment) does not depend on those versions.
+DeepSpeed; bitsandbytes; webdataset; tensorboard; wandb; transformers). The rest (layout, Slurm,
+planning, CLI wording, OpenCLIP's reference environment) does not depend on those versions.
 
     python tests/support/stacks.py constraints   # name==lower-bound lines for pip -c
     python tests/support/stacks.py tests         # the subset's files, one a line
@@ -76,6 +76,8 @@ LOW_STACK_TESTS = (
     "tests/test_pretrained_hub.py::test_hf_hub_model_loads_its_config_preprocessing_and_weights_offline",
     "tests/test_pretrained_hub.py::test_an_uncached_hf_hub_model_fails_offline_saying_how_to_get_it",
     "tests/test_pretrained_hub.py::test_tag_files_are_found_as_openclip_finds_them",
+    # transformers at its lower bound loads `consolidate --transformers-dir`'s folder (dev extra)
+    "tests/test_transformers_export.py",
     # checkpoints, local and S3 (boto3, moto, s3torchconnector)
     "tests/test_checkpoint_store.py",
     "tests/test_checkpoint_async.py",

@@ -55,7 +55,7 @@ def render(
     wrapper.write_text(WRAPPER % sys.executable)
     wrapper.chmod(0o755)
     job_args = ["--cpus-per-gpu", "1", "--no-exclusive", "--python", str(wrapper), "--signal-seconds", "60",
-                "--checkpoint-seconds", "40", "--time", "00:10:00", *job]  # fmt: skip
+                "--checkpoint-seconds", "40", "--time", "00:10:00", "--chdir", str(out.parent), *job]  # fmt: skip
     train_args = ["--model", "tiny", "--train-data", data, "--precision", "fp32", "--batch-size", "16",
                   "--workers", "1", "--warmup", "2", "--epochs", "40", "--max-steps", str(steps),
                   "--save-every-n-steps", "4", "--save-frequency", "0", "--log-every-n-steps", "1",

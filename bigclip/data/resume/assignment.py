@@ -193,11 +193,29 @@ def assign_readers(
     tasks = assign(
         remaining, shards, world_size=settings.world_size, workers=settings.workers, resampled=start.resampled
     )[rank]
-    readers, tails = settings.readers, [None] * settings.readers
-    if start.resampled:
-        stride = settings.world_size * readers
-        tails = [Tail(origin.draws + rank * readers + w, stride) for w in range(readers)]
-    return ReaderAssignment(origin, tasks, stream, exact, tails)
+    return ReaderAssignment(origin, tasks, stream, exact, reader_tails(origin, settings, rank=rank))
+
+
+def reader_tails(origin: DataPosition, settings: StreamSettings, *, rank: int) -> list[Tail | None]:
+    """--dataset-resampled: reader g = rank x readers + worker continues with draws frontier + g,
+    frontier + g + all readers, ... (None for every reader without it)."""
+    readers = settings.readers
+    if not origin.resampled:
+        return [None] * readers
+    stride = settings.world_size * readers
+    return [Tail(origin.draws + rank * readers + w, stride) for w in range(readers)]
+
+
+def tasks_of(
+    shards: ShardList, pieces: list[tuple[int, Cursor, int | None]], *, seed: int, epoch: int, resampled: bool
+) -> list[ShardTask]:
+    """The tasks reading samples [start, stop) of each (shard, start, stop); with --dataset-resampled
+    the first is a draw of the epoch."""
+    shard_of = draw_shard(shards, seed=seed, epoch=epoch) if resampled else (lambda task: task)
+    return [
+        ShardTask(task, shards.urls[shard_of(task)], start, shards.sizes[shard_of(task)], stop)
+        for task, start, stop in pieces
+    ]
 
 
 def _continuation(

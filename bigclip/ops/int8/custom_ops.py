@@ -38,19 +38,42 @@ def _triton_kernels() -> ModuleType | None:
 
 def backend_for(t: Tensor) -> ModuleType:
     """The module implementing the primitives for tensors like `t`."""
+    return _select(cuda=t.is_cuda)
+
+
+def _select(*, cuda: bool) -> ModuleType:
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in BACKENDS:
         raise ConfigError(f"{BACKEND_ENV}={choice!r}: use one of {', '.join(BACKENDS)}")
-    if choice == "torch" or (choice == "auto" and not t.is_cuda):
+    if choice == "torch" or (choice == "auto" and not cuda):
         return torch_path
     kernels = _triton_kernels()
     if kernels is None:
         if choice == "triton":
             raise ConfigError(f"{BACKEND_ENV}=triton but triton cannot be imported; pip install triton")
         return torch_path
-    if not t.is_cuda and not kernels.interpreting():
+    if not cuda and not kernels.interpreting():
         raise ConfigError(f"{BACKEND_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 (set before import)")
     return kernels
+
+
+def describe_path(device_type: str) -> str:
+    """Which code runs SwitchBack's int8 matmuls for a run on `device_type` ("cuda" or "cpu"), and
+    why: the log line a run prints at start (the choice `backend_for` makes at each call)."""
+    cuda = device_type == "cuda"
+    chosen = _select(cuda=cuda)
+    if chosen is not torch_path:
+        import triton
+
+        where = "under Triton's CPU interpreter (TRITON_INTERPRET=1)" if not cuda else "on the GPU"
+        return f"bigclip's Triton kernels (triton {triton.__version__}) {where}"
+    choice = os.environ.get(BACKEND_ENV, "auto")
+    why = (
+        f"{BACKEND_ENV}=torch" if choice == "torch"
+        else "Triton runs on CUDA tensors, and this run computes on the CPU" if not cuda
+        else "Triton cannot be imported here (pip install triton)"
+    )  # fmt: skip
+    return f"the PyTorch path (torch._int_mm): {why}"
 
 
 @torch.library.custom_op("bigclip::switchback_quantize_rows", mutates_args=())
