@@ -1,9 +1,9 @@
 """The Checkpointer: when the run saves, what it keeps, and the save in flight.
 
     checkpointer = Checkpointer(store, contents, cfg=cfg.checkpoint, sync=sync, ...)
-    signum = checkpointer.maybe_save(state, data_position=loader.state_dict)   # every step
+    signum = checkpointer.maybe_save(state, data_position=loader.rank_state)   # every step
     checkpointer.save_at_epoch_end(state)
-    checkpointer.save_at_end(state, data_position=loader.state_dict)
+    checkpointer.save_at_end(state, data_position=loader.rank_state)
     checkpointer.close(strict=True)                                            # then the final sync
 
 When: one decision (save_schedule.py: every N steps, epochs or minutes of training, a stop
