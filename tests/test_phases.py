@@ -144,3 +144,28 @@ def test_a_main_thread_stuck_in_c_code_past_the_grace_time_is_ended_by_the_watch
         "signal": "SIGTERM",
         "reason": "stopped during reading checkpoint X: nothing trained to checkpoint",
     }
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """SIGINT counts as a stop request (the step boundary, while training); a second one is
+    KeyboardInterrupt, as Ctrl-C twice is anywhere."""
+    code = textwrap.dedent("""
+        import os, signal, time
+        from bigclip.train import phases
+        from bigclip.train.signals import catch_preemption_signals
+        flag = catch_preemption_signals()
+        phases.begin("training", on_stop=phases.OnStop.AT_BOUNDARY, announce=False, base=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        while not flag.said:  # the watcher's line (a run goes on meanwhile; this script waits for it)
+            time.sleep(0.01)
+        print("noted", signal.Signals(flag.signum).name, flush=True)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            print("stopped at once", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.stdout.splitlines()[-2:] == ["noted SIGINT", "stopped at once"], done.stdout + done.stderr
+    assert "SIGINT received during training: the ranks stop at the next step boundary" in done.stdout

@@ -108,6 +108,11 @@ class SignalFlag:
     def installed(self) -> bool:
         return bool(self._previous)
 
+    @property
+    def said(self) -> bool:
+        """The line about the signal is out."""
+        return self._said
+
     def install(self) -> SignalFlag:
         """Idempotent; a no-op outside the main thread, where Python cannot install handlers."""
         if self._previous or threading.current_thread() is not threading.main_thread():
