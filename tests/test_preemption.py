@@ -150,5 +150,6 @@ def test_a_signal_during_start_up_does_not_kill_the_rank(demo_data, tmp_path, do
     which = signal_during_start_up(proc)
     out, _ = proc.communicate(timeout=300)
     assert (which, proc.returncode) == ("handlers first", REQUEUE_EXIT_CODE), out[-3000:]
-    assert "SIGUSR1 received during start-up: no step taken since the run started, nothing to checkpoint" in out
+    said = "SIGUSR1 received during start-up: no step taken since the run started, nothing to checkpoint"
+    assert said in out
     assert "Traceback" not in out and "Train Epoch" not in out
