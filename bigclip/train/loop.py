@@ -243,7 +243,9 @@ def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str
         metrics = evaluate(run, final=True) or metrics  # the final weights get evaluated too
     wait_for_upload(run)  # the last upload must be committed before the run reports success
     latest = run.checkpointer.latest()
-    with phase("the final backup (--remote-sync)", announce=False, quiet_s=QUIET_S):
+    with phase(
+        "closing the run (the last upload, --remote-sync's final copy)", announce=False, quiet_s=QUIET_S
+    ):
         close_run(run)
     return {
         "step": state.step,

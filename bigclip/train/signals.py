@@ -92,11 +92,12 @@ class SignalFlag:
         self.received_at = 0.0
         self.phase = ""  # the phase it came in
         self.exits_now = False  # it came before the first step completed
+        self.on_stop = OnStop.EXIT_NOW  # what it does, by the phase it came in
         self.run_dir: Path | None = None  # where the requeue marker goes (once known)
         self.is_main = True  # rank 0 writes the marker
         self.step: int | None = None  # where the run stands, for the marker
         self._previous: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: the main thread's handler may run while it holds it
         self._said = False
         self._handled = 0  # handler calls (a second SIGINT stops at once)
         self._pipe: tuple[int, int] | None = None
@@ -151,8 +152,8 @@ class SignalFlag:
             if self.signum:
                 return False
             self.signum, self.received_at = signum, time.monotonic()
-            self.phase = phases.current_name()
-            self.exits_now = phases.stop_rule() is OnStop.EXIT_NOW
+            self.phase, self.on_stop = phases.current_name(), phases.stop_rule()
+            self.exits_now = self.on_stop is OnStop.EXIT_NOW
             return True
 
     def raise_if_due(self) -> None:
@@ -167,8 +168,7 @@ class SignalFlag:
             if self._said or not self.signum:
                 return
             self._said = True
-        rule = OnStop.EXIT_NOW if self.exits_now else phases.stop_rule()
-        say(f"{signal.Signals(self.signum).name} received during {self.phase}: {CONSEQUENCE[rule]}")
+        say(f"{signal.Signals(self.signum).name} received during {self.phase}: {CONSEQUENCE[self.on_stop]}")
 
     def requeue_marker(self) -> None:
         """For a stop before the first step: rank 0 leaves the marker in an existing run folder."""
@@ -241,6 +241,7 @@ class SignalFlag:
 
     def reset(self) -> None:
         self.signum, self.received_at, self.phase, self.exits_now = 0, 0.0, "", False
+        self.on_stop = OnStop.EXIT_NOW
         self.run_dir, self.is_main, self.step = None, True, None
         self._said = False
         self._handled = 0
