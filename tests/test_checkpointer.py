@@ -16,6 +16,7 @@ from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import CheckpointConfig
 from bigclip.distributed import spawn
+from bigclip.train import phases
 from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.checkpointer import Checkpointer
 from bigclip.train.metrics import Scalars
@@ -110,6 +111,7 @@ def _ranks_with_different_clocks(rank: int, world: int, root: str) -> dict:
     clock = Clock()
     cfg = checkpoint_flags("--save-every-n-minutes", "2.5")
     checkpointer = open_checkpointer(root, cfg, clock, PreemptionWatcher())
+    phases.begin("training", on_stop=phases.OnStop.AT_BOUNDARY, base=True)  # past the first step, as the loop
     state, saved, stop = TrainState(), [], 0
     for step in range(1, 20):
         clock.advance(1 if rank == 0 else 1000 * step)  # rank 1's clock says "save" at every step
