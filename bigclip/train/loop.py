@@ -18,6 +18,7 @@ import torch.distributed as dist
 from bigclip import data
 from bigclip.config import TrainConfig
 from bigclip.errors import NonFiniteLossError
+from bigclip.train.checkpointer import SaveFailed
 from bigclip.train.evaluate import held_out_retrieval, val_due
 from bigclip.train.metrics import (
     Average,
@@ -103,6 +104,17 @@ def stop_for_requeue(run: Run, loader: data.TrainLoader, signum: int) -> None:
     loader.close()
     close_run(run, strict=False)  # exit 85 regardless: the requeued job resumes from what is there
     raise Preempted(step, signum)
+
+
+def stop_after_failed_save(run: Run, error: SaveFailed) -> None:
+    """The stop request's or the end's checkpoint failed (every rank knows): leave the requeue
+    marker, so the job comes back and resumes from the latest committed checkpoint, and stop."""
+    if run.runtime.is_main:
+        get_logger().error(f"{error}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued and resumes "
+                           "from the latest committed checkpoint")  # fmt: skip
+    announce_requeue(run.run_dir, step=error.step, signum=run.guards.preemption.signum, is_main=run.runtime.is_main,
+                     reason="checkpoint failed")  # fmt: skip
+    close_run(run, strict=False)
 
 
 def close_run(run: Run, *, strict: bool = True) -> None:
@@ -197,6 +209,9 @@ def main(cfg: TrainConfig) -> int:
         summary = fit(run)
     except Preempted as e:
         get_logger().info(f"{e}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued")
+        return REQUEUE_EXIT_CODE
+    except SaveFailed as e:
+        stop_after_failed_save(run, e)  # `run` is set: only a run's checkpointer raises it
         return REQUEUE_EXIT_CODE
     except RuntimeError as e:  # a collective failed (a peer died, a timeout): say which ranks are gone
         if run is not None and run.runtime.world_size > 1:
