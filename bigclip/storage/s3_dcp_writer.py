@@ -56,7 +56,7 @@ RANK_BYTES_PER_S = 0.5e9 / 8  # the planner's per-node checkpoint rate, shared b
 JITTER_FRACTION = 0.1  # of the rank's expected upload time
 JITTER_CAP_S = 2.0
 REWRITES = 3
-REWRITE_BASE_S = 1.0
+REWRITE_BASE_S = 0.5
 REWRITE_CAP_S = 30.0
 _THROTTLED = ("throttl", "slowdown", "slow down", "503")
 # Its own generator: the training process seeds Python's `random` for reproducible runs, and

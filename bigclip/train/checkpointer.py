@@ -215,10 +215,14 @@ class Checkpointer:
 
     def _warn(self, step: int, due: Due, error: BaseException) -> None:
         if self._is_rank0:  # every rank learns of the failure; one line says it
-            latest = f"step {self.committed_step}" if self.committed_step >= 0 else "none yet"
+            latest = (
+                f"the latest checkpoint stays step {self.committed_step}"
+                if self.committed_step >= 0
+                else "with no checkpoint committed yet,"
+            )
             get_logger().warning(
-                f"checkpoint step {step} ({due.reason}) failed; training goes on, the latest checkpoint "
-                f"stays {latest} and the next save tries again: {error}"
+                f"checkpoint step {step} ({due.reason}) failed; training goes on, {latest} and the next save "
+                f"tries again: {error}"
             )
 
     def wait(self) -> None:
