@@ -10,7 +10,7 @@ writing at once, so:
   relative to the checkpoint folder in `.metadata`, so stock DCP with s3torchconnector's reader
   reads it; `prefix_strategy(rank)` tells any planner where rank R writes.
 - **few requests per rank**: every upload is multipart (2 + parts requests); one object per rank
-  unless the rank's shard is large (`files_for`), parts of PART_BYTES; no rank asks whether
+  unless the rank's shard is large, parts of 64 MiB (save_requests.py); no rank asks whether
   `.metadata` exists (DCP's writer sends every rank's HEAD to the one `step_N/` prefix only to
   warn about an overwrite; the store empties the folder before each save).
 - **start jitter**: a rank waits a random moment, at most a tenth of its expected upload time
@@ -41,17 +41,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from bigclip.storage.save_requests import files_for
+
 log = logging.getLogger("bigclip.storage")
 
-PART_BYTES = 64 << 20  # a 1024-rank bigG shard (~33 MiB) is one part: 3 requests, not 7 at 8 MiB
 PREFIX_DIGITS = 4  # hex digits per rank prefix: distinct up to 65,536 ranks
-# Objects per rank. Each is 2 + parts requests, and a second upload stream buys no bandwidth: the
-# CRT client sends one stream's parts concurrently, and the planner's conservative figure, 0.5 GB/s
-# per node (launch/slurm.py), gives each of 8 ranks 62.5 MB/s, which one stream sustains. What
-# one stream does serially is pickle and hash (SHA-256, ~1 GB/s a stream): one object per GiB of
-# shard keeps that under a second per object; at most MAX_FILES, as DCP's default of 4 threads.
-STREAM_BYTES = 1 << 30
-MAX_FILES = 4
 RANK_BYTES_PER_S = 0.5e9 / 8  # the planner's per-node checkpoint rate, shared by 8 GPUs
 JITTER_FRACTION = 0.1  # of the rank's expected upload time
 JITTER_CAP_S = 2.0
@@ -62,11 +56,6 @@ _THROTTLED = ("throttl", "slowdown", "slow down", "503")
 # Its own generator: the training process seeds Python's `random` for reproducible runs, and
 # uploads run in a background thread during async saves; neither may disturb the other.
 _RNG = random.Random()
-
-
-def files_for(nbytes: int) -> int:
-    """Objects a rank writes for a shard of `nbytes` (see STREAM_BYTES)."""
-    return max(1, min(MAX_FILES, math.ceil(nbytes / STREAM_BYTES)))
 
 
 def start_delay(nbytes: int, *, rng: random.Random = _RNG) -> float:

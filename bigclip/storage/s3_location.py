@@ -169,7 +169,7 @@ class S3Location:
     @cached_property
     def _write_client(self) -> Any:
         """The client checkpoints are written through: larger parts, so fewer requests per object."""
-        from bigclip.storage.s3_dcp_writer import PART_BYTES
+        from bigclip.storage.save_requests import PART_BYTES
 
         return s3torch_client(self.settings, max_attempts=self.max_attempts, part_size=PART_BYTES)
 
