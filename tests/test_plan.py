@@ -123,7 +123,9 @@ def test_forced_image_size_and_context_length_are_planned() -> None:
 def test_s3_requests_per_save_match_a_real_save() -> None:
     """One rank saves through a counting proxy to a loopback S3; the request model must agree."""
     # Two objects (the store's io_threads), one of them larger than a part (PART_BYTES: 64 MiB).
-    state = {"model": {"big": torch.randn(18_000_000), "small": torch.randn(1000), "mid": torch.randn(4_000_000)}}
+    state = {
+        "model": {"big": torch.randn(18_000_000), "small": torch.randn(1000), "mid": torch.randn(4_000_000)}
+    }
     with LoopbackS3() as s3:
         s3.create_bucket("plan-bucket")
         with FaultProxy(upstream=s3.endpoint) as proxy, storage_configured(s3_endpoint=proxy.endpoint):
