@@ -138,6 +138,17 @@ def test_transient_throttling_and_dropped_connections_are_retried(proxy):
     store.verify("latest")
 
 
+def test_an_object_throttled_past_the_clients_tries_is_written_again(proxy):
+    store = store_via(proxy)  # three tries per request
+    proxy.add_rule("slowdown", method="PUT", path_contains=".distcp", times=3)  # every try of the one part
+    store.save(make_state(1), step=1)  # the writer writes the object again, after a backoff
+    assert proxy.injected["slowdown"] == 3
+    assert store.verify("latest").step == 1  # whole: what the manifest records is what is stored
+    target = make_state(0)
+    store.load(target, "latest")
+    assert all(torch.equal(target["model"][k], v) for k, v in make_state(1)["model"].items())
+
+
 @pytest.mark.timeout(120)  # three attempts per request (and the writer's rewrites), then a clear error
 @pytest.mark.parametrize(
     ("action", "explanation"),
