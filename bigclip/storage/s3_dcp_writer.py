@@ -29,7 +29,6 @@ import math
 import queue
 import random
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -52,7 +51,7 @@ JITTER_CAP_S = 2.0
 REWRITES = 3
 REWRITE_BASE_S = 0.5
 REWRITE_CAP_S = 30.0
-_THROTTLED = ("throttl", "slowdown", "slow down", "503")
+_THROTTLED = ("throttl", "slowdown", "slow down")  # the CRT's "Request throttled", S3's "SlowDown"
 # Its own generator: the training process seeds Python's `random` for reproducible runs, and
 # uploads run in a background thread during async saves; neither may disturb the other.
 _RNG = random.Random()
@@ -97,17 +96,13 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 class S3CheckpointWriter(S3StorageWriter):
     """s3torchconnector's DCP writer with rank prefixes, few objects, jitter and rewrites (module docstring)."""
 
-    def __init__(
-        self, region: str, path: str, *, world_size: int, files: int | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:  # fmt: skip
-        """`files`: objects per rank (None: `files_for` the rank's bytes). `sleep`: how waits wait."""
+    def __init__(self, region: str, path: str, *, world_size: int, files: int | None = None) -> None:
+        """`files`: objects per rank (None: `files_for` the rank's bytes)."""
         strategy = HexPrefixStrategy(min_prefix_length=PREFIX_DIGITS, prefix_count=max(1, world_size))
         # One thread per object, each writing its object alone (`_write_file`): DCP's own helper
         # threads die with their errors unraised and are not joined when the first thread fails.
         super().__init__(region, path, prefix_strategy=strategy, thread_count=1)
         self.files = files
-        self._sleep = sleep
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """DCP's, less its HEAD of `.metadata` (see the module docstring). Without collectives
@@ -120,7 +115,7 @@ class S3CheckpointWriter(S3StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         nbytes = sum(item_bytes(i) for i in plan.items)
         groups = split_items(plan.items, self.files or files_for(nbytes))
-        self._sleep(start_delay(nbytes))
+        time.sleep(start_delay(nbytes))
         names = [f"{plan.storage_data.prefix}{n}{DEFAULT_SUFFIX}" for n in range(len(groups))]
         if len(groups) == 1:
             results = self._write_file(planner, names[0], groups[0])
@@ -160,5 +155,5 @@ class S3CheckpointWriter(S3StorageWriter):
                 delay = rewrite_delay(attempt)
                 log.info("%s: S3 kept throttling after the client's tries (%s); writing it again in %.1f s "
                          "(%d of %d)", path, e, delay, attempt + 1, REWRITES)  # fmt: skip
-                self._sleep(delay)
+                time.sleep(delay)
         raise AssertionError("unreachable")

@@ -211,7 +211,8 @@ def main(cfg: TrainConfig) -> int:
         get_logger().info(f"{e}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued")
         return REQUEUE_EXIT_CODE
     except SaveFailed as e:
-        stop_after_failed_save(run, e)  # `run` is set: only a run's checkpointer raises it
+        if run is not None:  # always: only a run's checkpointer raises it
+            stop_after_failed_save(run, e)
         return REQUEUE_EXIT_CODE
     except RuntimeError as e:  # a collective failed (a peer died, a timeout): say which ranks are gone
         if run is not None and run.runtime.world_size > 1:
