@@ -123,7 +123,9 @@ def test_ranks_write_under_their_own_prefixes_and_every_reader_follows(s3, tmp_p
 
 def test_a_checkpoint_of_the_flat_layout_still_loads(s3, tmp_path):
     """Saved before the prefixes (as every local checkpoint still is): `step_N/__0_0.distcp`."""
-    flat = CheckpointStore(str(tmp_path / "flat"))
+    flat = CheckpointStore(
+        str(tmp_path / "flat"), io_threads=1
+    )  # torch 2.11 writes empty files for idle threads
     flat.save(whole_state(1), step=3)
     client = s3.client()
     for path in (tmp_path / "flat" / "step_00000003").iterdir():
