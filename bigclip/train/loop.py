@@ -19,6 +19,7 @@ from bigclip import data
 from bigclip.config import TrainConfig
 from bigclip.engines.compile import compile_activity
 from bigclip.errors import NonFiniteLossError
+from bigclip.train.checkpointer import SaveFailed
 from bigclip.train.evaluate import evaluate, val_due
 from bigclip.train.metrics import (
     Average,
@@ -143,6 +144,17 @@ def stop_for_requeue(run: Run, loader: data.TrainLoader, signum: int) -> None:
     raise Preempted(step, signum)
 
 
+def stop_after_failed_save(run: Run, error: SaveFailed) -> None:
+    """The stop request's or the end's checkpoint failed (every rank knows): leave the requeue
+    marker, so the job comes back and resumes from the latest committed checkpoint, and stop."""
+    if run.runtime.is_main:
+        get_logger().error(f"{error}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued and resumes "
+                           "from the latest committed checkpoint")  # fmt: skip
+    announce_requeue(run.run_dir, step=error.step, signum=run.guards.preemption.signum, is_main=run.runtime.is_main,
+                     reason="checkpoint failed")  # fmt: skip
+    close_run(run, strict=False)
+
+
 def close_run(run: Run, *, strict: bool = True) -> None:
     """Release what the run holds; the final backup is waited for (`strict`: raise if incomplete)."""
     run.guards.watchdog.close()  # no steps from here on
@@ -259,6 +271,10 @@ def main(cfg: TrainConfig) -> int:
         summary = evaluate_only(run) if cfg.evaluates_only else fit(run)
     except Preempted as e:
         get_logger().info(f"{e}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued")
+        return REQUEUE_EXIT_CODE
+    except SaveFailed as e:
+        if run is not None:  # always: only a run's checkpointer raises it
+            stop_after_failed_save(run, e)
         return REQUEUE_EXIT_CODE
     except RuntimeError as e:  # a collective failed (a peer died, a timeout): say which ranks are gone
         if run is not None and run.runtime.world_size > 1:

@@ -70,12 +70,16 @@ class PreemptionWatcher:
         self.flag.reset()
 
 
-def announce_requeue(run_dir: Path, *, step: int, signum: int, is_main: bool) -> None:
-    """Call once the preemption checkpoint is committed. Rank 0 writes the requeue marker; then
-    every rank waits for the others, so a launcher that kills the remaining ranks as soon as one
-    exits (srun --kill-on-bad-exit, DeepSpeed's launcher) cannot cut the commit or the marker short."""
+def announce_requeue(
+    run_dir: Path, *, step: int, signum: int, is_main: bool, reason: str = "preempted"
+) -> None:
+    """Call once the preemption checkpoint is committed (or, `reason` "checkpoint failed", once the
+    stop request's or the end's checkpoint failed: the rerun resumes from the latest committed
+    one). Rank 0 writes the requeue marker; then every rank waits for the others, so a launcher
+    that kills the remaining ranks as soon as one exits (srun --kill-on-bad-exit, DeepSpeed's
+    launcher) cannot cut the commit or the marker short."""
     if is_main:
-        record = {"step": step, "signal": signal.Signals(signum).name, "reason": "preempted"}
-        write_requeue_marker(run_dir, record, writer=0)
+        name = signal.Signals(signum).name if signum else None
+        write_requeue_marker(run_dir, {"step": step, "signal": name, "reason": reason}, writer=0)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier(group=cpu_group())
