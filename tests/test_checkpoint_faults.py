@@ -85,7 +85,11 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path):
 def test_rank_killed_during_s3_upload_leaves_the_previous_checkpoint_latest(tmp_path):
     with LoopbackS3() as s3, FaultProxy(upstream=s3.endpoint) as proxy:
         root = s3.create_bucket("killed") + "/run/ckpt"
-        proxy.add_rule("stall", method="PUT", path_contains="step_00000002/__1_0.distcp")
+        # Rank 1 of 2 writes under its own prefix (where its writer's prefix strategy says).
+        prefix = (
+            CheckpointStore(root).location.dcp_writer("step_00000002", world_size=2)[0].prefix_strategy(1)
+        )
+        proxy.add_rule("stall", method="PUT", path_contains=f"step_00000002/{prefix}0.distcp")
         outcome: list[BaseException] = []
 
         def run() -> None:
@@ -134,7 +138,18 @@ def test_transient_throttling_and_dropped_connections_are_retried(proxy):
     store.verify("latest")
 
 
-@pytest.mark.timeout(120)  # three attempts per request, then a clear error: not a hang
+def test_an_object_throttled_past_the_clients_tries_is_written_again(proxy):
+    store = store_via(proxy)  # three tries per request
+    proxy.add_rule("slowdown", method="PUT", path_contains=".distcp", times=3)  # every try of the one part
+    store.save(make_state(1), step=1)  # the writer writes the object again, after a backoff
+    assert proxy.injected["slowdown"] == 3
+    assert store.verify("latest").step == 1  # whole: what the manifest records is what is stored
+    target = make_state(0)
+    store.load(target, "latest")
+    assert all(torch.equal(target["model"][k], v) for k, v in make_state(1)["model"].items())
+
+
+@pytest.mark.timeout(120)  # three attempts per request (and the writer's rewrites), then a clear error
 @pytest.mark.parametrize(
     ("action", "explanation"),
     [("slowdown", "kept throttling"), ("drop", "connection to S3 kept failing")],
@@ -149,12 +164,13 @@ def test_persistent_s3_faults_fail_clearly_and_commit_nothing(proxy, action, exp
     assert_resumes_from_step_1(store)
 
 
-def test_a_write_lost_in_a_dcp_helper_thread_fails_the_commit(proxy):
-    # DCP's extra writer threads die silently; only the store's own bookkeeping notices.
+def test_a_write_lost_in_a_writer_thread_fails_the_commit(proxy):
+    # A rank's other objects are written by other threads (DCP's own die silently; the S3
+    # writer's raise): the commit fails either way, after the writer's rewrites of throttled ones.
     store = store_via(proxy, io_threads=4)
     store.save(make_state(1), step=1)
     for name in ("__0_1.distcp", "__0_2.distcp", "__0_3.distcp"):
-        proxy.add_rule("slowdown", method="PUT", path_contains=f"step_00000002/{name}", times=-1)
+        proxy.add_rule("slowdown", method="PUT", path_contains=f"step_00000002/0000/{name}", times=-1)
     with pytest.raises(StorageError, match="not committed"):
         store.save(make_state(2), step=2)
     proxy.clear_rules()

@@ -138,7 +138,10 @@ def test_saving_a_step_again_replaces_it(root, s3):
 def test_damaged_checkpoint_is_refused(root, s3):
     store = CheckpointStore(root, io_threads=1)
     store.save(make_state(2), step=2)
-    shard = "step_00000002/__0_0.distcp"
+    # A rank's objects lie flat locally and under its own prefix on S3 (step_N/<hex>/__0_0.distcp).
+    shard = next(
+        f"step_00000002/{n}" for n in store.location.list_files("step_00000002") if n.endswith("__0_0.distcp")
+    )
     content = bytearray(store.location.read_bytes(shard))
     content[len(content) // 2] ^= 0xFF  # same size, different bytes: only checksums see it
     store.location.write_bytes(shard, bytes(content))

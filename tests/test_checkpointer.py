@@ -1,23 +1,31 @@
 """The Checkpointer's cadence on a real CheckpointStore: minutes of training on an injected clock
 (no test waits for wall-clock time), what the clock does not count, and ranks that agree on when
 to save even when their clocks disagree (two processes over gloo), and on a stop signal one of
-them caught.
+them caught. What a failed save means, on the loopback S3 behind the fault proxy: a periodic one
+is one warning line and the next save commits; a stop request's raises SaveFailed (the loop then
+exits with the requeue code: test_checkpoint_failures.py runs that end to end).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import uuid
 
 import pytest
 import torch
+from support.s3_fault_proxy import FaultProxy
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import CheckpointConfig
+from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
+from bigclip.storage.settings import storage_configured
+from bigclip.train import phases
 from bigclip.train.checkpoint_contents import TrainState
-from bigclip.train.checkpointer import Checkpointer
+from bigclip.train.checkpointer import Checkpointer, SaveFailed
 from bigclip.train.metrics import Scalars
 from bigclip.train.preemption import PreemptionWatcher
 
@@ -113,6 +121,7 @@ def _ranks_with_different_clocks(rank: int, world: int, root: str) -> dict:
     clock = Clock()
     cfg = checkpoint_flags("--save-every-n-minutes", "2.5")
     checkpointer = open_checkpointer(root, cfg, clock, PreemptionWatcher())
+    phases.begin("training", on_stop=phases.OnStop.AT_BOUNDARY, base=True)  # past the first step, as the loop
     state, saved, stop = TrainState(), [], 0
     for step in range(1, 20):
         clock.advance(1 if rank == 0 else 1000 * step)  # rank 1's clock says "save" at every step
@@ -133,3 +142,72 @@ def test_ranks_save_on_rank_0s_clock_and_stop_together(tmp_path):
     ranks = spawn(_ranks_with_different_clocks, 2, str(tmp_path), timeout_s=300)
     # A disagreement would hang the collective save (and fail here by the timeout).
     assert ranks[0] == ranks[1] == {"saved": [3, 6, 7], "stop": signal.SIGUSR1, "committed": [7, 6, 3]}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with LoopbackS3() as server:
+        server.create_bucket("checkpointer-tests")
+        yield server
+
+
+@pytest.fixture
+def proxy(s3, monkeypatch):
+    """The S3 endpoint, with two tries per request (AWS_MAX_ATTEMPTS): a refused save fails in seconds."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    with FaultProxy(upstream=s3.endpoint) as p, storage_configured(s3_endpoint=p.endpoint):
+        yield p
+
+
+def fail_saves_of(proxy: FaultProxy, step: int) -> None:
+    proxy.add_rule("slowdown", method="PUT", path_contains=f"step_{step:08d}/", times=-1)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failed_periodic_save_is_one_warning_and_the_next_save_tries_again(proxy, preemption, mode, caplog):
+    flags = ["--save-every-n-steps", "2", "--save-frequency", "0"] + (
+        ["--async-save"] if mode == "async" else []
+    )
+    clock, root = Clock(), f"s3://checkpointer-tests/{uuid.uuid4().hex[:8]}"
+    checkpointer = open_checkpointer(root, checkpoint_flags(*flags), clock, preemption)
+    state = TrainState()
+    fail_saves_of(proxy, 4)
+    with caplog.at_level(logging.INFO, logger="bigclip"):
+        for step in range(1, 5):
+            state.step = state.epoch_step = step
+            assert checkpointer.maybe_save(state, data_position=dict) == 0
+        checkpointer.wait()  # an async failure is said when its upload ends, and not raised
+        assert checkpointer.saved_step == 2  # step 4 was not saved: the end may save it
+        proxy.clear_rules()
+        checkpointer.save_at_end(state, data_position=dict)  # S3 is back: step 4 again, committed
+        checkpointer.close()
+    assert [step for step, _ in checkpointer.store.committed()] == [4, 2]
+    said = [
+        r for r in caplog.records if "checkpoint step 4" in r.getMessage() and r.levelno >= logging.WARNING
+    ]
+    assert len(said) == 1 and "\n" not in said[0].getMessage()
+    assert (
+        "training goes on, the latest checkpoint stays step 2 and the next save tries again"
+        in said[0].getMessage()
+    )
+    assert "throttling" in said[0].getMessage()  # and why, in a word the user can act on
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failed_stop_request_save_ends_the_run(proxy, preemption, mode):
+    flags = ["--save-every-n-steps", "0", "--save-frequency", "0"] + (
+        ["--async-save"] if mode == "async" else []
+    )
+    root = f"s3://checkpointer-tests/{uuid.uuid4().hex[:8]}"
+    checkpointer = open_checkpointer(root, checkpoint_flags(*flags), Clock(), preemption)
+    state = TrainState(step=3)
+    fail_saves_of(proxy, 3)
+    os.kill(os.getpid(), signal.SIGUSR1)  # what Slurm sends before the time limit
+    with pytest.raises(
+        SaveFailed, match=r"checkpoint step 3 \(stop requested by SIGUSR1\) failed: .*throttling"
+    ):
+        checkpointer.maybe_save(state, data_position=dict)
+        checkpointer.wait()  # async: the loop waits for the upload before it stops (stop_for_requeue)
+    proxy.clear_rules()
+    checkpointer.close()
+    assert checkpointer.store.committed() == []

@@ -30,6 +30,7 @@ from bigclip.plan.memory import (
 )
 from bigclip.plan.planner import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, s3_requests
 from bigclip.plan.spec import PlanSpec, from_train_config
+from bigclip.storage.save_requests import PART_BYTES
 from bigclip.storage.settings import storage_configured
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,19 +122,22 @@ def test_forced_image_size_and_context_length_are_planned() -> None:
 @pytest.mark.slow
 def test_s3_requests_per_save_match_a_real_save() -> None:
     """One rank saves through a counting proxy to a loopback S3; the request model must agree."""
-    state = {"model": {f"w{i}": torch.randn(1000 + 700_000 * i) for i in range(6)}}
+    # Two objects (the store's io_threads), one of them larger than a part (PART_BYTES: 64 MiB).
+    state = {
+        "model": {"big": torch.randn(18_000_000), "small": torch.randn(1000), "mid": torch.randn(4_000_000)}
+    }
     with LoopbackS3() as s3:
         s3.create_bucket("plan-bucket")
         with FaultProxy(upstream=s3.endpoint) as proxy, storage_configured(s3_endpoint=proxy.endpoint):
-            store = CheckpointStore("s3://plan-bucket/ck", io_threads=3)
+            store = CheckpointStore("s3://plan-bucket/ck", io_threads=2)
             proxy.requests.clear()
             store.save(state, step=7)
             observed = len(proxy.requests)
             manifest = read_manifest(store.location, step_folder(7))
             store.close()
     sizes = [record.size for name, record in manifest.objects.items() if name.endswith(".distcp")]
-    assert len(sizes) == 3 and max(sizes) > 8 * 2**20  # several parts for some objects
-    assert observed == s3_requests(sizes, part_size=8 * 2**20) + RANK0_EXTRA_REQUESTS
+    assert len(sizes) == 2 and max(sizes) > PART_BYTES  # several parts for one object
+    assert observed == s3_requests(sizes, part_size=PART_BYTES) + RANK0_EXTRA_REQUESTS
 
 
 def test_plan_cli_reports_and_refuses_bad_input(capsys: pytest.CaptureFixture) -> None:

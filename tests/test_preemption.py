@@ -65,8 +65,10 @@ import torch
 from torch.utils.data import DataLoader
 from test_preemption import _Slow
 from bigclip.data.worker_signals import shield_worker
+from bigclip.train import phases
 from bigclip.train.signals import catch_preemption_signals
 flag = catch_preemption_signals()
+phases.begin("training", on_stop=phases.OnStop.AT_BOUNDARY, base=True)  # a rank past its first step
 batches = iter(DataLoader(_Slow(), batch_size=None, num_workers=2, multiprocessing_context="fork",
                           worker_init_fn=shield_worker))
 for i, _ in enumerate(batches):
@@ -138,8 +140,9 @@ def signal_during_start_up(proc: subprocess.Popen) -> str:
 
 @pytest.mark.parametrize("door", list(DOORS))
 def test_a_signal_during_start_up_does_not_kill_the_rank(demo_data, tmp_path, door):
-    """SIGUSR1 before torch is imported: caught (signals.py), honoured after the first step, the
-    same through both entry points (train/entry.py)."""
+    """SIGUSR1 before torch is imported: caught (signals.py), said, and honoured at once (nothing
+    trained yet, nothing to checkpoint: exit 85), the same through both entry points
+    (train/entry.py). Each later phase: test_stop_signals.py."""
     argv = demo_argv(demo_data, tmp_path, "--max-steps", "5", "--save-frequency", "0", name="early")
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
     proc = subprocess.Popen([sys.executable, *DOORS[door], *argv], env=env,
@@ -147,4 +150,6 @@ def test_a_signal_during_start_up_does_not_kill_the_rank(demo_data, tmp_path, do
     which = signal_during_start_up(proc)
     out, _ = proc.communicate(timeout=300)
     assert (which, proc.returncode) == ("handlers first", REQUEUE_EXIT_CODE), out[-3000:]
-    assert "preempted by SIGUSR1 at step 1" in out
+    said = "SIGUSR1 received during start-up: no step taken since the run started, nothing to checkpoint"
+    assert said in out
+    assert "Traceback" not in out and "Train Epoch" not in out

@@ -1,6 +1,8 @@
 """Which checkpoints a root holds, which are committed, and which retention may delete.
 
-One folder per save, `step_00001200/`; committed when it holds `manifest.json`. Listing
+One folder per save, `step_00001200/` (on S3 each rank's objects in a sub-folder of it, see
+storage/s3_dcp_writer.py; whatever lists, sizes, copies or deletes a checkpoint takes every
+object under the folder); committed when it holds `manifest.json`. Listing
 costs one LIST (or readdir) plus one HEAD (or stat) per folder examined, newest first.
 Retention keeps the newest K committed checkpoints (never fewer than one) and deletes
 older committed ones and interrupted saves older than the newest commit; folders newer
@@ -106,11 +108,14 @@ def delete_checkpoint(location: Location, entry: Entry) -> str:
 
 
 def clear_folder(location: Location, folder: str) -> None:
-    """Empty a step folder before saving into it again (manifest first: it stops being committed)."""
-    if location.exists(f"{folder}/{MANIFEST_NAME}"):
+    """Empty a step folder before saving into it again (manifest first: it stops being committed).
+    One listing says both whether it is committed and whether anything is there (a save's usual
+    case: nothing, one request)."""
+    files = location.list_files(folder)
+    if MANIFEST_NAME in files:
         log.warning("overwriting committed checkpoint %s", location.child_uri(folder))
         location.delete(f"{folder}/{MANIFEST_NAME}")
-    if location.list_files(folder):
+    if files:
         location.delete_folder(folder)
 
 

@@ -15,6 +15,13 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from bigclip.errors import StorageError
+
+
+class NonFiniteState(StorageError):
+    """A save refused because the state holds NaN or inf: the run diverged, unlike a store that
+    failed (the checkpointer ends the run on this one whatever the cadence)."""
+
 
 def is_finite(tensor: torch.Tensor) -> bool:
     if not tensor.is_floating_point() or tensor.numel() == 0:

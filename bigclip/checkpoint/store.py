@@ -33,7 +33,7 @@ from bigclip.checkpoint import catalog, lookup, rank_record
 from bigclip.checkpoint.async_save import AsyncSave, Staging
 from bigclip.checkpoint.coordination import CheckpointGroup
 from bigclip.checkpoint.dcp_errors import dcp_errors
-from bigclip.checkpoint.finite import first_non_finite, plain_state
+from bigclip.checkpoint.finite import NonFiniteState, first_non_finite, plain_state
 from bigclip.checkpoint.integrity import CheckpointDamaged
 from bigclip.checkpoint.manifest import RANK_RECORDS, Manifest, checksum_problems
 from bigclip.checkpoint.rank_local_load import load_sharded
@@ -65,14 +65,15 @@ class CheckpointStore:
         root: str,
         *,
         keep_last: int = 0,
-        io_threads: int = 4,
+        io_threads: int | None = None,
         max_attempts: int | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
         """Collective when torch.distributed is initialised (it creates a gloo group).
 
         keep_last: retention applied after each commit (0 keeps all; see `keep_last_for`).
-        io_threads: files (and upload streams) per rank per save.
+        io_threads: files (and upload streams) per rank per save (None: the location's choice:
+            4 on a local disk, on S3 one per GiB of the rank's shard, at most 4).
         max_attempts: tries per request on an object store (S3's CRT client's default is 10).
         timeout_s: how long checkpoint collectives may wait for a slow rank.
         """
@@ -163,7 +164,7 @@ class CheckpointStore:
         problem = self.group.broadcast(found[0] if found else None)
         if problem is not None:
             latest = self.group.on_rank0(self.latest)
-            raise StorageError(
+            raise NonFiniteState(
                 f"checkpoint step {step} refused: {problem[1]} holds NaN or inf (rank {problem[0]}); nothing "
                 f"was written, the latest checkpoint is still {latest or 'none'}: resume from it with "
                 "--resume latest (a lower --lr or --grad-clip-norm may keep the run finite)"
@@ -174,7 +175,9 @@ class CheckpointStore:
         folder = catalog.step_folder(step)
         # Rank 0 empties the folder before any rank can write to it; also a sync point.
         self.group.on_rank0(lambda: catalog.clear_folder(self.location, folder))
-        writer, hashing = self.location.dcp_writer(folder, threads=self.io_threads)
+        writer, hashing = self.location.dcp_writer(
+            folder, threads=self.io_threads, world_size=self.group.world_size
+        )
         return folder, step, hashing, writer
 
     def _write(self, state: dict[str, Any], begun: tuple, meta: dict[str, Any], rank_state: Any) -> str:

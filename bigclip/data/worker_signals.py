@@ -1,8 +1,8 @@
 """Data-loader workers die of no preemption signal and outlive no rank.
 
-SIGTERM and SIGUSR1 reach the workers as well as their rank whenever they go to a whole process
-tree or group: Slurm's proctrack/linuxproc signals every process of a job step, and torchrun
-forwards with killpg. PyTorch's workers exit on SIGTERM (its C handler) and SIGUSR1's default
+SIGTERM and SIGUSR1 (and SIGINT, Ctrl-C in a terminal) reach the workers as well as their rank
+whenever they go to a whole process tree or group: Slurm's proctrack/linuxproc signals every
+process of a job step, torchrun forwards with killpg, a terminal signals its foreground group. PyTorch's workers exit on SIGTERM (its C handler) and SIGUSR1's default
 action kills them; the rank then fails with "DataLoader worker ... is killed by signal" before it
 could checkpoint. So each worker blocks both and leaves them to a small thread that waits for
 them: only a SIGTERM from the worker's own rank (the DataLoader terminating a worker that did
@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 
-SHIELDED = (signal.SIGTERM, signal.SIGUSR1)  # what the training loop treats as preemption
+SHIELDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # the training loop's stop signals (Ctrl-C too)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 

@@ -31,6 +31,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -222,12 +223,18 @@ def main(argv: list[str]) -> int:
     _check_has_data(cfg)
     if args.output:
         _check_output(Path(args.output), force=job.force)
+    # Planning imports torch (seconds on a cold node): said on stderr, the script may be on stdout.
+    start = time.monotonic()
+    print(f"bigclip slurm: planning {cfg.model.model} on {job.world} ranks (memory per GPU, checkpoint time; "
+          "loading torch...)", file=sys.stderr, flush=True)  # fmt: skip
     script = render(job, cfg, command=" ".join(shlex.quote(a) for a in _without_output(argv)))
+    took = f"rendered in {time.monotonic() - start:.1f} s"
     if args.output:
         _write(Path(args.output), script)
-        print(f"wrote {args.output}: sbatch {args.output}", file=sys.stderr)
+        print(f"wrote {args.output} ({took}): sbatch {args.output}", file=sys.stderr)
     else:
         print(script, end="")
+        print(f"bigclip slurm: {took}", file=sys.stderr)
     return 0
 
 

@@ -8,15 +8,24 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from bigclip.plan.options import parse_plan_args
 
 
 def main(argv: list[str]) -> int:
     options = parse_plan_args(argv)
+    # Importing torch alone can take seconds on a cold node: say what the wait is (on stderr, so
+    # the table or the JSON on stdout stays clean), and when it ended.
+    start = time.monotonic()
+    cfg = options.train
+    print(f"bigclip plan: planning {cfg.model.model} on {options.gpus} GPUs (loading torch...)", file=sys.stderr,
+          flush=True)  # fmt: skip
     from bigclip.plan.planner import print_plan  # torch: only for options that hold
 
-    return print_plan(options)
+    code = print_plan(options)
+    print(f"bigclip plan: planned in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

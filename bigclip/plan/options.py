@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig
 from bigclip.errors import ConfigError
+from bigclip.storage.save_requests import PART_BYTES
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Hardware:
     headroom: float = 0.08  # CUDA context, NCCL buffers, allocator fragmentation
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     mfu: float = 0.40
-    part_size_mib: float = 8.0  # s3torchconnector's multipart part size
+    part_size_mib: float = PART_BYTES / 2**20  # the checkpoint writer's multipart part size
     link_gbps: float = 400.0  # network per GPU between nodes: one 400 Gbit/s NIC per H100 (DGX H100)
 
 

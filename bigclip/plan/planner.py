@@ -13,9 +13,10 @@ FLOPs count every matmul of the forward (2 per multiply-add; patch dropout short
 sequence), x3 for forward + backward; recomputation under --grad-checkpointing is hardware work,
 not model work, so it is not in the model FLOPs that MFU divides. Checkpoints hold, per parameter,
 the master weight and two Adam moments (4 + 8 bytes; 2 + 4 with pure_bf16). S3 requests follow what
-a save does (measured against a loopback endpoint, tests/test_plan.py): per rank one HEAD of
-.metadata and `io_threads` multipart uploads of (2 + parts) requests each; rank 0 adds 12 (clear
-the step folder, write and rename .metadata, write the manifest). The chunked loss's exchange is
+a save does (measured against a loopback endpoint, tests/test_plan.py): per rank its objects'
+multipart uploads of (2 + parts) requests each (objects and parts as storage/save_requests.py
+cuts them), under a key prefix of its own; rank 0 adds 11 (list the step folder, write and
+rename .metadata, write the manifest). The chunked loss's exchange is
 priced in bytes sent per GPU and seconds at --link-gbps (plan/comm.py). The run's length is its
 optimizer steps (`run_steps`: what ends it first, --max-steps or its epochs of --train-num-samples,
 counted as the loader counts them) at the planned step time, and its GPU-hours those hours times
@@ -39,10 +40,11 @@ from bigclip.plan.memory import MemoryPlan, plan_memory, recomputed_flops
 from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
 from bigclip.plan.options import Hardware, PlanOptions
 from bigclip.plan.spec import PlanSpec, dtype_bytes, from_train_config
+from bigclip.storage.save_requests import files_for, upload_requests
 
 GiB = 2**30
 S3_WRITES_PER_PREFIX_PER_S = 3500  # AWS's documented PUT/COPY/POST/DELETE rate per partitioned prefix
-RANK0_EXTRA_REQUESTS = 12  # HEAD+LIST (clear the folder), .metadata (3 + HEAD x2, copy, delete), manifest (3)
+RANK0_EXTRA_REQUESTS = 11  # LIST (clear the folder), .metadata (3 + HEAD x2, copy, delete), manifest (3)
 
 
 @dataclass(frozen=True)
@@ -129,15 +131,16 @@ def rank0_numel(spec: PlanSpec, params: Sequence[ParamShape]) -> int:
 
 
 def s3_requests(object_sizes: list[int], *, part_size: int) -> int:
-    """Requests of one rank's multipart uploads (create, parts, complete) and its HEAD of .metadata."""
-    return 1 + sum(2 + max(1, math.ceil(size / part_size)) for size in object_sizes)
+    """Requests of one rank's multipart uploads (create, parts, complete)."""
+    return sum(upload_requests(size, part_bytes=part_size) for size in object_sizes)
 
 
 def build_plan(spec: PlanSpec, hardware: Hardware) -> Plan:
     params = spec.model_shape().params
     per_element = 3 * dtype_bytes(spec.dtypes.param_dtype)  # master weight + two moments
     rank0 = rank0_numel(spec, params) * per_element
-    files = [math.ceil(rank0 / spec.io_threads)] * spec.io_threads
+    objects = spec.io_threads or files_for(rank0)
+    files = [math.ceil(rank0 / objects)] * objects
     part = int(hardware.part_size_mib * 2**20)
     return Plan(
         spec=spec,
@@ -203,13 +206,14 @@ def _exchange_text(plan: Plan) -> str:
 
 
 def _checkpoint_rows(plan: Plan) -> list[tuple[str, str]]:
-    seconds = plan.s3_requests_per_save / S3_WRITES_PER_PREFIX_PER_S
+    per_rank = (plan.s3_requests_per_save - RANK0_EXTRA_REQUESTS) // plan.spec.gpus
     return [
         ("checkpoint size", f"{plan.checkpoint_total_bytes / GiB:.1f} GiB"),
         ("checkpoint per rank", human_bytes(plan.checkpoint_rank0_bytes)),
         (
             "S3 requests per save",
-            f"{plan.s3_requests_per_save:,} (>= {seconds:.1f} s at 3,500 writes/s/prefix)",
+            f"{plan.s3_requests_per_save:,} ({per_rank} per rank under its own prefix, "
+            f"{RANK0_EXTRA_REQUESTS} more from rank 0)",
         ),
     ]
 

@@ -58,7 +58,7 @@ class PlanSpec:
     gather_with_grad: bool = False
     reshard_after_forward: bool = True
     zero: ZeroSettings = field(default_factory=ZeroSettings)
-    io_threads: int = 4  # checkpoint files per rank (CheckpointStore's default)
+    io_threads: int | None = None  # checkpoint objects per rank (None: the store's choice, by shard size)
     dist_backend: str = "nccl"  # prices the collectives (comm.py); --dist-backend, nccl on GPUs
 
     @property

@@ -26,18 +26,23 @@ class SafeFsspecReader(SafeMetadataMixin, FsspecReader):
     """torch's fsspec reader, reading `.metadata` with the restricted unpickler."""
 
 
+# Files per rank when the caller does not say: a local disk or an fsspec store writes them in
+# parallel threads; each rank's files lie flat in the checkpoint folder (`__R_N.distcp`).
+DEFAULT_THREADS = 4
+
+
 def local_dcp_writer(
-    folder: str | os.PathLike, *, threads: int
+    folder: str | os.PathLike, *, threads: int | None
 ) -> tuple[FileSystemWriter, HashingFileSystem]:
-    writer = FileSystemWriter(folder, sync_files=True, thread_count=threads)
-    hashing = HashingFileSystem(FileSystem())
+    writer = FileSystemWriter(folder, sync_files=True, thread_count=threads or DEFAULT_THREADS)
+    hashing = HashingFileSystem(FileSystem(), root=writer.path)
     writer.fs = hashing
     return writer, hashing
 
 
-def fsspec_dcp_writer(uri: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:
+def fsspec_dcp_writer(uri: str, *, threads: int | None) -> tuple[FileSystemWriter, HashingFileSystem]:
     """Files are written whole by fsspec (an object store's PUT on close); no fsync applies."""
-    writer = FsspecWriter(uri, sync_files=False, thread_count=threads)
-    hashing = HashingFileSystem(writer.fs)
+    writer = FsspecWriter(uri, sync_files=False, thread_count=threads or DEFAULT_THREADS)
+    hashing = HashingFileSystem(writer.fs, root=writer.path)
     writer.fs = hashing
     return writer, hashing

@@ -158,7 +158,9 @@ class FsspecLocation:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._path(folder), recursive=True)
 
-    def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:
+    def dcp_writer(
+        self, folder: str, *, threads: int | None = None, world_size: int | None = None
+    ) -> tuple[FileSystemWriter, HashingFileSystem]:
         from bigclip.storage.dcp_files import fsspec_dcp_writer  # torch: only for checkpoints
 
         return fsspec_dcp_writer(self.child_uri(folder), threads=threads)

@@ -3,8 +3,10 @@
 `HashingFileSystem` wraps the file system a DCP writer streams through (local files,
 s3torchconnector's `S3FileSystem`, torch's fsspec one): every object opened for writing is hashed (SHA-256) and
 counted as the bytes pass, and recorded only once its stream closed cleanly (for S3: once
-the upload completed). DCP writes `.metadata` as `.metadata.tmp` then renames it, so a rename
-moves the record. Hashing releases the GIL and runs at ~1.7 GB/s here, far above what one
+the upload completed). Objects are named by their path relative to the checkpoint folder (S3
+writers put each rank's objects in a sub-folder, `ab12/__3_0.distcp`). A failed write is kept
+as a failure until the same name is written whole (the S3 writer writes a throttled object
+again). DCP writes `.metadata` as `.metadata.tmp` then renames it, so a rename moves the record. Hashing releases the GIL and runs at ~1.7 GB/s here, far above what one
 rank uploads.
 """
 
@@ -65,21 +67,23 @@ class _HashingWriter(io.RawIOBase):
 class HashingFileSystem(FileSystemBase):
     """Delegates to `inner`, recording size and checksum of each object written through it."""
 
-    def __init__(self, inner: FileSystemBase) -> None:
+    def __init__(self, inner: FileSystemBase, *, root: str | os.PathLike) -> None:
+        """`root`: the checkpoint folder the writer writes under (its `path`); names are relative to it."""
         self.inner = inner
+        self.root = os.fspath(root)
         self._records: dict[str, ObjectRecord] = {}
         self._failures: dict[str, str] = {}
         self._lock = threading.Lock()  # DCP writes with several threads per rank
 
     def records(self) -> dict[str, ObjectRecord]:
-        """Objects written so far, keyed by file name (relative to the checkpoint folder)."""
+        """Objects written so far, keyed by their path relative to the checkpoint folder."""
         with self._lock:
             return dict(self._records)
 
     def failures(self) -> dict[str, str]:
-        """Objects whose write failed. DCP's extra writer threads (thread_count > 1) die with
-        their exception printed but not raised, so `dcp.save` can return normally without
-        them: the commit step must check this."""
+        """Objects whose write failed (and was not written whole since). DCP's extra writer
+        threads (thread_count > 1) die with their exception printed but not raised, so
+        `dcp.save` can return normally without them: the commit step must check this."""
         with self._lock:
             return dict(self._failures)
 
@@ -96,23 +100,26 @@ class HashingFileSystem(FileSystemBase):
                 writer.close()
         except BaseException as e:
             with self._lock:
-                self._failures[_name(path)] = f"{type(e).__name__}: {e}"
+                self._failures[self._name(path)] = f"{type(e).__name__}: {e}"
             raise
         # Only reached when the inner stream closed without error: the object is complete.
         with self._lock:
-            self._records[_name(path)] = writer.record()
+            self._records[self._name(path)] = writer.record()
+            self._failures.pop(self._name(path), None)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         self.inner.rename(path, new_path)
         with self._lock:
-            if _name(path) in self._records:
-                self._records[_name(new_path)] = self._records.pop(_name(path))
+            if self._name(path) in self._records:
+                self._records[self._name(new_path)] = self._records.pop(self._name(path))
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
         return self.inner.concat_path(path, suffix)
 
     def init_path(self, path: str | os.PathLike) -> str | os.PathLike:
-        return self.inner.init_path(path)
+        initialised = self.inner.init_path(path)
+        self.root = os.fspath(initialised)  # DCP's reset(checkpoint_id) points the writer elsewhere
+        return initialised
 
     def mkdir(self, path: str | os.PathLike) -> None:
         self.inner.mkdir(path)
@@ -127,8 +134,9 @@ class HashingFileSystem(FileSystemBase):
     def rm_file(self, path: str | os.PathLike) -> None:
         self.inner.rm_file(path)
         with self._lock:
-            self._records.pop(_name(path), None)
+            self._records.pop(self._name(path), None)
 
-
-def _name(path: str | os.PathLike) -> str:
-    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+    def _name(self, path: str | os.PathLike) -> str:
+        """`path` relative to the checkpoint folder (its last part if it lies elsewhere)."""
+        full, root = os.fspath(path).rstrip("/"), self.root.rstrip("/") + "/"
+        return full[len(root) :] if full.startswith(root) else full.rsplit("/", 1)[-1]

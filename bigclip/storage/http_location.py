@@ -101,7 +101,7 @@ class HttpLocation:
     def delete_folder(self, folder: str) -> None:
         self._refuse("delete")
 
-    def dcp_writer(self, folder: str, *, threads: int) -> Any:
+    def dcp_writer(self, folder: str, *, threads: int | None = None, world_size: int | None = None) -> Any:
         self._refuse("write checkpoints to")
 
     def dcp_reader(self, folder: str) -> Any:

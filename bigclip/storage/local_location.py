@@ -45,16 +45,20 @@ class LocalLocation:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
 
     def list_files(self, folder: str) -> dict[str, int]:
+        """Every file under `folder`, recursively, by its '/'-separated path relative to it (as an
+        object store lists a prefix: a checkpoint copied from S3 keeps its ranks' sub-folders)."""
         path = self.root / folder
         if not path.is_dir():
             return {}
         files = {}
-        for p in path.iterdir():
-            try:
-                if p.is_file():
-                    files[p.name] = p.stat().st_size
-            except FileNotFoundError:
-                continue  # deleted while listed (a lease released, a temporary file renamed)
+        for parent, _, names in os.walk(path):
+            under = Path(parent).relative_to(path).as_posix()
+            for name in names:
+                try:
+                    size = os.stat(Path(parent, name)).st_size
+                    files[name if under == "." else f"{under}/{name}"] = size
+                except FileNotFoundError:
+                    continue  # deleted while listed (a lease released, a temporary file renamed)
         return files
 
     def exists(self, relative: str) -> bool:
@@ -140,7 +144,10 @@ class LocalLocation:
             tmp.unlink(missing_ok=True)
         fsync_dir(target.parent)
 
-    def dcp_writer(self, folder: str, *, threads: int) -> tuple[FileSystemWriter, HashingFileSystem]:
+    def dcp_writer(
+        self, folder: str, *, threads: int | None = None, world_size: int | None = None
+    ) -> tuple[FileSystemWriter, HashingFileSystem]:
+        """`threads`: files per rank (None: 4), flat in the folder; `world_size` changes nothing here."""
         from bigclip.storage.dcp_files import local_dcp_writer  # torch: only for checkpoints
 
         return local_dcp_writer(self.root / folder, threads=threads)

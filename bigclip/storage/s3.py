@@ -96,6 +96,23 @@ def require_s3_package(module: str, *, uri: str = "") -> None:
                            f"install it with: pip install {S3_PACKAGES[module]}") from e  # fmt: skip
 
 
+DEFAULT_ATTEMPTS = 10  # tries per request: the CRT client's default, and bigclip's boto3 one
+
+
+def configured_attempts() -> int:
+    """Tries per S3 request: AWS_MAX_ATTEMPTS (the AWS SDKs' own variable) when set, else 10. Read
+    when a client is made; a value that is not a positive whole number is refused (StorageError)."""
+    raw = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    if not raw:
+        return DEFAULT_ATTEMPTS
+    if not raw.isdigit() or int(raw) < 1:
+        raise StorageError(
+            f"AWS_MAX_ATTEMPTS={raw!r} is not a number of tries per S3 request: set it to a whole number "
+            f"of at least 1 (bigclip's default is {DEFAULT_ATTEMPTS}), or unset it"
+        )
+    return int(raw)
+
+
 _boto3_clients: dict[tuple[int, S3Settings, bool, int | None], Any] = {}
 
 
@@ -105,14 +122,17 @@ def boto3_client(settings: S3Settings, *, fast_fail: bool = False, max_attempts:
 
     `fast_fail`: two attempts and short timeouts, for validation, where a wrong endpoint should
     fail in seconds rather than after ten adaptive retries. `max_attempts`: another retry
-    budget (background copies that retry on their own schedule want few)."""
+    budget (background copies that retry on their own schedule want few); by default
+    `configured_attempts()`."""
     key = (os.getpid(), settings, fast_fail, max_attempts)
     if key not in _boto3_clients:
         require_s3_package("boto3")
         from botocore.config import Config
 
         retries = (
-            {"max_attempts": 2, "mode": "standard"} if fast_fail else {"max_attempts": 10, "mode": "adaptive"}
+            {"max_attempts": 2, "mode": "standard"}
+            if fast_fail
+            else {"max_attempts": configured_attempts(), "mode": "adaptive"}
         )
         if max_attempts is not None:
             retries = {"max_attempts": max_attempts, "mode": "standard"}
@@ -127,9 +147,13 @@ def boto3_client(settings: S3Settings, *, fast_fail: bool = False, max_attempts:
     return _boto3_clients[key]
 
 
-def s3torch_client(settings: S3Settings, *, max_attempts: int | None = None) -> Any:
+def s3torch_client(
+    settings: S3Settings, *, max_attempts: int | None = None, part_size: int | None = None
+) -> Any:
     """An s3torchconnector (CRT) client: what checkpoints stream through. `max_attempts`
-    overrides its retry budget (default 10, with back-off).
+    overrides its retry budget (default `configured_attempts()`; the CRT backs off exponentially
+    from 500 ms with full jitter, each wait capped at 20 s); `part_size`: bytes per multipart
+    part (default 8 MiB; every upload through this client is multipart, 2 + parts requests).
 
     s3torchconnector exports no client class with an endpoint and list/delete; its own DCP
     classes use `_s3client.S3Client`, and so does bigclip, from this one place only."""
@@ -137,9 +161,11 @@ def s3torch_client(settings: S3Settings, *, max_attempts: int | None = None) -> 
     from s3torchconnector import S3ClientConfig
     from s3torchconnector._s3client import S3Client
 
-    config = S3ClientConfig(force_path_style=settings.path_style)
-    if max_attempts is not None:
-        config = dataclasses.replace(config, max_attempts=max_attempts)
+    config = S3ClientConfig(
+        force_path_style=settings.path_style, max_attempts=max_attempts or configured_attempts()
+    )
+    if part_size is not None:
+        config = dataclasses.replace(config, part_size=part_size)
     return S3Client(settings.region_name, endpoint=settings.endpoint, s3client_config=config)
 
 

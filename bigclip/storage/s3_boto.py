@@ -165,14 +165,25 @@ class BotoS3Location:
         self._call("deleting", relative, self.client.delete_object, Key=self._key(relative))
 
     def delete_folder(self, folder: str) -> None:
+        """Every object under `folder` (sub-folders too): one LIST page and one DeleteObjects
+        request per 1,000 objects, instead of a request per object."""
         keys = [self._key(f"{folder}/{name}") for name in self.list_files(folder)]
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = [{"Key": k} for k in keys[start : start + _DELETE_BATCH]]
-            self._call(
+            response = self._call(
                 "deleting", folder, self.client.delete_objects, Delete={"Objects": batch, "Quiet": True}
             )
+            # DeleteObjects answers 200 and lists the keys it could not delete (quiet: only those).
+            errors = response.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"deleting {self.child_uri(folder)} failed for {len(errors)} of {len(batch)} objects, e.g. "
+                    f"{join_s3_uri(self.bucket, first.get('Key', '?'))}: {first.get('Code', '')}: "
+                    f"{first.get('Message', '')}"
+                )
 
-    def dcp_writer(self, folder: str, *, threads: int) -> Any:
+    def dcp_writer(self, folder: str, *, threads: int | None = None, world_size: int | None = None) -> Any:
         raise StorageError(f"{self.uri}: checkpoints are written through s3torchconnector (open the location "
                            "without fork_safe), not from a process that forks")  # fmt: skip
 

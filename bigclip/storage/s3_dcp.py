@@ -4,18 +4,20 @@ Both S3 locations read checkpoints this way: `S3Location` (s3_location.py) and t
 (`BotoS3Location`, s3_boto.py, whose own transfers never use the CRT client). It lives below
 both, so neither imports the other for it. The DCP classes
 take no endpoint argument, so their `.fs` is replaced by one built on our client (endpoint and
-path-style addressing from `S3Settings`). Imported only for S3 checkpoints.
+path-style addressing from `S3Settings`). The writer is s3_dcp_writer.py's: each rank under a
+prefix of its own, few requests, throttled objects written again. Imported only for S3 checkpoints.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
+from s3torchconnector.dcp import S3FileSystem, S3StorageReader
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from bigclip.storage.hashing import HashingFileSystem
 from bigclip.storage.s3 import S3Settings, s3torch_client
+from bigclip.storage.s3_dcp_writer import S3CheckpointWriter
 from bigclip.storage.safe_metadata import SafeMetadataMixin
 
 
@@ -37,10 +39,11 @@ def s3_dcp_reader(uri: str, *, settings: S3Settings, client: Any = None) -> File
 
 
 def s3_dcp_writer(
-    uri: str, *, settings: S3Settings, client: Any, threads: int
+    uri: str, *, settings: S3Settings, client: Any, threads: int | None, world_size: int
 ) -> tuple[FileSystemWriter, HashingFileSystem]:
-    """A DCP writer into `uri` whose file system hashes every byte it writes."""
-    writer = S3StorageWriter(settings.region_name, uri, thread_count=threads)
-    hashing = HashingFileSystem(_file_system(settings, client))
+    """A DCP writer into `uri` whose file system hashes every byte it writes; `threads`: objects
+    per rank (None: by the rank's bytes); `world_size`: how many rank prefixes there are."""
+    writer = S3CheckpointWriter(settings.region_name, uri, world_size=world_size, files=threads)
+    hashing = HashingFileSystem(_file_system(settings, client), root=writer.path)
     writer.fs = hashing
     return writer, hashing

@@ -18,7 +18,8 @@ from __future__ import annotations
 import base64
 import json
 import random
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ class CheckpointContents:
     engine: Engine
     cfg: TrainConfig
     runtime: Runtime
+    schedule: Callable[[], dict[str, float]] = field(default=dict)  # the LR schedule, for the resume note
 
     @property
     def global_batch(self) -> int:
@@ -73,6 +75,8 @@ class CheckpointContents:
             "global_batch": self.global_batch,
             "tokenizer": self.cfg.data.tokenizer,  # the ids the weights learned (checked on --resume/--pretrained)
         }
+        if self.schedule():  # in the manifest, not the DCP state: older checkpoints load unchanged
+            meta["schedule"] = self.schedule()
         return {**meta, MOST_RECENT_ONLY: True} if most_recent_only else meta
 
 

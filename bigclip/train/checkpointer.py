@@ -22,6 +22,12 @@ with --remote-sync and --resume latest: commits are atomic, so nothing half-writ
 
 --async-save: the store stages the state in CPU memory and uploads in the background; `wait`
 blocks until it is committed (before forking data workers, before the run reports success).
+
+A failed save (save_schedule.OnFailure): a periodic one is one warning line on rank 0 and training
+goes on (the step is not marked saved, so the end can still save it); an async one is reported
+as soon as its upload fails, and the next save, `wait` or `close` goes on past it. A failed stop
+request's or final save raises `SaveFailed`: the loop leaves the requeue marker and exits with
+the requeue code. A state holding NaN or inf (`NonFiniteState`) ends the run whatever the cadence.
 """
 
 from __future__ import annotations
@@ -33,15 +39,28 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bigclip.checkpoint import CheckpointStore, Manifest, catalog, keep_last_for
+from bigclip.checkpoint.async_save import AsyncSave
+from bigclip.checkpoint.finite import NonFiniteState
 from bigclip.checkpoint.mirror import MOST_RECENT_ONLY
 from bigclip.config import CheckpointConfig, TrainConfig
+from bigclip.errors import StorageError
 from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.metrics import Scalars, get_logger
 from bigclip.train.preemption import PreemptionWatcher
 from bigclip.train.remote_sync import RemoteSync
-from bigclip.train.save_schedule import Boundary, Due, TrainingClock, agree, save_due
+from bigclip.train.save_schedule import Boundary, Due, OnFailure, TrainingClock, agree, save_due
 
-ASKED = Due("asked")  # a save the caller asked for, outside the cadence
+ASKED = Due("asked", on_failure=OnFailure.RAISE)  # a save the caller asked for, outside the cadence
+
+
+class SaveFailed(Exception):
+    """A stop request's or the end's checkpoint failed: the run ends with the requeue code, and the
+    requeued job resumes from the latest committed checkpoint. Not a BigclipError: it is no bad
+    input, and must not end the run with code 2."""
+
+    def __init__(self, step: int, reason: str, error: BaseException) -> None:
+        super().__init__(f"checkpoint step {step} ({reason}) failed: {error}")
+        self.step = step
 
 
 class Contents(Protocol):
@@ -83,6 +102,8 @@ class Checkpointer:
         self.store, self.contents, self.cfg, self.sync = store, contents, cfg, sync
         self.preemption, self.scalars = preemption, scalars
         self.saved_step = saved_step
+        self.committed_step = saved_step  # the newest step known committed (-1: none yet)
+        self._in_flight: tuple[int, Due] | None = None  # the async save being uploaded
         self.training = TrainingClock(clock)
         self._pause, self._verify = pause, verify
         self._is_rank0 = store.group.rank == 0
@@ -114,7 +135,10 @@ class Checkpointer:
         self._save_if(save_due(self.cfg, state, Boundary.END), state, position)
 
     def _save_if(self, due: Due | None, state: TrainState, data_position: Callable[[], dict | None]) -> None:
-        if due is not None and state.step != self.saved_step:
+        if due is None:
+            return
+        self._settle()  # a failed upload of this very step must not make it look saved
+        if state.step != self.saved_step:
             self.save(state, data_position=data_position(), due=due)
 
     def paused(self) -> AbstractContextManager[None]:
@@ -124,12 +148,25 @@ class Checkpointer:
     # -- saving ---------------------------------------------------------------------------
 
     def save(self, state: TrainState, *, data_position: dict | None, due: Due = ASKED) -> None:
-        """Collective. Logs (and sends to the metric sinks) how long training was blocked."""
+        """Collective. Logs (and sends to the metric sinks) how long training was blocked. A
+        failure is handled as `due.on_failure` says (module docstring)."""
+        started = time.perf_counter()
+        self._settle()  # the upload in flight first: the store would wait for it anyway
+        waited = time.perf_counter() - started
         if state.step == self.saved_step:
             return  # this step is saved (or was just loaded): never replace a committed checkpoint
         with self._pause():
             self._verify(state.step)  # never save weights a non-finite step updated
-            where, mode, blocked = self._write(state, data_position, most_recent_only=not due.kept)
+            started = time.perf_counter()
+            try:
+                where, mode = self._write(state, data_position, due=due)
+            except NonFiniteState:
+                raise  # the run diverged: no later save would be any better
+            except StorageError as e:
+                self.training.restart()  # the next save is a whole cadence away, not the next step
+                self._failed(state.step, due, e)
+                return
+        blocked = waited + time.perf_counter() - started
         self.saved_step = state.step
         self.training.restart()
         get_logger().info(
@@ -137,28 +174,73 @@ class Checkpointer:
         )
         self.scalars.scalars({"checkpoint/blocked_s": blocked}, step=state.step)
 
-    def _write(
-        self, state: TrainState, data_position: dict | None, *, most_recent_only: bool
-    ) -> tuple[str, str, float]:
+    def _write(self, state: TrainState, data_position: dict | None, *, due: Due) -> tuple[str, str]:
         contents, mine = self.contents.state(state), self.contents.rank_state(data_position)
-        meta = self.contents.meta(most_recent_only=most_recent_only)
-        start = time.perf_counter()
+        meta = self.contents.meta(most_recent_only=not due.kept)
         if self.cfg.async_save:
             pending = self.store.async_save(contents, step=state.step, meta=meta, rank_state=mine)
-            return pending.uri, "async, uploading", pending.blocked_s
+            self._in_flight = (state.step, due)
+            pending.future.add_done_callback(lambda _: self._uploaded(pending, due))
+            return pending.uri, "async, uploading"
         where = self.store.save(contents, step=state.step, meta=meta, rank_state=mine)
-        return where, "committed", time.perf_counter() - start
+        self.committed_step = state.step
+        return where, "committed"
+
+    def _uploaded(self, pending: AsyncSave, due: Due) -> None:
+        """In the upload's thread, as it ends: a periodic save's failure is said at once."""
+        if pending.error is not None and due.on_failure is OnFailure.CONTINUE:
+            self._warn(pending.step, due, pending.error)
+
+    def _settle(self) -> None:
+        """Wait for the async save in flight, if any; its failure is handled as its `due` says."""
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            self.store.wait()
+        except StorageError as e:
+            if in_flight is None:
+                raise  # not a save of ours
+            step, due = in_flight
+            if self.saved_step == step:
+                self.saved_step = self.committed_step  # not saved after all: the end may save it
+            if due.on_failure is not OnFailure.CONTINUE:
+                self._failed(step, due, e)  # raises
+        else:
+            if in_flight is not None:
+                self.committed_step = in_flight[0]
+
+    def _failed(self, step: int, due: Due, error: StorageError) -> None:
+        if due.on_failure is OnFailure.REQUEUE:
+            raise SaveFailed(step, due.reason, error) from error
+        if due.on_failure is OnFailure.RAISE:
+            raise error
+        self._warn(step, due, error)
+
+    def _warn(self, step: int, due: Due, error: BaseException) -> None:
+        if self._is_rank0:  # every rank learns of the failure; one line says it
+            latest = (
+                f"the latest checkpoint stays step {self.committed_step}"
+                if self.committed_step >= 0
+                else "with no checkpoint committed yet,"
+            )
+            get_logger().warning(
+                f"checkpoint step {step} ({due.reason}) failed; training goes on, {latest} and the next save "
+                f"tries again: {error}"
+            )
 
     def wait(self) -> None:
-        """Block until the save in flight is committed (StorageError if it failed)."""
-        self.store.wait()
+        """Block until the save in flight is committed. A failed periodic save was said already;
+        a failed stop-request or final one raises SaveFailed."""
+        self._settle()
 
     def latest(self) -> str | None:
         return self.store.latest()
 
     def close(self, *, strict: bool = True) -> None:
         """Wait for the save in flight, then the final remote sync (`strict`: raise if incomplete)."""
-        self.store.close()
+        try:
+            self._settle()
+        finally:
+            self.store.close()
         if self.sync is not None:
             self.sync.finish(strict=strict)
 

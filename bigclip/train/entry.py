@@ -3,8 +3,9 @@ torchrun and the deepspeed launcher's `--module`) and the console script's `bigc
 `bigclip eval` is the same entry for a run with no --train-data (it evaluates, loop.evaluate_only).
 
 One function, so the two behave the same. In order:
-1. the preemption-signal handlers, before torch is imported (seconds), so a SIGUSR1/SIGTERM during
-   start-up is honoured after the first step instead of killing the rank;
+1. the stop-signal handlers, before torch is imported (seconds), so a SIGUSR1/SIGTERM/SIGINT during
+   start-up is answered (a line at once, exit 85: nothing to checkpoint yet; signals.py) instead
+   of killing the rank;
 2. the flags, parsed and checked without torch (preflight.check_flags): a bad flag fails in well
    under a second; then what the machine settles (preflight.check_machine: torch, no process group);
 3. the loop, under torch.distributed.elastic's `record`, so an unexpected exception lands
@@ -29,10 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bigclip.errors import BigclipError
-from bigclip.train.signals import catch_preemption_signals
+from bigclip.train.phases import say
+from bigclip.train.signals import REQUEUE_EXIT_CODE, catch_preemption_signals, preemption_flag
 
 if TYPE_CHECKING:
     from bigclip.config import TrainConfig
+    from bigclip.train.signals import SignalFlag
 
 EVAL_PROG = "bigclip eval"  # the evaluation-only run by name (cli.py's `eval`)
 
@@ -41,11 +44,18 @@ def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
     """Train with `argv` (default: sys.argv[1:]); returns the exit code (85: requeue me). Without
     --train-data and with an evaluation set, the run evaluates its weights and ends (OpenCLIP's
     evaluation-only run)."""
-    catch_preemption_signals()
     try:
+        catch_preemption_signals()  # in the try: a signal pending at the unblock raises here
         return _train(sys.argv[1:] if argv is None else argv, prog=prog)
-    except BigclipError as e:
-        return refuse(f"{prog}: error: {e}")
+    except BaseException as e:
+        # A stop before the first step, however it surfaced: StopRequested, wrapped by a library
+        # (DCP re-raises what its load raised as its own error), or a collective that failed first
+        # because a peer left for the same signal.
+        if preemption_flag().exits_now:
+            return stopped_before_training(preemption_flag())
+        if isinstance(e, BigclipError):
+            return refuse(f"{prog}: error: {e}")
+        raise
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -61,6 +71,8 @@ def _train(argv: list[str], *, prog: str) -> int:
     if prog == EVAL_PROG:
         _check_eval_command(cfg)
     check_flags(cfg)
+    say("start-up: started (loading torch, then the process group and the checks of data, storage and "
+        "the resume target)")  # fmt: skip
     check_machine(cfg)  # torch: only now, and only torch (the loop's imports take seconds more)
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -125,6 +137,14 @@ def _first_missing(path: Path) -> Path | None:
             return missing
         missing = folder
     return missing
+
+
+def stopped_before_training(flag: SignalFlag) -> int:
+    """A stop signal before the first step completed: say so (if the watcher has not yet), leave
+    the requeue marker, exit 85 (the requeued run starts where this one did)."""
+    flag.say_once()
+    flag.requeue_marker()
+    return REQUEUE_EXIT_CODE
 
 
 def refuse(line: str) -> int:

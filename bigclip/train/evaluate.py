@@ -30,6 +30,7 @@ from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
 from bigclip.train.metrics import get_logger
+from bigclip.train.phases import QUIET_S, phase
 from bigclip.train.run import between_steps
 
 if TYPE_CHECKING:
@@ -203,14 +204,22 @@ def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[s
     """Collective: zero-shot classification (when due) and held-out retrieval (with `retrieval`,
     given --val-data and --val-frequency), reported as OpenCLIP reports them; None if neither ran."""
     cfg = run.cfg.data
+    retrieval = retrieval and bool(cfg.val_data) and bool(cfg.val_frequency)
+    zeroshot = run.zeroshot.due(run.progress.state.epoch, final=final)
+    if not retrieval and not zeroshot:
+        return None
     normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
     metrics: dict[str, float] = {}
-    if run.zeroshot.due(run.progress.state.epoch, final=final):
-        run.checkpointer.wait()  # its loader forks workers (see loop.build_loader)
-        metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
-                                         batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
-    if retrieval and cfg.val_data and cfg.val_frequency:
-        metrics |= held_out_retrieval(run.engine, cfg, run.tokenizer, run.runtime, normalize=normalize)
+    what = " and ".join(["zero-shot classification"] * zeroshot + ["retrieval on --val-data"] * retrieval)
+    with phase("evaluation", detail=what):
+        if zeroshot:
+            # Its loader forks workers, and s3torchconnector tears its clients down before a fork.
+            with phase("waiting for the checkpoint upload to commit", announce=False, quiet_s=QUIET_S):
+                run.checkpointer.wait()
+            metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
+                                             batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
+        if retrieval:
+            metrics |= held_out_retrieval(run.engine, cfg, run.tokenizer, run.runtime, normalize=normalize)
     if not metrics:
         return None
     state = run.progress.state

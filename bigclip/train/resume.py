@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bigclip.checkpoint import LATEST, CheckpointStore
-from bigclip.checkpoint.manifest import Manifest
+from bigclip.checkpoint import LATEST, CheckpointStore, Manifest
 from bigclip.config import TrainConfig
 from bigclip.data import continues_alone, merge_rank_states
 from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
@@ -23,12 +22,12 @@ from bigclip.weights.openclip_resume import is_openclip_checkpoint, load_opencli
 
 def resume(
     store: CheckpointStore, contents: CheckpointContents, *, which: str
-) -> tuple[TrainState, dict | None]:
-    """Load `which` (from `backup.resume_target`) in place; returns the train state and the data
-    position (None: epoch start)."""
+) -> tuple[TrainState, dict | None, Manifest | None]:
+    """Load `which` (from `backup.resume_target`) in place; returns the train state, the data
+    position (None: epoch start) and the manifest (None for an OpenCLIP checkpoint)."""
     engine, cfg, runtime = contents.engine, contents.cfg, contents.runtime
     if is_openclip_checkpoint(which):
-        return _resume_openclip(store, engine, cfg, runtime), None
+        return _resume_openclip(store, engine, cfg, runtime), None, None
     target = contents.load_target()
     # --resume latest (resolved to a URI by backup.resume_target) skips a damaged checkpoint for
     # the next older one; an explicit path never falls back.
@@ -42,7 +41,7 @@ def resume(
         f"resumed {manifest.uri} at step {state.step} (epoch {state.epoch}), saved at "
         f"{manifest.world_size} rank(s), now {runtime.world_size}"
     )
-    return state, position
+    return state, position, manifest
 
 
 def _data_position(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from bigclip.registry.leases import HeldLease  # only with --pretrained registry:NAME
     from bigclip.train.checkpointer import Checkpointer
     from bigclip.train.metrics import Scalars
+    from bigclip.train.phases import Phase
     from bigclip.train.preemption import PreemptionWatcher
     from bigclip.train.watchdog import StepWatchdog
 
@@ -54,10 +55,17 @@ class Progress:
 
     state: TrainState = field(default_factory=TrainState)
     data_position: dict | None = None  # where the data stream resumes in the current epoch
-    total_steps: int = 0
+    total_steps: int = 0  # the horizon: the step the run ends at (schedule.run_horizon)
     steps_per_epoch: int = 0  # planned optimizer steps per epoch (the LR schedule's cooldown uses it)
     last_loss: float | None = None  # the global loss at the latest log step
+    last_lr: float = 0.0  # the LR of the latest step (recorded in each checkpoint's manifest)
     step_from_epoch: bool = False  # resumed from OpenCLIP: fit sets the step from the epoch
+    saved_schedule: dict = field(default_factory=dict)  # the resumed checkpoint's (schedule.saved_schedule)
+    first_step: Phase | None = None  # open from the loop's start until a step completes
+
+    def schedule_record(self) -> dict[str, float]:
+        """For the manifest of a checkpoint saved now: the schedule's horizon and the last LR."""
+        return {"end_step": self.total_steps, "lr": self.last_lr} if self.total_steps else {}
 
 
 @dataclass

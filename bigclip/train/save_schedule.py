@@ -5,6 +5,11 @@
   EPOCH_END  --save-frequency epochs; --save-most-recent saves the others too, marked not kept
   END        the run's last step, when any cadence is set (or --save-most-recent, not kept)
 
+What a failed save means (`OnFailure`): a periodic one (steps, epochs, minutes) is one warning
+line and training goes on: the previous checkpoint stays the latest and the next one tries again.
+A stop request's or the end's is the run's last chance to keep its work, so it ends the run with
+the requeue code; the requeued job resumes from the latest committed checkpoint.
+
 Minutes of training, and how the ranks agree on them. A save is collective: if one rank saved
 and another did not, both would hang. Step and epoch cadences are the same on every rank by
 construction; a clock is not (ranks start seconds apart, clocks drift, a slow rank's steps end
@@ -44,10 +49,17 @@ class Boundary(enum.Enum):
     END = "end"
 
 
+class OnFailure(enum.Enum):
+    CONTINUE = "continue"  # periodic: one warning line, training goes on
+    REQUEUE = "requeue"  # a stop request or the end: the run ends with the requeue code
+    RAISE = "raise"  # a save the caller asked for: its StorageError, to the caller
+
+
 @dataclass(frozen=True)
 class Due:
     reason: str  # logged with the save
     kept: bool = True  # False: --save-most-recent only, deleted when a newer checkpoint commits
+    on_failure: OnFailure = OnFailure.CONTINUE
 
 
 def save_due(
@@ -57,16 +69,18 @@ def save_due(
     are the ranks' agreed votes (`agree`), read at STEP boundaries only."""
     if at is Boundary.STEP:
         if stop_signal:
-            return Due(f"stop requested by {signal.Signals(stop_signal).name}")
+            return Due(f"stop requested by {signal.Signals(stop_signal).name}", on_failure=OnFailure.REQUEUE)
         if c.save_every_n_steps > 0 and state.step % c.save_every_n_steps == 0:
             return Due(f"every {c.save_every_n_steps} steps")
         return Due(f"{c.save_every_n_minutes:g} minutes of training") if minutes_due else None
     if at is Boundary.EPOCH_END:
         if c.save_frequency > 0 and state.epoch % c.save_frequency == 0:
             return Due(f"every {c.save_frequency} epoch(s)")
-    elif c.save_frequency > 0 or c.save_every_n_steps > 0 or c.save_every_n_minutes > 0:
-        return Due("end of training")
-    return Due("--save-most-recent", kept=False) if c.save_most_recent else None
+        return Due("--save-most-recent", kept=False) if c.save_most_recent else None
+    final = OnFailure.REQUEUE  # the end: the run's last checkpoint
+    if c.save_frequency > 0 or c.save_every_n_steps > 0 or c.save_every_n_minutes > 0:
+        return Due("end of training", on_failure=final)
+    return Due("--save-most-recent", kept=False, on_failure=final) if c.save_most_recent else None
 
 
 def agree(*, stop_signal: int, rank0_due: bool) -> tuple[int, bool]:

@@ -15,8 +15,8 @@ S3 throttles per partitioned prefix: beyond about 3,500 writes and 5,500 reads a
 prefix it answers 503 SlowDown. `throttle(rate=...)` models that with a token bucket per prefix
 (the key up to its last "/", i.e. the folder an object is in, or `prefix_of` to choose): a request
 past its prefix's rate is answered 503 SlowDown, counted in `throttled`. `counts` tallies every
-request by method and prefix, and `tally()` sums them, so a test can assert how many requests
-a save or an epoch start made and how they spread.
+request by method and prefix (`refused`: those the throttle answered), and `tally()` sums them,
+so a test can assert how many requests a save or an epoch start made and how they spread.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class FaultProxy:
         self.requests: list[tuple[str, str]] = []
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, prefix) -> requests
         self.throttled: Counter[str] = Counter()  # prefix -> requests answered 503 by the throttle
+        self.refused: Counter[tuple[str, str]] = Counter()  # (method, prefix) -> of those
         self._buckets: dict[str, TokenBucket] = {}
         self._rate: float | None = None
         self._burst = 1.0
@@ -113,10 +114,12 @@ class FaultProxy:
             if prefix_of is not None:
                 self.prefix_of = prefix_of
 
-    def tally(self, *, method: str = "", prefix_contains: str = "") -> int:
-        """Requests seen (throttled ones included) of `method` on prefixes containing the text."""
+    def tally(self, *, method: str = "", prefix_contains: str = "", admitted: bool = False) -> int:
+        """Requests seen (throttled ones included; with `admitted`, only those the throttle let
+        through) of `method` on prefixes containing the text."""
         with self._lock:
-            return sum(n for (m, p), n in self.counts.items()
+            seen = Counter({k: n - (self.refused[k] if admitted else 0) for k, n in self.counts.items()})
+            return sum(n for (m, p), n in seen.items()
                        if (not method or m == method) and prefix_contains in p)  # fmt: skip
 
     def clear_rules(self) -> None:
@@ -136,6 +139,7 @@ class FaultProxy:
                 bucket = self._buckets.setdefault(prefix, TokenBucket(self._rate, self._burst))
                 if not bucket.take(time.monotonic()):
                     self.throttled[prefix] += 1
+                    self.refused[(method, prefix)] += 1
                     return "slowdown"
             for rule in self.rules:
                 if rule.times != 0 and rule.matches(method, path):
