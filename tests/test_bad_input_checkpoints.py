@@ -102,7 +102,7 @@ def flip_metadata(folder: Path) -> None:
 
 
 def flip_rank_record(folder: Path) -> None:
-    record = folder / "rank_00000.bigclip"  # its DCP metadata (the record's last part), which resume reads
+    record = folder / "__0_rank.bigclip"  # its DCP metadata (the record's last part), which resume reads
     flip(record, record.stat().st_size - 100)
 
 
@@ -129,7 +129,7 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "flipped byte in .metadata": (flip_metadata, (".metadata is damaged", "SHA-256", "re-copy")),
     "flipped byte in a rank record": (
         flip_rank_record,
-        ("rank_00000.bigclip", "differs from what its writer", "SHA-256"),
+        ("__0_rank.bigclip", "differs from what its writer", "SHA-256"),
     ),
     "truncated shard": (truncate_shard, ("is damaged", "bytes, manifest says")),
     "missing shard": (remove_shard, ("is damaged", ".distcp: missing")),

@@ -179,7 +179,7 @@ def test_loading_never_runs_code_planted_in_a_checkpoint(tmp_path, monkeypatch):
         store.load({"model": {"w": torch.zeros(2)}, "train": {"payload": None}}, "latest")
     # A classic pickle exploit as a rank record's DCP metadata, sealed and listed to match it.
     forge_rank_record(tmp_path / "ckpt" / "step_00000001", EXPLOIT)
-    with pytest.raises(StorageError, match="rank_00000.bigclip: checkpoint metadata refers to os.system"):
+    with pytest.raises(StorageError, match="__0_rank.bigclip: checkpoint metadata refers to os.system"):
         store.load({"model": {"w": torch.zeros(2)}}, "latest")
     # The same as the global .metadata of a checkpoint saved before rank records.
     save_legacy(store, {"model": {"w": torch.ones(2)}}, step=2)
@@ -198,9 +198,9 @@ def forge_rank_record(folder, metadata: bytes) -> None:
     text = json.dumps({"train": None}).encode()
     digests = hashlib.sha256(text).digest() + hashlib.sha256(metadata).digest()
     record = rank_record.MAGIC + struct.pack("<QQ", len(text), len(metadata)) + digests + text + metadata
-    (folder / "rank_00000.bigclip").write_bytes(record)
+    (folder / "__0_rank.bigclip").write_bytes(record)
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    manifest["objects"]["rank_00000.bigclip"] = {
+    manifest["objects"]["__0_rank.bigclip"] = {
         "size": len(record),
         "sha256": hashlib.sha256(record).hexdigest(),
     }

@@ -202,6 +202,7 @@ def test_a_failed_stop_request_save_ends_the_run(proxy, preemption, mode):
     checkpointer = open_checkpointer(root, checkpoint_flags(*flags), Clock(), preemption)
     state = TrainState(step=3)
     fail_saves_of(proxy, 3)
+    phases.begin("training", on_stop=phases.OnStop.AT_BOUNDARY, base=True)  # past the first step, as the loop
     os.kill(os.getpid(), signal.SIGUSR1)  # what Slurm sends before the time limit
     with pytest.raises(
         SaveFailed, match=r"checkpoint step 3 \(stop requested by SIGUSR1\) failed: .*throttling"

@@ -36,6 +36,7 @@ class Manifest:
     created: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     layout: str = ""  # how ranks find their metadata: "" (DCP's .metadata only) or RANK_RECORDS
+    prefixes: str = ""  # how each rank's objects are named (storage/rank_prefixes.py)
     uri: str = ""  # where it was read from; not stored
 
     @property
@@ -51,6 +52,7 @@ class Manifest:
         objects: dict[str, ObjectRecord],
         meta: dict[str, Any],
         layout: str = "",
+        prefixes: str = "",
     ) -> Manifest:
         meta = redact(dict(meta))
         return cls(
@@ -62,6 +64,7 @@ class Manifest:
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             meta=meta,
             layout=layout,
+            prefixes=prefixes,
         )
 
     def to_json(self) -> bytes:
@@ -80,6 +83,7 @@ class Manifest:
             objects = {name: ObjectRecord(**rec) for name, rec in body["objects"].items()}
             fields = {k: body[k] for k in ("step", "world_size", "engine", "model", "created", "meta")}
             fields["layout"] = str(body.get("layout", ""))  # absent before rank records
+            fields["prefixes"] = str(body.get("prefixes", ""))
         except (ValueError, KeyError, TypeError) as e:
             raise StorageError(f"{uri or 'manifest'}: not a bigclip checkpoint manifest ({e})") from e
         return cls(objects=objects, uri=uri, **fields)

@@ -172,6 +172,7 @@ def load_sharded(
     reader: Any,
     *,
     saved_world: int,
+    record_of: Callable[[int], str],
     group: CheckpointGroup,
     optional_keys: tuple[str, ...] = (),
 ) -> None:
@@ -179,13 +180,13 @@ def load_sharded(
     rank 0's record once for everyone (every rank needs it: the replicated values and the slice
     lengths); each rank then reads the records it overlaps and its chunks, and all ranks learn
     the first failure together (a damaged chunk on one rank fails the load everywhere)."""
-    rank0 = _on_rank0(group, lambda: rank_record.read_metadata(location, folder, 0))
+    rank0 = _on_rank0(group, lambda: rank_record.read_metadata(location, folder, record_of(0)))
     # As dcp.load: Statefuls are loaded through their state dicts, in key order.
     plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in sorted(state.items())}
     error: BaseException | None = None
     try:
         wanted = requested(flat_state(plain))
-        meta = _metadata_for(wanted, rank0, location, folder, saved_world=saved_world)
+        meta = _metadata_for(wanted, rank0, location, folder, record_of, saved_world=saved_world)
         reader = VerifiedReader(reader, uri=location.child_uri(folder), objects={})
         load_rank(plain, reader, meta, rank=group.rank, optional_keys=optional_keys)
     except Exception as e:  # reported to every rank below
@@ -228,14 +229,23 @@ def _portable(error: BaseException | None) -> tuple[str, str] | None:
 
 
 def _metadata_for(
-    wanted: Requested, rank0: Metadata, location: Location, folder: str, *, saved_world: int
+    wanted: Requested,
+    rank0: Metadata,
+    location: Location,
+    folder: str,
+    record_of: Callable[[int], str],
+    *,
+    saved_world: int,
 ) -> Metadata:
     """The merged metadata of the saved ranks this rank needs: the guessed ones when their chunks
     cover everything it asks for, else every saved rank's (a layout the guess does not fit)."""
     ranks = ranks_to_read(wanted, rank0, saved_world=saved_world)
     if ranks is not None:
         meta = merge(
-            [rank0 if k == 0 else rank_record.read_metadata(location, folder, k) for k in sorted(ranks)]
+            [
+                rank0 if k == 0 else rank_record.read_metadata(location, folder, record_of(k))
+                for k in sorted(ranks)
+            ]
         )
         if not uncovered(wanted, meta):
             return meta
@@ -245,4 +255,5 @@ def _metadata_for(
         location.child_uri(folder),
         saved_world,
     )
-    return merge([rank0] + [rank_record.read_metadata(location, folder, k) for k in range(1, saved_world)])
+    rest = [rank_record.read_metadata(location, folder, record_of(k)) for k in range(1, saved_world)]
+    return merge([rank0, *rest])

@@ -105,7 +105,7 @@ def write_rank(state: dict[str, Any], writer: Any, *, rank: int, train: Any) -> 
     local.storage_data = {result.index: result.storage_data for result in results.value()}
     local.storage_meta = writer.storage_meta()
     local.version = CURRENT_DCP_VERSION
-    path = writer.fs.concat_path(writer.path, rank_record.record_name(rank))
+    path = writer.fs.concat_path(writer.path, rank_record.record_name(prefix))
     with writer.fs.create_stream(path, "wb") as stream:
         stream.write(rank_record.encode(train, local))
     piece = metadata_stream.rank_piece(local, tensor_keys)

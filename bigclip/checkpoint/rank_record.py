@@ -1,6 +1,7 @@
 """A rank's own record in a checkpoint: its DCP metadata and its training state, sealed.
 
-Each rank writes `rank_NNNNN.bigclip` beside its shard files, so that a resume reads what it
+Each rank writes `PREFIXrank.bigclip` beside its shard files (under its own key prefix on S3:
+storage/rank_prefixes.py), so that a resume reads what it
 needs and no more: its RNG and data position (the JSON part), and the DCP metadata of the few
 saved ranks whose chunks overlap its own (the metadata part), instead of DCP's global
 `.metadata`, which holds every rank's chunks (~0.5 GB for ViT-bigG-14 at 1024 ranks). Both parts
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from bigclip.checkpoint.integrity import CheckpointDamaged
 from bigclip.storage.locations import Location
+from bigclip.storage.rank_prefixes import prefix
 from bigclip.storage.safe_metadata import load_metadata
 
 MAGIC = b"bigclip-rank-record/1\n"
@@ -34,8 +36,14 @@ _LENGTHS = struct.Struct("<QQ")
 HEADER_BYTES = len(MAGIC) + _LENGTHS.size + 64
 
 
-def record_name(rank: int) -> str:
-    return f"rank_{rank:05d}.bigclip"
+def record_name(prefix: str) -> str:
+    """The record of the rank whose objects are named `prefix...` (`__R_`, or `<hex>/__R_` on S3)."""
+    return f"{prefix}rank.bigclip"
+
+
+def record_of(rule: str, rank: int, world_size: int) -> str:
+    """Saved rank `rank`'s record in a checkpoint whose manifest gives `rule` and `world_size`."""
+    return record_name(prefix(rule, rank, world_size))
 
 
 def encode(train: Any, metadata: Metadata) -> bytes:
@@ -82,18 +90,18 @@ def _checked(part: bytes, sha: bytes, where: str, what: str) -> bytes:
     return part
 
 
-def read_train(location: Location, folder: str, rank: int) -> Any:
-    """Saved rank `rank`'s training state (its header and JSON part only: a ranged read)."""
-    name = f"{folder}/{record_name(rank)}"
+def read_train(location: Location, folder: str, record: str) -> Any:
+    """A saved rank's training state (its record's header and JSON part only: a ranged read)."""
+    name = f"{folder}/{record}"
     where = location.child_uri(name)
     header = _Header.parse(_read(location, name, 0, HEADER_BYTES), where)
     text = _read(location, name, HEADER_BYTES, header.text_bytes)
     return json.loads(_checked(text, header.text_sha, where, "training state"))["train"]
 
 
-def read_metadata(location: Location, folder: str, rank: int) -> Metadata:
-    """Saved rank `rank`'s DCP metadata: its own chunks and where they are stored."""
-    name = f"{folder}/{record_name(rank)}"
+def read_metadata(location: Location, folder: str, record: str) -> Metadata:
+    """A saved rank's DCP metadata: its own chunks and where they are stored."""
+    name = f"{folder}/{record}"
     where = location.child_uri(name)
     data = location.read_bytes(name)
     header = _Header.parse(data[:HEADER_BYTES], where)

@@ -23,6 +23,7 @@ from bigclip.checkpoint.rank_local_save import RankSave
 from bigclip.storage.hashing import HashingFileSystem
 from bigclip.storage.locations import Location
 from bigclip.storage.preflight import explain_error
+from bigclip.storage.rank_prefixes import rule_of
 
 METADATA_NAME = ".metadata"
 
@@ -126,7 +127,7 @@ def _write(
         return f"writing {METADATA_NAME} failed: {explain_error(e)}", None
     objects = {name: rec for report in reports for name, rec in report.records.items()}
     objects.update(hashing.records())  # rank 0's, now with .metadata
-    built = Manifest.build(objects=objects, layout=RANK_RECORDS, **manifest)
+    built = Manifest.build(objects=objects, layout=RANK_RECORDS, prefixes=rule_of(writer), **manifest)
     try:
         location.write_bytes(f"{folder}/{MANIFEST_NAME}", built.to_json())
     except Exception as e:

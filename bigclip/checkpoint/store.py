@@ -289,6 +289,7 @@ class CheckpointStore:
                 load_sharded(
                     state, location, folder, inner,
                     saved_world=found.world_size, group=self.group, optional_keys=optional_keys,
+                    record_of=lambda k: rank_record.record_of(found.prefixes, k, found.world_size),
                 )  # fmt: skip
         else:  # saved before rank records: every rank reads the global .metadata
             reader = VerifiedReader(inner, uri=found.uri, objects=found.objects)
@@ -307,7 +308,9 @@ class CheckpointStore:
         if manifest.layout != RANK_RECORDS or rank >= manifest.world_size:
             return None
         location, folder = open_parent(manifest.uri, any_scheme=True)
-        return rank_record.read_train(location, folder, rank)
+        return rank_record.read_train(
+            location, folder, rank_record.record_of(manifest.prefixes, rank, manifest.world_size)
+        )
 
     def verify(self, which: str = LATEST) -> Manifest:
         """Re-read every object of a checkpoint and check sizes and SHA-256 (not collective)."""
