@@ -106,13 +106,19 @@ def test_a_flipped_byte_fails_an_explicit_load_and_latest_skips_it(store, key, c
 def test_metadata_and_inventory_damage_are_skipped_by_latest_only(store):
     for step in (1, 2, 3, 4):
         store.save(make_state(step), step=step)
-    flip(store, "step_00000004/.metadata", 40)
+    # Rank 0's record (under its own prefix on S3); its DCP metadata is the record's last part.
+    record = "step_00000004/" + next(
+        n for n in store.location.list_files("step_00000004") if n.endswith("__0_rank.bigclip")
+    )
+    flip(store, record, len(store.location.read_bytes(record)) - 40)
     shard = next(n for n in store.location.list_files("step_00000003") if n.endswith(".distcp"))
     store.location.write_bytes(
         f"step_00000003/{shard}", store.location.read_bytes(f"step_00000003/{shard}")[:-1]
     )
     store.location.delete(f"step_00000002/{shard}")
-    with pytest.raises(CheckpointDamaged, match=r"\.metadata is damaged: its size or SHA-256 differs"):
+    with pytest.raises(
+        CheckpointDamaged, match=r"__0_rank\.bigclip: its metadata differs from what its writer"
+    ):
         store.load(make_state(0), "step_00000004")
     with pytest.raises(CheckpointDamaged, match=r"step_00000002 is damaged: .*\.distcp: missing"):
         store.load(make_state(0), "step_00000002")

@@ -6,13 +6,15 @@ import hashlib
 import json
 import logging
 import os
+import struct
 import uuid
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from support.legacy_checkpoint import save_legacy
 
-from bigclip.checkpoint import CheckpointStore, keep_last_for
+from bigclip.checkpoint import CheckpointStore, keep_last_for, rank_record
 from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.config import CheckpointConfig, TrainConfig
 from bigclip.demo.loopback_s3 import LoopbackS3
@@ -175,15 +177,34 @@ def test_loading_never_runs_code_planted_in_a_checkpoint(tmp_path, monkeypatch):
     store.save({"model": {"w": torch.ones(2)}, "train": {"payload": RunsCodeWhenUnpickled()}}, step=1)
     with pytest.raises(StorageError, match="train.payload.*not plain data"):
         store.load({"model": {"w": torch.zeros(2)}, "train": {"payload": None}}, "latest")
-    # A classic pickle exploit as DCP's metadata, with the manifest forged to match it.
-    forge_metadata(tmp_path / "ckpt" / "step_00000001", EXPLOIT)
+    # A classic pickle exploit as a rank record's DCP metadata, sealed and listed to match it.
+    forge_rank_record(tmp_path / "ckpt" / "step_00000001", EXPLOIT)
+    with pytest.raises(StorageError, match="__0_rank.bigclip: checkpoint metadata refers to os.system"):
+        store.load({"model": {"w": torch.zeros(2)}}, "latest")
+    # The same as the global .metadata of a checkpoint saved before rank records.
+    save_legacy(store, {"model": {"w": torch.ones(2)}}, step=2)
+    forge_metadata(tmp_path / "ckpt" / "step_00000002", EXPLOIT)
     # The unpickler's own error, not DCP's "metadata is None" (torch 2.11 drops the cause).
     with pytest.raises(StorageError, match="^checkpoint metadata refers to os.system"):
-        store.load({"model": {"w": torch.zeros(2)}}, "latest")
+        store.load({"model": {"w": torch.zeros(2)}}, "step_00000002")
     assert not (tmp_path / "ran-code-from-checkpoint").exists()
 
 
 EXPLOIT = b"cos\nsystem\n(S'touch ran-code-from-checkpoint'\ntR."
+
+
+def forge_rank_record(folder, metadata: bytes) -> None:
+    """Replace rank 0's record's metadata with `metadata`, sealed and listed to match it."""
+    text = json.dumps({"train": None}).encode()
+    digests = hashlib.sha256(text).digest() + hashlib.sha256(metadata).digest()
+    record = rank_record.MAGIC + struct.pack("<QQ", len(text), len(metadata)) + digests + text + metadata
+    (folder / "__0_rank.bigclip").write_bytes(record)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest["objects"]["__0_rank.bigclip"] = {
+        "size": len(record),
+        "sha256": hashlib.sha256(record).hexdigest(),
+    }
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
 def forge_metadata(folder, content: bytes) -> None:
@@ -199,7 +220,7 @@ def test_a_refused_metadata_is_not_replaced_by_a_planted_rank_local_one(tmp_path
     # must be refused, not loaded from a file the attacker planted next to it.
     monkeypatch.chdir(tmp_path)
     store = CheckpointStore(str(tmp_path / "ckpt"))
-    store.save({"w": torch.ones(2)}, step=1)
+    save_legacy(store, {"w": torch.ones(2)}, step=1)  # rank records are never read through DCP's fallback
     folder = tmp_path / "ckpt" / "step_00000001"
     (folder / "__0.metadata").write_bytes((folder / ".metadata").read_bytes())
     forge_metadata(folder, EXPLOIT)

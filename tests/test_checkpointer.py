@@ -51,9 +51,12 @@ class SmallContents:
     def __init__(self, clock: Clock, *, save_minutes: float = 0.0) -> None:
         self.clock, self.save_minutes = clock, save_minutes
 
-    def state(self, train_state: TrainState, data_position: dict | None) -> dict:
+    def state(self, train_state: TrainState) -> dict:
         self.clock.advance(self.save_minutes)
         return {"w": torch.full((4,), float(train_state.step)), "train": {"step": train_state.step}}
+
+    def rank_state(self, data_position: dict | None) -> dict:
+        return {"data": data_position}
 
     def meta(self, *, most_recent_only: bool = False) -> dict:
         return {"most_recent_only": most_recent_only}
@@ -199,6 +202,7 @@ def test_a_failed_stop_request_save_ends_the_run(proxy, preemption, mode):
     checkpointer = open_checkpointer(root, checkpoint_flags(*flags), Clock(), preemption)
     state = TrainState(step=3)
     fail_saves_of(proxy, 3)
+    phases.begin("training", on_stop=phases.OnStop.AT_BOUNDARY, base=True)  # past the first step, as the loop
     os.kill(os.getpid(), signal.SIGUSR1)  # what Slurm sends before the time limit
     with pytest.raises(
         SaveFailed, match=r"checkpoint step 3 \(stop requested by SIGUSR1\) failed: .*throttling"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from bigclip.errors import ConfigError
 from bigclip.models.shape import TowerShape
 from bigclip.models.transformer import ResidualAttentionBlock, block_linears
 from bigclip.ops.int8.switchback import apply_int8
+from bigclip.plan.checkpoint_cost import STEP_FOLDER_REQUESTS
 from bigclip.plan.command import main
 from bigclip.plan.memory import (
     activation_bytes,
@@ -28,9 +30,9 @@ from bigclip.plan.memory import (
     recomputed_flops,
     towers,
 )
-from bigclip.plan.planner import RANK0_EXTRA_REQUESTS, Hardware, build_plan, forward_flops, s3_requests
+from bigclip.plan.planner import Hardware, build_plan, forward_flops, s3_requests
 from bigclip.plan.spec import PlanSpec, from_train_config
-from bigclip.storage.save_requests import PART_BYTES
+from bigclip.storage.save_requests import PART_BYTES, upload_requests
 from bigclip.storage.settings import storage_configured
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +139,11 @@ def test_s3_requests_per_save_match_a_real_save() -> None:
             store.close()
     sizes = [record.size for name, record in manifest.objects.items() if name.endswith(".distcp")]
     assert len(sizes) == 2 and max(sizes) > PART_BYTES  # several parts for one object
-    assert observed == s3_requests(sizes, part_size=PART_BYTES) + RANK0_EXTRA_REQUESTS
+    # Its shards and its record under its prefix; the listing, .metadata and the manifest from rank 0.
+    record = next(r.size for name, r in manifest.objects.items() if name.endswith("rank.bigclip"))
+    metadata = manifest.objects[".metadata"].size
+    rank0 = STEP_FOLDER_REQUESTS + upload_requests(metadata, part_bytes=PART_BYTES)
+    assert observed == s3_requests([*sizes, record], part_size=PART_BYTES) + rank0
 
 
 def test_plan_cli_reports_and_refuses_bad_input(capsys: pytest.CaptureFixture) -> None:
@@ -260,7 +266,7 @@ def test_plan_prints_the_advice_the_run_time_and_gpu_hours(capsys: pytest.Captur
     assert plan["gpu_hours"] == pytest.approx(plan["run_time_s"] * 1024 / 3600)
     assert main([*argv, "--loss-chunk-size", "1024"]) == 0
     text = capsys.readouterr().out
-    assert f"optimizer steps              {steps:,}" in text and "does not fit" not in text
+    assert re.search(rf"^optimizer steps +{steps:,}$", text, re.M) and "does not fit" not in text
     assert f"{plan['gpu_hours']:,.0f} (1,024 GPUs)" in text
     # --max-steps ends it first; without --train-num-samples it is an upper bound; with neither, unknown.
     for extra, expected in ((["--max-steps", "1000"], 1000), (["--train-num-samples", "0", "--max-steps", "50"], 50),

@@ -21,13 +21,17 @@ import torch.distributed.checkpoint as dcp
 from s3torchconnector import S3ClientConfig
 from s3torchconnector.dcp import S3StorageReader
 from support.s3_fault_proxy import FaultProxy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.checkpoint.mirror import CheckpointMirror
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.registry.store import Registry
+from bigclip.storage import rank_prefixes
 from bigclip.storage.locations import LocalLocation, open_location
+from bigclip.storage.s3_dcp_writer import S3CheckpointWriter
 from bigclip.storage.settings import configure_storage, storage_configured
 from bigclip.weights.sources import open_weights
 
@@ -36,16 +40,17 @@ BUCKET = "layout-tests"
 WORLD = 2
 
 
-def rank_state(rank: int) -> dict:
-    g = torch.Generator().manual_seed(rank)
-    return {"model": {f"w{rank}": torch.randn(48, 32, generator=g)}, "train": {"step": 3}}
-
-
 def whole_state(world: int = WORLD) -> dict:
-    return {
-        "model": {k: v for r in range(world) for k, v in rank_state(r)["model"].items()},
-        "train": {"step": 3},
-    }
+    g = torch.Generator().manual_seed(0)
+    return {"model": {f"w{i}": torch.randn(48, 32, generator=g) for i in range(2)}, "train": {"step": 3}}
+
+
+def rank_state(rank: int, world: int) -> dict:
+    """Each tensor sharded by rows over the ranks, as the engines' are: each rank writes its rows."""
+    mesh = init_device_mesh("cpu", (world,))
+    state = whole_state()
+    state["model"] = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in state["model"].items()}
+    return state
 
 
 def zeros_like(state: dict) -> dict:
@@ -60,7 +65,7 @@ def assert_loaded(got: dict, want: dict) -> None:
 def _save(rank: int, world: int, root: str, endpoint: str) -> str:
     configure_storage(s3_endpoint=endpoint)
     store = CheckpointStore(root)
-    store.save(rank_state(rank), step=3)
+    store.save(rank_state(rank, world), step=3)
     prefix = store.location.dcp_writer("step_00000003", world_size=world)[0].prefix_strategy(rank)
     store.close()
     return prefix
@@ -80,7 +85,7 @@ def test_ranks_write_under_their_own_prefixes_and_every_reader_follows(s3, tmp_p
         prefixes = spawn(_save, WORLD, root, proxy.endpoint)
     assert len({p.split("/")[0] for p in prefixes}) == WORLD  # "<hex>/__R_": a sub-folder per rank
     store = CheckpointStore(root)
-    names = [f"{p}0.distcp" for p in prefixes]
+    names = [f"{p}{n}" for p in prefixes for n in ("0.distcp", "rank.bigclip")]  # its shard, its record
     assert sorted(store.location.list_files("step_00000003")) == sorted(
         [".metadata", "manifest.json", *names]
     )
@@ -99,11 +104,11 @@ def test_ranks_write_under_their_own_prefixes_and_every_reader_follows(s3, tmp_p
 
     # As weights (--pretrained, `bigclip consolidate`) and from a registry publication.
     source = open_weights(f"{root}/step_00000003")
-    assert torch.equal(source.reader.read("model.w1"), rank_state(1)["model"]["w1"])
+    assert torch.equal(source.reader.read("model.w1"), whole_state()["model"]["w1"])
     registry = Registry(f"s3://{BUCKET}/registry")
     assert set(registry.publish(f"{root}/step_00000003", "prefixed").objects) >= set(names)
     published = open_weights("registry:prefixed", registry=registry.uri)
-    assert torch.equal(published.reader.read("model.w0"), rank_state(0)["model"]["w0"])
+    assert torch.equal(published.reader.read("model.w0"), whole_state()["model"]["w0"])
 
     # Copied to a local disk whole (aws s3 cp --recursive): it loads there, and mirrors back out.
     local = tmp_path / "copy"
@@ -135,6 +140,15 @@ def test_a_checkpoint_of_the_flat_layout_still_loads(s3, tmp_path):
     target = zeros_like(whole_state(1))
     store.load(target)
     assert_loaded(target, whole_state(1))
+
+
+def test_readers_name_each_ranks_objects_as_the_writer_does() -> None:
+    """A checkpoint's manifest records its prefix rule; readers rebuild every rank's prefix from it."""
+    for world in (1, 7, 16, 17, 1024, 70_000):
+        writer = S3CheckpointWriter("us-east-1", f"s3://{BUCKET}/x", world_size=world)
+        assert writer.prefix_rule == rank_prefixes.HEX
+        for rank in {0, 1, world // 2, world - 1}:
+            assert rank_prefixes.prefix(writer.prefix_rule, rank, world) == writer.prefix_strategy(rank)
 
 
 def test_deleting_a_folder_takes_a_request_per_thousand_objects(s3):

@@ -6,8 +6,8 @@ RANKS real gloo ranks save again and again through the fault proxy's per-prefix 
 (support/s3_fault_proxy.py), which admits BURST requests at once per prefix and RATE a second
 after. Every rank's upload starts together, so a save offers at least 15x what one prefix
 admits at once (counted, not timed), and every save must commit. They do because each rank
-writes one object under a prefix of its own (3 requests: create, one part, complete) and the
-client backs off where S3 throttles: the per-prefix counts show both, exactly.
+writes one object and its record under a prefix of its own (3 requests each: create, one part,
+complete) and the client backs off where S3 throttles: the per-prefix counts show both, exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import random
 import pytest
 import torch
 from support.s3_fault_proxy import FaultProxy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.demo.loopback_s3 import LoopbackS3
@@ -37,9 +39,11 @@ def _save_again_and_again(rank: int, world: int, root: str, endpoint: str) -> di
     configure_storage(s3_endpoint=endpoint)  # as --s3-endpoint does
     store = CheckpointStore(root)
     prefix = store.location.dcp_writer("step_00000001", world_size=world)[0].prefix_strategy(rank)
-    committed = []
+    mesh, committed = init_device_mesh("cpu", (world,)), []
     for step in range(1, SAVES + 1):
-        state = {"model": {"w": torch.full((64, 16), float(step + rank))}, "train": {"step": step}}
+        # A sharded tensor, as the engines' are: each rank writes its own rows.
+        w = DTensor.from_local(torch.full((64, 16), float(step + rank)), mesh, [Shard(0)], run_check=False)
+        state = {"model": {"w": w}, "train": {"step": step}}
         committed.append(store.save(state, step=step))  # raises unless committed
     store.close()
     return {"committed": committed, "prefix": prefix.rsplit("/", 1)[0]}
@@ -63,11 +67,13 @@ def test_every_save_commits_at_15x_what_one_prefix_admits():
                 sum(proxy.tally(method=m, prefix_contains=f"{folder}/{p}", admitted=True) for m in WRITES)
                 for p in prefixes
             ]
-            assert per_rank == [3] * RANKS  # one object per rank: create, one part, complete
+            # Under its prefix a rank writes its shard and its record (rank_record.py): one object
+            # each (create, one part, complete).
+            assert per_rank == [6] * RANKS
             assert sum(per_rank) >= OVERLOAD * BURST  # what the ranks' uploads offer at once
             shared = f"/request-rate/run/{folder}"
             rank0 = sum(proxy.counts[(m, shared)] - proxy.refused[(m, shared)] for m in WRITES)
-            assert rank0 <= 8  # .metadata (3, DCP copies it into place, deletes the copy), the manifest (3)
+            assert rank0 <= 7  # the folder's listing, .metadata (3), the manifest (3)
         assert sum(proxy.throttled.values()) > 0  # the limit was met and backed off from
         store.close()
 

@@ -4,7 +4,8 @@ May import storage, config, distributed and errors. The loop needs `CheckpointSt
 """
 
 from bigclip.checkpoint.async_save import AsyncSave
+from bigclip.checkpoint.catalog import keep_last_for
 from bigclip.checkpoint.manifest import Manifest
-from bigclip.checkpoint.store import LATEST, CheckpointStore, keep_last_for
+from bigclip.checkpoint.store import LATEST, CheckpointStore
 
 __all__ = ["LATEST", "AsyncSave", "CheckpointStore", "Manifest", "keep_last_for"]

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
+from bigclip.config import CheckpointConfig
 from bigclip.storage.locations import Location
+from bigclip.storage.schemes import is_local
 
 log = logging.getLogger("bigclip.checkpoint")
 
@@ -115,3 +117,11 @@ def clear_folder(location: Location, folder: str) -> None:
         location.delete(f"{folder}/{MANIFEST_NAME}")
     if files:
         location.delete_folder(folder)
+
+
+def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
+    """Retention for a root: --remote-keep-last in an object store; --keep-last (or 1 with
+    --delete-previous-checkpoint) locally; 0 keeps everything."""
+    if not is_local(root):
+        return cfg.remote_keep_last
+    return 1 if cfg.delete_previous_checkpoint else cfg.keep_last

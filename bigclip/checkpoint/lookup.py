@@ -64,3 +64,12 @@ def inspect(location: Location, folder: str) -> Manifest | str:
     if problems:
         return f"checkpoint {manifest.uri} is damaged: " + "; ".join(problems)
     return manifest
+
+
+def summary(found: Manifest | str) -> Manifest | str:
+    """What every rank needs of a manifest (it is broadcast): all but the object list, which grows
+    with the world size; `.metadata`'s record stays, for checkpoints read through it."""
+    if isinstance(found, str):
+        return found
+    kept = {name: rec for name, rec in found.objects.items() if name == ".metadata"}
+    return Manifest(**{**found.__dict__, "objects": kept})

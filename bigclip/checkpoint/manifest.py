@@ -21,6 +21,7 @@ from bigclip.storage.records import CHECKSUM_ALGORITHM, ObjectRecord, sha256_of_
 from bigclip.storage.redact import redact
 
 MANIFEST_NAME = "manifest.json"
+RANK_RECORDS = "rank_records/1"  # `layout`: every rank's metadata in its record (rank_record.py)
 FORMAT = "bigclip-checkpoint"
 VERSION = 1
 
@@ -34,6 +35,8 @@ class Manifest:
     model: str = ""
     created: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    layout: str = ""  # how ranks find their metadata: "" (DCP's .metadata only) or RANK_RECORDS
+    prefixes: str = ""  # how each rank's objects are named (storage/rank_prefixes.py)
     uri: str = ""  # where it was read from; not stored
 
     @property
@@ -42,7 +45,14 @@ class Manifest:
 
     @classmethod
     def build(
-        cls, *, step: int, world_size: int, objects: dict[str, ObjectRecord], meta: dict[str, Any]
+        cls,
+        *,
+        step: int,
+        world_size: int,
+        objects: dict[str, ObjectRecord],
+        meta: dict[str, Any],
+        layout: str = "",
+        prefixes: str = "",
     ) -> Manifest:
         meta = redact(dict(meta))
         return cls(
@@ -53,6 +63,8 @@ class Manifest:
             model=str(meta.get("model", "")),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             meta=meta,
+            layout=layout,
+            prefixes=prefixes,
         )
 
     def to_json(self) -> bytes:
@@ -70,6 +82,8 @@ class Manifest:
                 raise ValueError(f"version {body['version']} is newer than this bigclip ({VERSION})")
             objects = {name: ObjectRecord(**rec) for name, rec in body["objects"].items()}
             fields = {k: body[k] for k in ("step", "world_size", "engine", "model", "created", "meta")}
+            fields["layout"] = str(body.get("layout", ""))  # absent before rank records
+            fields["prefixes"] = str(body.get("prefixes", ""))
         except (ValueError, KeyError, TypeError) as e:
             raise StorageError(f"{uri or 'manifest'}: not a bigclip checkpoint manifest ({e})") from e
         return cls(objects=objects, uri=uri, **fields)

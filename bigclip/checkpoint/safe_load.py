@@ -26,13 +26,23 @@ from bigclip.errors import StorageError
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner with `weights_only=True` and an up-front key/shape check."""
+    """DCP's default planner with `weights_only=True` and an up-front key/shape check.
+
+    `optional_keys`: flattened keys that older checkpoints hold and newer ones do not; when the
+    checkpoint lacks one, it is not loaded and its value is left as it was."""
+
+    def __init__(self, *, optional_keys: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.optional_keys = optional_keys
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         if metadata is not None:
+            for key in self.optional_keys:
+                if key not in metadata.state_dict_metadata:
+                    self.state_dict.pop(key, None)
             check_keys_match(self.state_dict, metadata)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

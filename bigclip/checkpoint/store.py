@@ -24,29 +24,32 @@ import socket
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from bigclip.checkpoint import catalog, lookup
-from bigclip.checkpoint.async_save import AsyncSave
+from bigclip.checkpoint import catalog, lookup, rank_record
+from bigclip.checkpoint.async_save import AsyncSave, Staging
 from bigclip.checkpoint.coordination import CheckpointGroup
-from bigclip.checkpoint.dcp_errors import dcp_errors, summarize_failures
+from bigclip.checkpoint.dcp_errors import dcp_errors
 from bigclip.checkpoint.finite import NonFiniteState, first_non_finite, plain_state
 from bigclip.checkpoint.integrity import CheckpointDamaged
-from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, checksum_problems
+from bigclip.checkpoint.manifest import RANK_RECORDS, Manifest, checksum_problems
+from bigclip.checkpoint.rank_local_load import load_sharded
+from bigclip.checkpoint.rank_local_save import write_rank
 from bigclip.checkpoint.safe_load import SafeLoadPlanner
+from bigclip.checkpoint.save_commit import (
+    PieceCache,
+    commit,
+    outcome,
+)
 from bigclip.checkpoint.verified_reader import VerifiedReader
-from bigclip.config import CheckpointConfig
 from bigclip.distributed import launch_env
 from bigclip.errors import StorageError
 from bigclip.storage.hashing import HashingFileSystem
-from bigclip.storage.locations import Location, open_location
+from bigclip.storage.locations import Location, open_location, open_parent
 from bigclip.storage.preflight import check_access, explain_error
-from bigclip.storage.schemes import is_local
 
 log = logging.getLogger("bigclip.checkpoint")
 
@@ -85,8 +88,9 @@ class CheckpointStore:
         self.on_commit: Callable[[str, Manifest], None] | None = None
         self.keep: Callable[[catalog.Entry], bool] | None = None
         self._pending: AsyncSave | None = None
-        self._stager: DefaultStager | None = None
+        self._staging = Staging()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigclip-checkpoint")
+        self._pieces = PieceCache()  # rank 0: every rank's last .metadata piece
 
     @property
     def root(self) -> str:
@@ -112,38 +116,37 @@ class CheckpointStore:
 
     # -- saving ---------------------------------------------------------------------------
 
-    def save(self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None) -> str:
-        """Write `state` as checkpoint `step` and commit it; every rank returns its URI."""
+    def save(
+        self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None, rank_state: Any = None
+    ) -> str:
+        """Write `state` as checkpoint `step` and commit it; every rank returns its URI.
+
+        `rank_state`: this rank's own JSON-able training state (RNG, data position), kept in its
+        record and read back by `rank_state` (the same rank, or whoever merges them)."""
         self.wait()
         state = self._refuse_non_finite(state, step)
-        folder, hashing, writer = self._begin(step)
-        with dcp_errors(f"saving {self.location.child_uri(folder)}"):
-            dcp.save(
-                state, storage_writer=writer, process_group=self.group.group, no_dist=self.group.group is None
-            )
-        return self._commit(folder, step, hashing, meta or {})
+        return self._write(state, self._begin(step), meta or {}, rank_state)
 
     def async_save(
-        self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None
+        self, state: dict[str, Any], *, step: int, meta: dict[str, Any] | None = None, rank_state: Any = None
     ) -> AsyncSave:
         """Stage `state` in CPU memory, then write and commit it in the background."""
         started = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - started
         state = self._refuse_non_finite(state, step)
-        folder, hashing, writer = self._begin(step)
-        with dcp_errors(f"staging {self.location.child_uri(folder)}"):
-            upload = dcp.async_save(
-                state,
-                storage_writer=writer,
-                process_group=self.group.group,
-                async_stager=self._get_stager(),
-                no_dist=self.group.group is None,
-            )
-        finish = self._executor.submit(self._finish_async, upload, folder, step, hashing, dict(meta or {}))
+        begun = self._begin(step)
+        with dcp_errors(f"staging {self.location.child_uri(begun[0])}"):
+            staged = self._staging.stage(state)
+        finish = self._executor.submit(self._write, staged, begun, dict(meta or {}), rank_state)
+        self._staging.synchronize()
         blocked = time.perf_counter() - started
         self._pending = AsyncSave(
-            uri=self.location.child_uri(folder), step=step, blocked_s=blocked, waited_s=waited, future=finish
+            uri=self.location.child_uri(begun[0]),
+            step=step,
+            blocked_s=blocked,
+            waited_s=waited,
+            future=finish,
         )
         log.info("checkpoint step %d staged in %.3fs; uploading in the background", step, blocked - waited)
         return self._pending
@@ -168,41 +171,42 @@ class CheckpointStore:
             )
         return plain
 
-    def _begin(self, step: int) -> tuple[str, HashingFileSystem, Any]:
+    def _begin(self, step: int) -> tuple[str, int, HashingFileSystem, Any]:
         folder = catalog.step_folder(step)
         # Rank 0 empties the folder before any rank can write to it; also a sync point.
         self.group.on_rank0(lambda: catalog.clear_folder(self.location, folder))
         writer, hashing = self.location.dcp_writer(
             folder, threads=self.io_threads, world_size=self.group.world_size
         )
-        return folder, hashing, writer
+        return folder, step, hashing, writer
 
-    def _finish_async(
-        self, upload: Future, folder: str, step: int, hashing: HashingFileSystem, meta: dict
-    ) -> str:
-        with dcp_errors(f"saving {self.location.child_uri(folder)}"):
-            upload.result()
-        return self._commit(folder, step, hashing, meta)
-
-    def _commit(self, folder: str, step: int, hashing: HashingFileSystem, meta: dict[str, Any]) -> str:
-        """Gather every rank's object list; rank 0 writes the manifest; all ranks learn the outcome."""
-        per_rank = self.group.gather((hashing.records(), hashing.failures()))
-        error = None
-        if self.group.rank == 0:
-            failed = [
-                f"rank {r}: {name}: {why}"
-                for r, (_, fails) in enumerate(per_rank)
-                for name, why in fails.items()
-            ]
-            objects = {name: rec for records, _ in per_rank for name, rec in records.items()}
-            manifest = Manifest.build(step=step, world_size=self.group.world_size, objects=objects, meta=meta)
-            error = summarize_failures(failed) if failed else self._write_manifest(folder, manifest)
-        error = self.group.broadcast(error)
+    def _write(self, state: dict[str, Any], begun: tuple, meta: dict[str, Any], rank_state: Any) -> str:
+        """Collective: every rank writes its part (rank_local_save.py), then the commit."""
+        folder, step, hashing, writer = begun
+        written, error = None, None
+        try:
+            written = write_rank(state, writer, rank=self.group.rank, train=rank_state)
+        except Exception as e:  # every rank must reach the commit's collectives to learn of it
+            error = explain_error(e)
+        error, manifest = commit(
+            self.group,
+            location=self.location,
+            folder=folder,
+            writer=writer,
+            hashing=hashing,
+            written=written,
+            mine=outcome(written, error, hashing),
+            cache=self._pieces,
+            manifest={"step": step, "world_size": self.group.world_size, "meta": meta},
+        )
         uri = self.location.child_uri(folder)
         if error:
-            raise StorageError(f"checkpoint {uri} was not committed: {error}")
+            raise StorageError(
+                f"saving {uri} failed: {error}; the checkpoint was not committed (the previous commit, if "
+                "any, is still the latest)"
+            )
         log.info("checkpoint step %d committed: %s", step, uri)
-        if self.group.rank == 0:
+        if manifest is not None:
             self._after_commit(folder, manifest)
         return uri
 
@@ -214,13 +218,6 @@ class CheckpointStore:
                 log.warning("after committing %s: %s", folder, e)
         if self.keep_last > 0:
             self._retain()
-
-    def _write_manifest(self, folder: str, manifest: Manifest) -> str | None:
-        try:
-            self.location.write_bytes(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
-            return None
-        except Exception as e:  # reported to every rank by _commit
-            return f"writing the manifest failed: {explain_error(e)}"
 
     def _retain(self) -> None:
         try:
@@ -241,10 +238,17 @@ class CheckpointStore:
             (e.step, self.location.child_uri(e.folder)) for e in catalog.entries(self.location) if e.committed
         ]
 
-    def load(self, state: dict[str, Any], which: str = LATEST, *, fall_back: bool | None = None) -> Manifest:
+    def load(
+        self,
+        state: dict[str, Any],
+        which: str = LATEST,
+        *,
+        fall_back: bool | None = None,
+        optional_keys: tuple[str, ...] = (),
+    ) -> Manifest:
         """Load a committed checkpoint into `state` in place (resharding as needed); collective.
 
-        `which`: see lookup.py. Every byte read is checked against what its writer recorded and
+        `which`: see lookup.py; `optional_keys`: see SafeLoadPlanner. Every byte read is checked against what its writer recorded and
         every floating tensor for NaN/inf, as it streams (verified_reader.py): damage raises
         `CheckpointDamaged`. `fall_back` (default: `which` is "latest"): a damaged checkpoint is
         skipped, in one warning line, for the next older commit of its root; an explicit
@@ -258,7 +262,7 @@ class CheckpointStore:
         location = open_location(root_uri, any_scheme=True)
         for index, folder in enumerate(folders):
             try:
-                return self._load_folder(state, location, folder)
+                return self._load_folder(state, location, folder, optional_keys)
             except CheckpointDamaged as e:
                 if index + 1 == len(folders):
                     raise
@@ -273,18 +277,40 @@ class CheckpointStore:
         found = lookup.inspect(location, folder)
         return None if isinstance(found, str) else (found.uri, found.meta)
 
-    def _load_folder(self, state: dict[str, Any], location: Location, folder: str) -> Manifest:
-        found = self.group.on_rank0(lambda: lookup.inspect(location, folder))
+    def _load_folder(
+        self, state: dict[str, Any], location: Location, folder: str, optional_keys: tuple[str, ...]
+    ) -> Manifest:
+        found = self.group.on_rank0(lambda: lookup.summary(lookup.inspect(location, folder)))
         if isinstance(found, str):
             raise CheckpointDamaged(found)
         inner = location.dcp_reader(folder)
-        reader = VerifiedReader(inner, uri=found.uri, objects=found.objects)
-        with dcp_errors(f"loading {found.uri}", saving=False, reader=inner):
-            reader.read_metadata()  # damage raised here, not inside DCP (which logs a traceback)
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group.group)
+        if found.layout == RANK_RECORDS:
+            with dcp_errors(f"loading {found.uri}", saving=False, reader=inner):
+                load_sharded(
+                    state, location, folder, inner,
+                    saved_world=found.world_size, group=self.group, optional_keys=optional_keys,
+                    record_of=lambda k: rank_record.record_of(found.prefixes, k, found.world_size),
+                )  # fmt: skip
+        else:  # saved before rank records: every rank reads the global .metadata
+            reader = VerifiedReader(inner, uri=found.uri, objects=found.objects)
+            with dcp_errors(f"loading {found.uri}", saving=False, reader=inner):
+                reader.read_metadata()  # damage raised here, not inside DCP (which logs a traceback)
+                dcp.load(
+                    state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group.group
+                )
         log.info("loaded checkpoint step %d (saved at world size %d) from %s, every byte verified",
                  found.step, found.world_size, found.uri)  # fmt: skip
         return found
+
+    def rank_state(self, manifest: Manifest, rank: int) -> Any:
+        """Saved rank `rank`'s own training state (`save(rank_state=...)`), checked against its
+        writer's SHA-256; None for a checkpoint saved before rank records or `rank` beyond its world."""
+        if manifest.layout != RANK_RECORDS or rank >= manifest.world_size:
+            return None
+        location, folder = open_parent(manifest.uri, any_scheme=True)
+        return rank_record.read_train(
+            location, folder, rank_record.record_of(manifest.prefixes, rank, manifest.world_size)
+        )
 
     def verify(self, which: str = LATEST) -> Manifest:
         """Re-read every object of a checkpoint and check sizes and SHA-256 (not collective)."""
@@ -311,39 +337,4 @@ class CheckpointStore:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
-
-    def _get_stager(self) -> DefaultStager:
-        # One stager per store: it reuses its CPU (pinned, on GPU) buffers from save to save.
-        if self._stager is not None and _is_spent(self._stager):
-            self._stager.close()
-            self._stager = None
-        if self._stager is None:
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
-                )
-            )
-        return self._stager
-
-
-def _is_spent(stager: DefaultStager) -> bool:
-    """torch 2.11's DefaultStager closes its copier at the end of every stage (it clears the copy
-    dispatch table and the storage cache), so staging with it again fails with "KeyError: <class
-    'type'>": there a stager serves one save (it kept no buffers anyway); 2.13's is reusable."""
-    copier = getattr(stager, "_state_dict_stager", None)
-    return copier is not None and not getattr(copier, "_deepcopy_dispatch", True)
-
-
-def keep_last_for(cfg: CheckpointConfig, root: str) -> int:
-    """Retention for a root: --remote-keep-last in an object store; --keep-last (or 1 with
-    --delete-previous-checkpoint) locally; 0 keeps everything."""
-    if not is_local(root):
-        return cfg.remote_keep_last
-    return 1 if cfg.delete_previous_checkpoint else cfg.keep_last
+            self._staging.close()

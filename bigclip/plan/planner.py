@@ -14,9 +14,11 @@ sequence), x3 for forward + backward; recomputation under --grad-checkpointing i
 not model work, so it is not in the model FLOPs that MFU divides. Checkpoints hold, per parameter,
 the master weight and two Adam moments (4 + 8 bytes; 2 + 4 with pure_bf16). S3 requests follow what
 a save does (measured against a loopback endpoint, tests/test_plan.py): per rank its objects'
-multipart uploads of (2 + parts) requests each (objects and parts as storage/save_requests.py
-cuts them), under a key prefix of its own; rank 0 adds 11 (list the step folder, write and
-rename .metadata, write the manifest). The chunked loss's exchange is
+and its record's multipart uploads of (2 + parts) requests each (objects and parts as
+storage/save_requests.py cuts them), under a key prefix of its own; rank 0 adds the step
+folder's listing, `.metadata` and the manifest (checkpoint_cost.py, with what rank 0 does alone
+per save, what a rank reads to resume, and whether a stop request's save fits a preemption
+window). The chunked loss's exchange is
 priced in bytes sent per GPU and seconds at --link-gbps (plan/comm.py). The run's length is its
 optimizer steps (`run_steps`: what ends it first, --max-steps or its epochs of --train-num-samples,
 counted as the loader counts them) at the planned step time, and its GPU-hours those hours times
@@ -28,13 +30,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bigclip.config import TrainConfig
 from bigclip.models.flops import forward_flops as model_forward_flops
 from bigclip.models.shape import ParamShape
 from bigclip.plan.advice import advise
+from bigclip.plan.checkpoint_cost import PREEMPTION_WINDOW_S, CheckpointCost, checkpoint_cost
 from bigclip.plan.comm import loss_exchange_bytes, transfer_seconds
 from bigclip.plan.memory import MemoryPlan, plan_memory, recomputed_flops
 from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
@@ -44,7 +47,6 @@ from bigclip.storage.save_requests import files_for, upload_requests
 
 GiB = 2**30
 S3_WRITES_PER_PREFIX_PER_S = 3500  # AWS's documented PUT/COPY/POST/DELETE rate per partitioned prefix
-RANK0_EXTRA_REQUESTS = 11  # LIST (clear the folder), .metadata (3 + HEAD x2, copy, delete), manifest (3)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Plan:
     checkpoint_rank0_bytes: int
     s3_requests_per_save: int
     loss_exchange_bytes: int | None  # sent per rank per step by the chunked loss (plan/comm.py)
+    checkpoint: CheckpointCost | None = None  # coordination, requests per prefix, resume reads
 
     @property
     def fits(self) -> bool:
@@ -142,16 +145,23 @@ def build_plan(spec: PlanSpec, hardware: Hardware) -> Plan:
     objects = spec.io_threads or files_for(rank0)
     files = [math.ceil(rank0 / objects)] * objects
     part = int(hardware.part_size_mib * 2**20)
-    return Plan(
+    plan = Plan(
         spec=spec,
         hardware=hardware,
         memory=plan_memory(spec, params),
         forward_flops_per_sample=forward_flops(spec),
         checkpoint_total_bytes=sum(p.numel for p in params) * per_element,
         checkpoint_rank0_bytes=rank0,
-        s3_requests_per_save=spec.gpus * s3_requests(files, part_size=part) + RANK0_EXTRA_REQUESTS,
+        s3_requests_per_save=spec.gpus * s3_requests(files, part_size=part),  # + records, rank 0's: below
         loss_exchange_bytes=loss_exchange_bytes(spec),
     )
+    cost = checkpoint_cost(
+        spec, rank_bytes=rank0, part_bytes=part, objects_per_rank=objects, step_s=plan.step_time_s
+    )
+    if cost is None:
+        return plan
+    requests = spec.gpus * cost.rank_prefix_writes + cost.step_folder_writes
+    return replace(plan, checkpoint=cost, s3_requests_per_save=requests)
 
 
 def human_bytes(n: int) -> str:
@@ -206,16 +216,33 @@ def _exchange_text(plan: Plan) -> str:
 
 
 def _checkpoint_rows(plan: Plan) -> list[tuple[str, str]]:
-    per_rank = (plan.s3_requests_per_save - RANK0_EXTRA_REQUESTS) // plan.spec.gpus
-    return [
+    cost = plan.checkpoint
+    how = (
+        f"{cost.rank_prefix_writes} per rank under its own prefix, {cost.step_folder_writes} more from rank 0"
+        if cost
+        else "the ranks' shards only"
+    )
+    rows = [
         ("checkpoint size", f"{plan.checkpoint_total_bytes / GiB:.1f} GiB"),
         ("checkpoint per rank", human_bytes(plan.checkpoint_rank0_bytes)),
-        (
-            "S3 requests per save",
-            f"{plan.s3_requests_per_save:,} ({per_rank} per rank under its own prefix, "
-            f"{RANK0_EXTRA_REQUESTS} more from rank 0)",
-        ),
+        ("S3 requests per save", f"{plan.s3_requests_per_save:,} ({how})"),
     ]
+    return rows + _coordination_rows(plan.checkpoint)
+
+
+def _coordination_rows(cost: CheckpointCost | None) -> list[tuple[str, str]]:
+    if cost is None:
+        return [("checkpoint coordination", "not priced for this engine (its layout is not simulated)")]
+    fits = "fits" if cost.fits_window else "does NOT fit"
+    return [
+        (".metadata", f"{human_bytes(cost.metadata_bytes)}, assembled by rank 0 from every rank's piece"),
+        ("rank 0 alone per save", f"{cost.rank0_serial_s:.1f} s (joins and hashes .metadata, one report per rank)"),
+        ("S3 writes per prefix per save",
+         f"{cost.rank_prefix_writes} on each rank's own, {cost.step_folder_writes} on the step folder (S3: ~3,500/s each)"),
+        ("resume reads per rank", f"{human_bytes(cost.resume_read_bytes)} of metadata and state besides its shards"),
+        ("save after a stop request",
+         f"~{cost.save_s:.0f} s (a step, the upload, rank 0's commit): {fits} a {PREEMPTION_WINDOW_S} s preemption window"),
+    ]  # fmt: skip
 
 
 def format_rows(rows: list[tuple[str, str]], *, markdown: bool = False) -> str:
@@ -252,6 +279,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "s3_requests_per_save": plan.s3_requests_per_save,
         "loss_exchange_bytes": plan.loss_exchange_bytes,
         "loss_exchange_s": plan.loss_exchange_s,
+        "checkpoint_coordination": asdict(plan.checkpoint) if plan.checkpoint else None,
     }
 
 
@@ -285,4 +313,8 @@ def print_plan(options: PlanOptions) -> int:
     print(format_rows(rows, markdown=options.markdown))
     if not plan.fits:
         print(f"\ndoes not fit: {advise(plan, build_plan).text()}")
+    if plan.checkpoint is not None and not plan.checkpoint.fits_window:
+        print(f"\nwarning: a stop request's save takes ~{plan.checkpoint.save_s:.0f} s, longer than a "
+              f"{PREEMPTION_WINDOW_S} s preemption window: give the partition a longer GraceTime (and the "
+              "script a larger --signal-seconds), or checkpoint to faster storage")  # fmt: skip
     return 0

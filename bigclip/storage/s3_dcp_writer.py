@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from bigclip.storage.rank_prefixes import HEX, HEX_DIGITS
 from bigclip.storage.save_requests import files_for
 
 log = logging.getLogger("bigclip.storage")
 
-PREFIX_DIGITS = 4  # hex digits per rank prefix: distinct up to 65,536 ranks
 RANK_BYTES_PER_S = 0.5e9 / 8  # the planner's per-node checkpoint rate, shared by 8 GPUs
 JITTER_FRACTION = 0.1  # of the rank's expected upload time
 JITTER_CAP_S = 2.0
@@ -96,9 +96,13 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 class S3CheckpointWriter(S3StorageWriter):
     """s3torchconnector's DCP writer with rank prefixes, few objects, jitter and rewrites (module docstring)."""
 
+    prefix_rule = HEX  # recorded in the manifest: readers find rank R's objects by it
+
     def __init__(self, region: str, path: str, *, world_size: int, files: int | None = None) -> None:
         """`files`: objects per rank (None: `files_for` the rank's bytes)."""
-        strategy = HexPrefixStrategy(min_prefix_length=PREFIX_DIGITS, prefix_count=max(1, world_size))
+        # HEX_DIGITS hex digits per rank prefix: distinct up to 65,536 ranks (rank_prefixes.py
+        # computes the same names for readers).
+        strategy = HexPrefixStrategy(min_prefix_length=HEX_DIGITS, prefix_count=max(1, world_size))
         # One thread per object, each writing its object alone (`_write_file`): DCP's own helper
         # threads die with their errors unraised and are not joined when the first thread fails.
         super().__init__(region, path, prefix_strategy=strategy, thread_count=1)

@@ -3,11 +3,14 @@
 Storage, commit and resharding live in `bigclip.checkpoint.CheckpointStore`; this module
 decides the contents:
   model, optim   the engine's Stateful state (resharded by DCP to the current world size)
-  train          step, epoch, steps into the epoch, samples seen, the data-loader position
-                 (world-size independent), every rank's RNG state, the resolved config
-Per-rank values are gathered into one replicated list, since DCP keeps one copy of a key that
-several ranks hold. A run resumed at M ranks gives rank r the RNG of saved rank r when it
-existed, else a fresh stream seeded from (seed, rank, step).
+  train          step, epoch, steps into the epoch, samples seen, the resolved config: one value
+                 for the whole run, in DCP
+  rank state     each rank's own RNG state and data-loader position, in its rank record (the
+                 store's `rank_state`): nothing per rank is gathered at a save, and a resume
+                 reads its own, not the whole world's
+A run resumed at M ranks gives rank r the RNG of saved rank r when it existed, else a fresh
+stream seeded from (seed, rank, step). Checkpoints saved before rank records kept the RNG of
+every rank and the data position in DCP (`LEGACY_KEYS`); they still load.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bigclip.checkpoint.mirror import MOST_RECENT_ONLY
 from bigclip.config import TrainConfig
@@ -50,16 +52,20 @@ class CheckpointContents:
     def global_batch(self) -> int:
         return self.cfg.data.batch_size * self.cfg.optim.accum_freq * self.runtime.world_size
 
-    def state(self, train_state: TrainState, data_position: dict | None) -> dict[str, Any]:
-        """Collective (the RNG states are gathered). The dict DCP saves and, on resume, loads
-        into: it must hold every key to restore."""
-        train = {
-            **asdict(train_state),
-            "data": json.dumps(data_position),
-            "rng": json.dumps(_gather(_rng_state(self.runtime.device), self.runtime.world_size)),
-            "config": json.dumps(redact(self.cfg.to_dict())),
-        }
+    def state(self, train_state: TrainState) -> dict[str, Any]:
+        """The dict DCP saves and, on resume, loads into: it must hold every key to restore."""
+        train = {**asdict(train_state), "config": json.dumps(redact(self.cfg.to_dict()))}
         return {**self.engine.checkpoint_state(), "train": train}
+
+    def rank_state(self, data_position: dict | None) -> dict[str, Any]:
+        """This rank's own part (the store keeps it in the rank's record)."""
+        return {"rng": _rng_state(self.runtime.device), "data": data_position}
+
+    def load_target(self) -> dict[str, Any]:
+        """What a resume loads into, placeholders of older checkpoints' per-rank values included."""
+        target = self.state(TrainState())
+        target["train"].update({key.split(".", 1)[1]: "" for key in LEGACY_KEYS})
+        return target
 
     def meta(self, *, most_recent_only: bool = False) -> dict[str, Any]:
         """The manifest's trainer metadata (what --resume checks before loading anything)."""
@@ -74,20 +80,23 @@ class CheckpointContents:
         return {**meta, MOST_RECENT_ONLY: True} if most_recent_only else meta
 
 
-def loaded_state(train: dict[str, Any], runtime: Runtime, *, seed: int) -> tuple[TrainState, dict | None]:
-    """The train state and data position a loaded checkpoint's "train" entry holds; restores this
-    rank's RNG from it."""
+LEGACY_KEYS = ("train.rng", "train.data")  # in DCP before rank records: every rank's RNG, the position
+
+
+def loaded_state(
+    train: dict[str, Any], own: dict[str, Any] | None, runtime: Runtime, *, seed: int
+) -> tuple[TrainState, dict | None]:
+    """The train state and data position of a loaded checkpoint (`train`: its "train" entry;
+    `own`: this rank's saved rank state, None if it had none); restores this rank's RNG."""
     state = TrainState(**{k: int(train[k]) for k in asdict(TrainState())})
-    _restore_rng(json.loads(train["rng"]), runtime, seed=seed, step=state.step)
-    return state, json.loads(train["data"])
-
-
-def _gather(value: Any, world: int) -> list[Any]:
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
+    if train.get("rng"):  # saved before rank records
+        saved = json.loads(train["rng"])
+        own = {
+            "rng": saved[runtime.rank] if runtime.rank < len(saved) else None,
+            "data": json.loads(train["data"]),
+        }
+    _restore_rng((own or {}).get("rng"), runtime, seed=seed, step=state.step)
+    return state, (own or {}).get("data")
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -107,12 +116,11 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     }
 
 
-def _restore_rng(saved: list[dict], runtime: Runtime, *, seed: int, step: int) -> None:
-    if runtime.rank >= len(saved):
+def _restore_rng(mine: dict | None, runtime: Runtime, *, seed: int, step: int) -> None:
+    if mine is None:  # no saved rank of this number: a fresh stream of its own
         torch.manual_seed(seed + 100_003 * step + runtime.rank)
         random.seed(seed + 100_003 * step + runtime.rank)
         return
-    mine = saved[runtime.rank]
     torch.set_rng_state(_unb64(mine["torch"]))
     if mine["cuda"] is not None and runtime.device.type == "cuda":
         torch.cuda.set_rng_state(_unb64(mine["cuda"]), runtime.device)

@@ -1,9 +1,9 @@
 """The Checkpointer: when the run saves, what it keeps, and the save in flight.
 
     checkpointer = Checkpointer(store, contents, cfg=cfg.checkpoint, sync=sync, ...)
-    signum = checkpointer.maybe_save(state, data_position=loader.state_dict)   # every step
+    signum = checkpointer.maybe_save(state, data_position=loader.rank_state)   # every step
     checkpointer.save_at_epoch_end(state)
-    checkpointer.save_at_end(state, data_position=loader.state_dict)
+    checkpointer.save_at_end(state, data_position=loader.rank_state)
     checkpointer.close(strict=True)                                            # then the final sync
 
 When: one decision (save_schedule.py: every N steps, epochs or minutes of training, a stop
@@ -66,7 +66,9 @@ class SaveFailed(Exception):
 class Contents(Protocol):
     """What a checkpoint holds (checkpoint_contents.CheckpointContents for a training run)."""
 
-    def state(self, train_state: TrainState, data_position: dict | None) -> dict[str, Any]: ...
+    def state(self, train_state: TrainState) -> dict[str, Any]: ...
+
+    def rank_state(self, data_position: dict | None) -> dict[str, Any]: ...
 
     def meta(self, *, most_recent_only: bool = False) -> dict[str, Any]: ...
 
@@ -173,14 +175,14 @@ class Checkpointer:
         self.scalars.scalars({"checkpoint/blocked_s": blocked}, step=state.step)
 
     def _write(self, state: TrainState, data_position: dict | None, *, due: Due) -> tuple[str, str]:
-        contents = self.contents.state(state, data_position)
+        contents, mine = self.contents.state(state), self.contents.rank_state(data_position)
         meta = self.contents.meta(most_recent_only=not due.kept)
         if self.cfg.async_save:
-            pending = self.store.async_save(contents, step=state.step, meta=meta)
+            pending = self.store.async_save(contents, step=state.step, meta=meta, rank_state=mine)
             self._in_flight = (state.step, due)
             pending.future.add_done_callback(lambda _: self._uploaded(pending, due))
             return pending.uri, "async, uploading"
-        where = self.store.save(contents, step=state.step, meta=meta)
+        where = self.store.save(contents, step=state.step, meta=meta, rank_state=mine)
         self.committed_step = state.step
         return where, "committed"
 

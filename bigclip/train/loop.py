@@ -104,7 +104,7 @@ def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
             )  # fmt: skip
         if state.step >= progress.total_steps:  # ending with the epoch, it completes it (evaluated, saved)
             return state.epoch_step >= progress.steps_per_epoch
-        signum = run.checkpointer.maybe_save(state, data_position=loader.state_dict)
+        signum = run.checkpointer.maybe_save(state, data_position=loader.rank_state)
         if signum:
             stop_for_requeue(run, loader, signum)
     return True
@@ -228,7 +228,7 @@ def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str
     state = run.progress.state
     begin("finishing", on_stop=OnStop.FINISH, announce=False, base=True)  # a stop now: the run completes
     run.guards.watchdog.close()  # no steps from here on (the last upload may take long)
-    run.checkpointer.save_at_end(state, data_position=loader.state_dict)
+    run.checkpointer.save_at_end(state, data_position=loader.rank_state)
     loader.close()
     if metrics is None or metrics["step"] != state.step:
         metrics = evaluate(run, final=True) or metrics  # the final weights get evaluated too

@@ -10,11 +10,12 @@ from typing import Any
 
 from bigclip.checkpoint import LATEST, CheckpointStore, Manifest
 from bigclip.config import TrainConfig
+from bigclip.data import continues_alone, merge_rank_states
 from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import ConfigError
-from bigclip.train.checkpoint_contents import CheckpointContents, TrainState, loaded_state
+from bigclip.train.checkpoint_contents import LEGACY_KEYS, CheckpointContents, TrainState, loaded_state
 from bigclip.train.metrics import get_logger
 from bigclip.weights.openclip_resume import is_openclip_checkpoint, load_openclip_checkpoint
 
@@ -27,19 +28,50 @@ def resume(
     engine, cfg, runtime = contents.engine, contents.cfg, contents.runtime
     if is_openclip_checkpoint(which):
         return _resume_openclip(store, engine, cfg, runtime), None, None
-    target = contents.state(TrainState(), None)
+    target = contents.load_target()
     # --resume latest (resolved to a URI by backup.resume_target) skips a damaged checkpoint for
     # the next older one; an explicit path never falls back.
-    manifest = store.load(target, which, fall_back=cfg.checkpoint.resume == LATEST)
+    manifest = store.load(target, which, fall_back=cfg.checkpoint.resume == LATEST, optional_keys=LEGACY_KEYS)
     train = target["train"]
     _check_compatible(manifest.meta, cfg, contents.global_batch, uri=manifest.uri)
     _check_tokenizer(saved_tokenizer(manifest.meta, json.loads(train["config"])), cfg, uri=manifest.uri)
-    state, position = loaded_state(train, runtime, seed=cfg.optim.seed)
+    state, own = loaded_state(train, store.rank_state(manifest, runtime.rank), runtime, seed=cfg.optim.seed)
+    position = _data_position(store, manifest, own, cfg, runtime)
     get_logger().info(
         f"resumed {manifest.uri} at step {state.step} (epoch {state.epoch}), saved at "
         f"{manifest.world_size} rank(s), now {runtime.world_size}"
     )
     return state, position, manifest
+
+
+def _data_position(
+    store: CheckpointStore, manifest: Manifest, own: dict | None, cfg: TrainConfig, runtime: Runtime
+) -> dict | None:
+    """Collective: where this rank's data continues. At the saved settings every rank continues
+    its own stream from its own record; otherwise (another world size, more workers...) rank 0
+    merges every saved rank's state into the epoch's position, world-size free, and broadcasts
+    it: the only read of the whole world's states, and only when the layout of readers changed."""
+    if not manifest.layout:  # older checkpoints hold the merged position, the same on every rank
+        return own
+    alone = own is not None and continues_alone(
+        own, world_size=runtime.world_size, workers=cfg.data.workers, batch_size=cfg.data.batch_size,
+        interleave=cfg.data.shard_interleave, seed=cfg.optim.seed,
+    )  # fmt: skip
+    answers = store.group.gather(alone)
+
+    def decide() -> tuple[str, dict | None]:
+        if own is None:  # saved at an epoch's end: the next one starts afresh
+            return "start", None
+        if all(answers):
+            return "own", None
+        states = [store.rank_state(manifest, k)["data"] for k in range(manifest.world_size)]
+        get_logger().info(
+            f"data position: merging the {len(states)} saved ranks' positions (the readers changed)"
+        )
+        return "merged", merge_rank_states(states)
+
+    kind, merged = store.group.on_rank0(decide)
+    return own if kind == "own" else merged
 
 
 def _resume_openclip(

@@ -1,0 +1,143 @@
+"""DCP coordination at 64-1024 simulated ranks: rank 0's serial CPU per save, `.metadata`, resume reads.
+
+    python benchmarks/scale_dcp.py [--worlds 64 128 256 512 1024] [--today-up-to 256]
+
+Every rank's metadata comes from plan/checkpoint_sim.py (each rank's chunks as FSDP2 splits
+ViT-bigG-14, DCP's own planner over them: the layout tests/test_checkpoint_rank_local.py checks
+against real ranks). What rank 0 does serially, timed with time.process_time:
+  today      DCP's coordinator: unpickle W local plans, `create_global_plan` (dedup, metadata,
+             validation), pickle W plans back, unpickle W write-result lists, pickle `.metadata`
+             (the steps `dcp.save` runs on rank 0 with the plans every rank sends it)
+  first      bigclip's first save of a run: unpickle W pieces (the gather), the skeleton,
+             assemble `.metadata`, hash it, the manifest's object list
+  later      a later save: W digests, no piece (unchanged), assemble, hash, manifest
+Plus the `.metadata` size and the bytes one rank reads to resume (today: all of `.metadata`;
+bigclip: saved rank 0's record and its own). Today's path is run up to --today-up-to ranks
+(its 1024-rank run alone takes over ten minutes of CPU here); the JSON says which rows ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pickle
+import time
+from typing import Any
+
+import torch
+from common import print_table, write_results
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from bigclip.checkpoint import metadata_stream
+from bigclip.checkpoint.save_commit import PieceCache
+from bigclip.plan import checkpoint_sim
+
+MODEL = "ViT-bigG-14"
+
+
+def bigg_shapes() -> dict[str, tuple[int, ...]]:
+    from bigclip.cli_args import parse_train_args
+    from bigclip.models.from_config import build_model
+
+    with torch.device("meta"):
+        model = build_model(parse_train_args(["--model", MODEL, "--train-data", "x"]))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _plan_of(meta: Any) -> SavePlan:
+    """The local plan a rank would send DCP's coordinator (its write items, planner data)."""
+    items = []
+    for key, value in meta.state_dict_metadata.items():
+        if not hasattr(value, "chunks"):
+            items.append(WriteItem(index=metadata_stream.MetadataIndex(key), type=WriteItemType.BYTE_IO))
+            continue
+        for chunk in value.chunks:
+            data = TensorWriteData(chunk=chunk, properties=value.properties, size=value.size)
+            index = metadata_stream.MetadataIndex(key, chunk.offsets)
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
+    return SavePlan(items, planner_data=meta.planner_data)
+
+
+def today(metas: list[Any]) -> float:
+    """Rank 0's CPU in DCP's coordinator for one save (the steps `dcp.save` runs there)."""
+    plans = [pickle.dumps(_plan_of(m)) for m in metas]
+    results = [pickle.dumps([WriteResult(i, 0, s) for i, s in (m.storage_data or {}).items()]) for m in metas]
+    start = time.process_time()
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({}, None, True)
+    global_plans, meta = planner.create_global_plan([pickle.loads(p) for p in plans])
+    for plan in global_plans:
+        pickle.dumps(plan)
+    meta.storage_data = {r.index: r.storage_data for blob in results for r in pickle.loads(blob)}
+    pickle.dumps(meta)
+    return time.process_time() - start
+
+
+def manifest_objects(world: int) -> dict[str, dict]:
+    """The manifest's object list: each rank's shard file and record, `.metadata`."""
+    objects = {f"__{r}_0.distcp": {"size": 1, "sha256": "0" * 64} for r in range(world)}
+    return objects | {f"rank_{r:05d}.bigclip": {"size": 1, "sha256": "0" * 64} for r in range(world)}
+
+
+def ours(metas: list[Any], keys: list[str], *, cache: PieceCache) -> tuple[float, int]:
+    """Rank 0's serial CPU for one commit (the gather's unpickling included) and `.metadata`'s size."""
+    pickler = metadata_stream.PiecePickler()
+    pieces = [metadata_stream.rank_piece(m, keys, pickler=pickler) for m in metas]
+    digests = [hashlib.sha256(p).hexdigest() for p in pieces]
+    needed = set(cache.missing(digests))
+    gathered = [pickle.dumps(p if r in needed else None) for r, p in enumerate(pieces)]
+    reports = pickle.dumps([(None, "k", d, {}, {}) for d in digests])
+    start = time.process_time()
+    pickle.loads(reports)
+    cache.update(digests, [pickle.loads(g) for g in gathered])
+    head, _ = metadata_stream.skeleton(metas[0])
+    data = metadata_stream.assemble(head, cache.pieces)
+    hashlib.sha256(data).hexdigest()
+    json.dumps(manifest_objects(len(metas)))
+    return time.process_time() - start, len(data)
+
+
+def measure(worlds: list[int], *, today_up_to: int = 256, shapes: dict | None = None) -> list[dict[str, Any]]:
+    shapes = shapes or bigg_shapes()
+    rows = []
+    for world in worlds:
+        metas = [
+            checkpoint_sim.rank_metadata(shapes, engine="fsdp", world=world, rank=r) for r in range(world)
+        ]
+        keys = metadata_stream.tensor_keys(metas[0])
+        cache = PieceCache()
+        first_s, size = ours(metas, keys, cache=cache)
+        later_s, _ = ours(metas, keys, cache=cache)
+        record = len(pickle.dumps(metas[1]))
+        rows.append(
+            {
+                "world": world,
+                "today_rank0_cpu_s": round(today(metas), 2) if world <= today_up_to else None,
+                "first_save_rank0_cpu_s": round(first_s, 2),
+                "later_save_rank0_cpu_s": round(later_s, 2),
+                "metadata_MB": round(size / 1e6, 1),
+                "resume_read_per_rank_MB_today": round(size / 1e6, 1),
+                "resume_read_per_rank_MB": round((len(pickle.dumps(metas[0])) + record) / 1e6, 2),
+            }
+        )
+        print_table(rows[-1:])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worlds", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    parser.add_argument("--today-up-to", type=int, default=256)
+    args = parser.parse_args()
+    rows = measure(args.worlds, today_up_to=args.today_up_to)
+    print_table(rows)
+    write_results("scale_dcp", rows, model=MODEL, engine="fsdp", today_up_to=args.today_up_to)
+
+
+if __name__ == "__main__":
+    main()
