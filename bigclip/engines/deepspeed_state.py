@@ -9,8 +9,9 @@ chunks with global offsets, exactly as it does for FSDP2's DTensors, so:
   - loading is in place: the shard tensors are views of DeepSpeed's master partitions and
     optimizer states, DCP writes into them, and the compute copy is re-derived afterwards;
   - building the state costs each rank O(its own fragments): an entry lists this rank's boxes
-    only, never the other ranks' (which DCP does not need), so a save or load at 1024 ranks
-    costs a rank what it costs at 16.
+    only, never the other ranks' (DCP does not need them), so at 1024 ranks it costs a rank
+    what it costs at 16 (benchmarks/scale_zero3_state.py), and DCP's async stager copies it
+    to CPU like any DTensor.
 0-dim parameters (logit_scale/bias) are saved whole from every rank, as FSDP2 does.
 
 Optimizer states are fp32 "exp_avg"/"exp_avg_sq" per parameter. bitsandbytes' 8-bit AdamW keeps
