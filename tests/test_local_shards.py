@@ -61,6 +61,22 @@ def test_async_stager_copies_it_to_cpu_memory_of_its_own(tmp_path):
     assert torch.equal(whole_checkpoint(tmp_path / "ckpt")["w"], values.view(SHAPE))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_shards_stage_through_pinned_memory_and_load_in_place(tmp_path):
+    """As the store stages on a GPU: pinned CPU buffers, non-blocking copies."""
+    values = torch.arange(35, dtype=torch.float32)
+    live = values.cuda()
+    stager = DefaultStager(StagingOptions(True, False, False, True))
+    staged = stager.stage({"w": ranges_of(live, [0, 9, 35])})
+    live.zero_()
+    assert staged["w"].device.type == "cpu" and staged["w"].local_shards()[0].tensor.is_pinned()
+    dcp.save(staged, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    stager.close()
+    dcp.load({"w": ranges_of(live, [0, 20, 35])}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert torch.equal(live.cpu(), values)
+
+
 def test_finite_check_sees_the_shards():
     flat = torch.arange(35, dtype=torch.float32)
     flat[33] = float("nan")

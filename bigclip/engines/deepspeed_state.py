@@ -50,10 +50,11 @@ def sharded(layout: ZeroLayout, name: str, local: torch.Tensor | None, *, dtype:
     device = local.device if local is not None else layout.flats[0].device
     pinned = bool(local is not None and local.is_pinned())
     if fragment is None:
-        # A rank without a fragment still holds an empty box: DCP's loader takes an entry with
-        # nothing to load for a key missing from the checkpoint (and then misreads the checkpoint
-        # as one written before torch 2.4). It sits past the last row, where every such rank puts
-        # it, as DCP's save planner merges chunks that share an offset.
+        # A rank without a fragment holds one empty box past the last row, as bigclip's
+        # checkpoints have always recorded it (every such rank puts it there, and DCP's save
+        # planner merges chunks that share an offset): a checkpoint stays byte for byte what it
+        # was. (It was needed when entries were ShardedTensors: DCP drops one without local
+        # shards from the state, then misreads the checkpoint as one written before torch 2.4.)
         empty = torch.empty(0, *shape[1:], dtype=dtype, device=device)
         offsets = [shape[0], *[0] * (len(shape) - 1)]
         return LocalShards([empty], [offsets], size=shape, dtype=dtype, device=device, pinned=pinned)
