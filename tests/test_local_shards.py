@@ -1,8 +1,9 @@
 """`LocalShards` through torch.distributed.checkpoint in one process: what DCP does with it.
 
 A 5 x 7 tensor held as row-major ranges (a rank's fragments, as ZeRO cuts them) is saved, read
-back whole the reference way, loaded in place into another cut of ranges, staged to CPU by DCP's
-async stager, and checked for NaN by the store's finite check. (Several ranks, DeepSpeed and
+back whole the reference way, loaded in place into another cut of ranges (also planned from only
+the saved chunks it overlaps, as a rank-local load driver plans), staged to CPU by DCP's async
+stager, and checked for NaN by the store's finite check. (Several ranks, DeepSpeed and
 the old builder: tests/test_engine_deepspeed_checkpoint.py.)
 """
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from support.dcp_harness import whole_checkpoint
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from bigclip.checkpoint.finite import first_non_finite
@@ -59,6 +62,33 @@ def test_async_stager_copies_it_to_cpu_memory_of_its_own(tmp_path):
     assert isinstance(staged["w"], LocalShards) and staged["w"].shape == SHAPE
     dcp.save(staged, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert torch.equal(whole_checkpoint(tmp_path / "ckpt")["w"], values.view(SHAPE))
+
+
+def test_a_rank_plans_its_load_from_the_saved_chunks_it_overlaps(tmp_path):
+    """A rank-local load driver hands DCP's load planner only the saved chunks that overlap this
+    rank's boxes (`__create_chunk_list__`): it plans the same reads as from all of them."""
+    dcp.save(
+        {"w": ranges_of(torch.arange(35.0), [0, 6, 12, 20, 35])}, checkpoint_id=str(tmp_path), no_dist=True
+    )
+    metadata = FileSystemReader(str(tmp_path)).read_metadata()
+    mine = ranges_of(torch.zeros(35), [14, 23])
+    saved = metadata.state_dict_metadata["w"]
+    relevant = [c for c in saved.chunks if any(_overlap(c, m) for m in mine.__create_chunk_list__())]
+    assert 0 < len(relevant) < len(saved.chunks)
+    only_mine = Metadata({"w": TensorStorageMetadata(saved.properties, saved.size, relevant)})
+
+    def reads(md: Metadata) -> list:
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner({"w": mine}, md, False)
+        return planner.create_local_plan().items
+
+    assert reads(only_mine) == reads(metadata) != []
+
+
+def _overlap(a, b) -> bool:
+    return all(
+        oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+    )
 
 
 @pytest.mark.gpu
