@@ -9,6 +9,8 @@ the old builder: tests/test_engine_deepspeed_checkpoint.py.)
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -117,6 +119,9 @@ def test_finite_check_sees_the_shards():
 def test_only_checkpointing_operations():
     entry = ranges_of(torch.arange(35.0), [0, 35])
     assert isinstance(entry.detach(), LocalShards)
+    copy = pickle.loads(pickle.dumps(entry))  # as process-based async staging would send it
+    assert [s.offsets for s in copy.local_shards()] == [s.offsets for s in entry.local_shards()]
+    assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(copy.local_shards(), entry.local_shards()))
     assert entry.to(torch.float64).local_shards()[0].tensor.dtype == torch.float64
     with pytest.raises(NotImplementedError, match="only this rank's boxes of a \\(5, 7\\) tensor"):
         entry + 1
