@@ -66,7 +66,8 @@ def flat_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[list[
 
 
 class ZeroLayout:
-    """This rank's fragment of every parameter of a DeepSpeed engine, and every rank's ranges."""
+    """This rank's fragment of every parameter of a DeepSpeed engine (built from this rank's own
+    bookkeeping: no collective, nothing per other rank)."""
 
     def __init__(self, ds_engine: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
         self.optimizer = ds_engine.optimizer
@@ -87,7 +88,6 @@ class ZeroLayout:
             self.local = {n: self._zero12_fragment(p) for n, p in self.params.items()}
             self.local |= {n: Fragment(0, self.params[n].numel(), -1, 0) for n in self.replicated}
             self.flat_groups = list(range(len(self.flats)))  # optimizer group of each flat partition
-        self.owners = self._gather_owners()
 
     @property
     def trained(self) -> list[str]:
@@ -110,20 +110,6 @@ class ZeroLayout:
         start = dist.get_rank(group=param.ds_process_group) * partition
         numel = min(partition, param.ds_numel - start)  # the last partitions hold padding
         return Fragment(start, numel, sub_group, offset) if numel > 0 else None
-
-    def _gather_owners(self) -> dict[str, list[tuple[int, int, int]]]:
-        """name -> [(rank, start, numel)] over all ranks (one collective, at build time)."""
-        mine = {n: (f.start, f.numel) for n, f in self.local.items() if f is not None}
-        world = dist.get_world_size(self.group)
-        everyone: list[dict] = [{} for _ in range(world)]
-        dist.all_gather_object(everyone, mine, group=self.group)
-        owners: dict[str, list[tuple[int, int, int]]] = {n: [] for n in self.params}
-        for rank, ranges in enumerate(everyone):
-            for name, (start, numel) in ranges.items():
-                owners[name].append(
-                    (dist.get_global_rank(self.group, rank) if self.group else rank, start, numel)
-                )
-        return owners
 
     def flat_slice(self, flat: torch.Tensor, name: str) -> torch.Tensor | None:
         """This rank's fragment of `name` inside a flat tensor shaped like a master partition

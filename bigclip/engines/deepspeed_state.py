@@ -1,13 +1,17 @@
 """DeepSpeed checkpoint state as DCP `Stateful`s keyed by OpenCLIP names with true shapes.
 
-Each rank contributes the fragments it owns (see `deepspeed_layout`) as a `ShardedTensor` of the
-parameter's global shape whose local shards are boxes of it. torch.distributed.checkpoint then
-saves chunks with global offsets, exactly as it does for FSDP2's DTensors, so:
+Each rank contributes the fragments it owns (see `deepspeed_layout`) as a `LocalShards` of the
+parameter's global shape whose shards are boxes of it. torch.distributed.checkpoint then saves
+chunks with global offsets, exactly as it does for FSDP2's DTensors, so:
   - a checkpoint saved at N ranks loads at M ranks (DCP reads whatever chunks overlap);
   - the layout is the FSDP engine's (`model.<name>`, `optim.optimizer.state.<name>.exp_avg`, ...),
     so one consolidation tool reads both and a checkpoint can cross engines;
   - loading is in place: the shard tensors are views of DeepSpeed's master partitions and
-    optimizer states, DCP writes into them, and the compute copy is re-derived afterwards.
+    optimizer states, DCP writes into them, and the compute copy is re-derived afterwards;
+  - building the state costs each rank O(its own fragments): an entry lists this rank's boxes
+    only, never the other ranks' (DCP does not need them), so at 1024 ranks it costs a rank
+    what it costs at 16 (benchmarks/scale_zero3_state.py), and DCP's async stager copies it
+    to CPU like any DTensor.
 0-dim parameters (logit_scale/bias) are saved whole from every rank, as FSDP2 does.
 
 Optimizer states are fp32 "exp_avg"/"exp_avg_sq" per parameter. bitsandbytes' 8-bit AdamW keeps
@@ -24,12 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.stateful import Stateful
 
 from bigclip.engines.deepspeed_layout import ZeroLayout, flat_boxes
+from bigclip.engines.local_shards import LocalShards
 from bigclip.engines.optim import (
     MOMENTS,
     create_optimizer_state,
@@ -41,41 +43,34 @@ from bigclip.engines.optim import (
 )
 
 
-def sharded(
-    layout: ZeroLayout, name: str, local: torch.Tensor | None, *, dtype: torch.dtype
-) -> ShardedTensor:
-    """A ShardedTensor of parameter `name`'s true shape over every rank's fragment; this rank's
-    shards are views of `local` (its fragment, flat)."""
-    shape, me = layout.shapes[name], dist.get_rank()
-    device = str(local.device) if local is not None else str(layout.flats[0].device)
-    boxes = {rank: flat_boxes(shape, start, start + numel) for rank, start, numel in layout.owners[name]}
-    metas, shards = [], []
-    for rank in range(dist.get_world_size()):
-        pos = 0
-        # A rank without a fragment still gets an empty box: DCP's loader takes a ShardedTensor
-        # with no local shards for a key missing from the state dict (and then misreads the
-        # checkpoint as one written before torch 2.4). It sits past the last row, as DCP's save
-        # planner merges chunks that share an offset.
-        for offsets, sizes in boxes.get(rank) or [([shape[0]] + [0] * (len(shape) - 1), [0, *shape[1:]])]:
-            meta = ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")
-            metas.append(meta)
-            if rank == me:
-                n = math.prod(sizes)
-                data = local[pos : pos + n] if n else torch.empty(0, dtype=dtype, device=device)
-                shards.append(Shard(data.view(sizes), meta))
-                pos += n
-    props = TensorProperties(
-        dtype=dtype, requires_grad=False, pin_memory=bool(local is not None and local.is_pinned())
-    )
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, ShardedTensorMetadata(metas, torch.Size(shape), props)
-    )
+def sharded(layout: ZeroLayout, name: str, local: torch.Tensor | None, *, dtype: torch.dtype) -> LocalShards:
+    """Parameter `name` at its true shape, holding this rank's fragment as boxes: views of
+    `local` (the fragment, flat). Only this rank's boxes: O(1) in the world size."""
+    shape, fragment = layout.shapes[name], layout.local[name]
+    device = local.device if local is not None else layout.flats[0].device
+    pinned = bool(local is not None and local.is_pinned())
+    if fragment is None:
+        # A rank without a fragment holds one empty box past the last row, as bigclip's
+        # checkpoints have always recorded it (every such rank puts it there, and DCP's save
+        # planner merges chunks that share an offset): a checkpoint stays byte for byte what it
+        # was. (It was needed when entries were ShardedTensors: DCP drops one without local
+        # shards from the state, then misreads the checkpoint as one written before torch 2.4.)
+        empty = torch.empty(0, *shape[1:], dtype=dtype, device=device)
+        offsets = [shape[0], *[0] * (len(shape) - 1)]
+        return LocalShards([empty], [offsets], size=shape, dtype=dtype, device=device, pinned=pinned)
+    shards, corners, pos = [], [], 0
+    for offsets, sizes in flat_boxes(shape, fragment.start, fragment.start + fragment.numel):
+        n = math.prod(sizes)
+        shards.append(local[pos : pos + n].view(sizes))
+        corners.append(offsets)
+        pos += n
+    return LocalShards(shards, corners, size=shape, dtype=dtype, device=device, pinned=pinned)
 
 
 def write_back(value: Any, target: torch.Tensor | None) -> None:
-    """Copy a loaded ShardedTensor's local shards into the flat fragment they describe (a no-op
-    when DCP already loaded in place, i.e. the shards are views of `target`)."""
-    if target is None or not isinstance(value, ShardedTensor):
+    """Copy a loaded entry's shards into the flat fragment they describe (a no-op when DCP
+    already loaded in place, i.e. the shards are views of `target`)."""
+    if target is None or not isinstance(value, LocalShards):
         return
     pos = 0
     for shard in value.local_shards():
@@ -105,7 +100,7 @@ class DeepSpeedModelState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for name, value in state_dict.items():
-            if isinstance(value, ShardedTensor):
+            if isinstance(value, LocalShards):
                 write_back(value, self.layout.master(name))
             else:
                 self.layout.write_master(name, value.to(self.device))
@@ -170,7 +165,7 @@ class DeepSpeedOptimState(Stateful):
                 for key in MOMENTS:
                     target = self.layout.flat_slice(moments[key], name)
                     value = state[name][key]
-                    if isinstance(value, ShardedTensor):
+                    if isinstance(value, LocalShards):
                         write_back(value, target)
                     else:
                         target.copy_(self.layout.fragment_of(name, value.to(target.device)))

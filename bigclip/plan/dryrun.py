@@ -109,13 +109,30 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def zero3_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
-    from bigclip.engines.deepspeed import DeepSpeedEngine, scalar_parameter_fixes
     from bigclip.engines.deepspeed_state import ensure_optimizer_state
+
+    ds_engine = zero3_engine(cfg, runtime)
+    zero = ds_engine.optimizer
+    flats = list(zero.fp32_partitioned_groups_flat)
+    ensure_optimizer_state(zero.optimizer, flats, [zero.sub_group_to_group_id[i] for i in range(len(flats))])
+    phase(2)
+    return {
+        "parameters": _bytes(p.ds_tensor for p in ds_engine.module.parameters()),
+        "gradients": _bytes([zero.grad_partitions_flat_buffer]),
+        "optimizer": _bytes(flats) + _optimizer_state_bytes(zero.optimizer),
+    }
+
+
+def zero3_engine(cfg: TrainConfig, runtime: Runtime) -> Any:
+    """Rank `runtime.rank`'s DeepSpeed ZeRO-3 engine (`deepspeed.initialize`'s), built as
+    `DeepSpeedEngine.build` builds it but for the initial weights' values (the partitions hold
+    whatever memory held): what a dry run, or a benchmark of the checkpoint state, needs."""
+    from bigclip.engines.deepspeed import DeepSpeedEngine, scalar_parameter_fixes
     from bigclip.engines.optim import make_optimizer, param_groups
     from bigclip.models.from_config import build_model, model_factory
 
     phase(0)
-    os.environ.update(RANK="0", WORLD_SIZE=str(runtime.world_size), LOCAL_RANK="0")
+    os.environ.update(RANK=str(runtime.rank), WORLD_SIZE=str(runtime.world_size), LOCAL_RANK="0")
     engine = DeepSpeedEngine(cfg, runtime)
     plan = engine.resolve_plan(build_model(cfg))
     if plan.stage != 3 or plan.offload_optimizer or plan.offload_param:
@@ -129,15 +146,7 @@ def zero3_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
         ds_engine, *_ = engine.deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine.plan.config, dist_init_required=False
         )
-    zero = ds_engine.optimizer
-    flats = list(zero.fp32_partitioned_groups_flat)
-    ensure_optimizer_state(zero.optimizer, flats, [zero.sub_group_to_group_id[i] for i in range(len(flats))])
-    phase(2)
-    return {
-        "parameters": _bytes(p.ds_tensor for p in model.parameters()),
-        "gradients": _bytes([zero.grad_partitions_flat_buffer]),
-        "optimizer": _bytes(flats) + _optimizer_state_bytes(zero.optimizer),
-    }
+    return ds_engine
 
 
 def dry_run(argv: list[str]) -> dict[str, Any]:
