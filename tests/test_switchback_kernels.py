@@ -8,6 +8,7 @@ there computing each case on both backends; the tests here compare what comes ba
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import re
@@ -229,6 +230,19 @@ def _compile(fn, signature: dict, constexprs: dict, arch: int, **options):
     )
 
 
+def _jit_kernels():
+    """A private copy of the kernels module, decorated now: Triton picks the interpreter when a kernel
+    is decorated, so the copy in sys.modules holds interpreted kernels if an earlier test of this
+    process imported it under TRITON_INTERPRET=1."""
+    name = "bigclip_kernels_jit_copy"  # its own name: dataclasses look their module up in sys.modules
+    if name not in sys.modules:
+        origin = importlib.util.find_spec("bigclip.ops.int8.kernels").origin
+        spec = importlib.util.spec_from_file_location(name, origin)
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernels_compile_for_nvidia_gpus(arch):
@@ -236,8 +250,7 @@ def test_kernels_compile_for_nvidia_gpus(arch):
     the GEMM must use int8 tensor-core instructions and a multi-stage pipeline of async copies."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("kernels are interpreted in this process")
-    from bigclip.ops.int8 import kernels
-
+    kernels = _jit_kernels()
     _compile(kernels._quantize_rows_kernel, _ROWS_SIGNATURE, {"BLOCK": 8192}, arch, num_warps=8)
     for per_column, transpose in [(False, False), (False, True), (True, True)]:
         flags = {"PER_COLUMN": per_column, "TRANSPOSE": transpose, "BLOCK_R": 64, "BLOCK_C": 64}
