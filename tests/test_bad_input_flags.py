@@ -240,4 +240,6 @@ def test_a_flag_refused_under_torchrun_is_what_its_summary_names(home: Path) -> 
     assert done.returncode != 0
     summary = done.stderr[done.stderr.rindex("Root Cause") :]
     assert "traceback : bigclip: error: --lr nan: give a finite number" in summary, done.stderr[-3000:]
-    assert "To enable traceback" not in done.stderr
+    # the root cause is the rank's own line; a rank torchrun stopped once the first failed (a slow
+    # box) is listed above it without an error file
+    assert "To enable traceback" not in summary, done.stderr[-3000:]
