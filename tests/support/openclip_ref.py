@@ -28,17 +28,20 @@ def _torchvision_importable() -> bool:
     return True
 
 
+_PLACEHOLDERS = ("torchvision", "torchvision.ops", "torchvision.ops.misc")
+
+
 def _placeholder_torchvision() -> None:
     from torch import nn
 
     class FrozenBatchNorm2d(nn.Module):  # used by OpenCLIP for ResNet towers only
         pass
 
-    for name in ("torchvision", "torchvision.ops", "torchvision.ops.misc"):
+    for name in _PLACEHOLDERS:
         sys.modules[name] = types.ModuleType(name)
         # A spec, as importlib gives real modules: transformers (which OpenCLIP's hf_model imports
         # when it is installed) asks find_spec("torchvision"), which raises for a module without one;
-        # with it, transformers finds no version and no file, and takes torchvision as absent.
+        # its answer is settled before the placeholder exists (open_clip_model_module).
         sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
     sys.modules["torchvision.ops.misc"].FrozenBatchNorm2d = FrozenBatchNorm2d
 
@@ -68,10 +71,19 @@ def open_clip_model_module():
     """OpenCLIP's `open_clip.model` module (skipped when open_clip is not installed, failed on CI)."""
     if "open_clip.model" in sys.modules:
         return sys.modules["open_clip.model"]
-    if not _torchvision_importable():
-        _placeholder_torchvision()
     _register_open_clip_package()
-    return importlib.import_module("open_clip.model")
+    if _torchvision_importable():
+        return importlib.import_module("open_clip.model")
+    if importlib.util.find_spec("transformers") is not None:  # OpenCLIP's hf_model imports it
+        from transformers.utils import is_torchvision_available
+
+        is_torchvision_available()  # decided (and cached by transformers) while torchvision is absent
+    _placeholder_torchvision()
+    try:
+        return importlib.import_module("open_clip.model")
+    finally:  # only for that import: transformers, imported later, must see no torchvision at all
+        for name in _PLACEHOLDERS:
+            sys.modules.pop(name, None)
 
 
 def open_clip_tokenizer_module():
