@@ -27,6 +27,8 @@ from bigclip.errors import DataError
 
 log = logging.getLogger("bigclip.data")
 NAMED = 5  # shards named per kind in the line; the counts are always whole
+# A shard's count "found" when a sample follows its last listed one: the plan stops reading there.
+MORE_THAN_LISTED = -2
 
 
 @dataclass
@@ -36,7 +38,7 @@ class RankCounts:
     skipped: dict[str, int]
     broken: list[str]
     empty: list[str]
-    mismatched: dict[str, list[int]]  # url -> [found, listed]
+    mismatched: dict[str, list[int]]  # url -> [found (or MORE_THAN_LISTED), listed]
     ran_dry: bool
 
 
@@ -113,10 +115,8 @@ class EpochAccount:
         parts.append(f"empty shards: {_named(self.empty)}")
         parts.append(f"damaged shards (read up to the damage): {_named(self.broken)}")
         if self.mismatched:
-            counts = [
-                f"{u}: {found} found, {listed} listed"
-                for u, (found, listed) in sorted(self.mismatched.items())
-            ]
+            counts = [f"{u}: {_found(found, listed)} found, {listed} listed" for u, (found, listed) in
+                      sorted(self.mismatched.items())]  # fmt: skip
             parts.append(
                 f"shards whose sample count differs from sizes.json: {len(counts)} ({'; '.join(counts[:NAMED])}); "
                 "recount them with `bigclip index-shards PATTERN`"
@@ -132,6 +132,10 @@ class EpochAccount:
             else ""
         )
         return f", SHORT by {self.planned_steps - self.steps} steps ({missing} samples): {who}{fix}"
+
+
+def _found(found: int, listed: int) -> str:
+    return f"more than {listed} (the rest not read)" if found == MORE_THAN_LISTED else str(found)
 
 
 def _named(urls: list[str]) -> str:
@@ -166,7 +170,10 @@ def note_mismatches(known: dict[str, list[int]], new: dict[str, list[int]]) -> N
     """Add shards whose count differs from sizes.json, warning at once about each new one (the
     balanced plan rests on those counts, so the epoch may end short)."""
     for url, (found, listed) in new.items():
-        if url not in known:
+        if url not in known and found == MORE_THAN_LISTED:
+            log.warning("shard %s holds more samples than the %d sizes.json lists: the epoch's plan reads those "
+                        "%d and not the rest; recount with `bigclip index-shards PATTERN`", url, listed, listed)  # fmt: skip
+        elif url not in known:
             log.warning(
                 "shard %s holds %d samples, sizes.json lists %s: the epoch's plan is off; recount with "
                 "`bigclip index-shards PATTERN`", url, found, listed if listed >= 0 else "none",

@@ -15,7 +15,10 @@ from the shard's start, the samples before it passed over without reading their 
 A truncated or unreadable shard is not an error: the reader stops, `error` says why, and
 the samples read before the damage are kept (the loader counts and names such shards).
 `end_index` says where reading ended (the shard's sample count when it was read to its end),
-which lets the worker compare it with sizes.json.
+which lets the worker compare it with sizes.json; a sample's `followed` says another sample
+comes after it, so a shard holding more samples than sizes.json lists shows at the last listed one.
+A sample with two members of one name (`KEY.jpg` twice; webdataset refuses such a shard) is marked
+`duplicate` and skipped, counted, by decode.py: which image goes with the caption is unknown.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class RawSample:
     index: int
     files: dict[str, bytes] = field(default_factory=dict)
     after: Cursor = START  # where reading continues once this sample is consumed
+    duplicate: bool = False  # the shard holds one of its members twice (decode.py skips it)
+    followed: bool = False  # another sample follows it in the shard (its header was read)
 
 
 def is_compressed(url: str) -> bool:
@@ -164,6 +169,7 @@ class ShardSamples:
                 if current is not None and key != current.key:
                     # Complete: the next key's header has been read (before its data, which may be damaged).
                     current.after = self._cursor(index + 1, base + info.offset)
+                    current.followed = True
                     if index >= wanted:
                         yield current
                     index, current = index + 1, None
@@ -173,6 +179,7 @@ class ShardSamples:
                 if current is None:
                     current = RawSample(key=key, index=index)
                 if index >= wanted:
+                    current.duplicate |= ext.lower() in current.files
                     current.files[ext.lower()] = tar.extractfile(info).read()
                 tar.members = []  # stream mode keeps every TarInfo otherwise
             if tar is not None:
