@@ -23,7 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from bigclip.data.streams import shard_location
 from bigclip.errors import DataError
+from bigclip.storage.preflight import endpoint_unreachable, run_check
 
 log = logging.getLogger("bigclip.data")
 NAMED = 5  # shards named per kind in the line; the counts are always whole
@@ -184,12 +186,30 @@ def note_mismatches(known: dict[str, list[int]], new: dict[str, list[int]]) -> N
 def no_batch_error(stats: DataStats, *, epoch: int, batch_size: int, pattern: str, rank: int) -> DataError:
     skipped = ", ".join(f"{k}: {v}" for k, v in sorted(stats.skipped.items())) or "none"
     broken, empty = stats.broken_shards, stats.empty_shards
+    gone = unreachable(broken[0]) if broken else ""
+    if gone:
+        return DataError(
+            f"epoch {epoch}: {len(broken)} shard(s) could not be read ({broken[:3]}), not because they are damaged: "
+            f"their storage does not answer now: {gone}. Once it answers, resume with --resume latest"
+        )
     return DataError(
         f"epoch {epoch}: not every rank could fill one batch of {batch_size} samples from {pattern!r} (rank "
         f"{rank} skipped {stats.skipped_total} corrupt samples: {skipped}; damaged shards: {len(broken)} "
         f"{broken[:3]}; empty shards: {len(empty)} {empty[:3]}). Check or replace those shards, or use fewer "
         "ranks or a smaller --batch-size"
     )
+
+
+def unreachable(url: str, *, timeout_s: float = 20.0) -> str:
+    """Why `url`'s storage does not answer now ('' when it does): asked when shards failed to read,
+    so an endpoint that went away is not reported as damaged shards."""
+
+    def ask() -> str:
+        location, name = shard_location(url)
+        return str(location.exists(name))
+
+    result = run_check("read", ask, timeout_s=timeout_s)
+    return "" if result.ok or not endpoint_unreachable(result.detail) else result.detail
 
 
 def report(account: EpochAccount, *, rank: int) -> None:

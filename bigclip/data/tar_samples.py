@@ -31,6 +31,7 @@ from typing import BinaryIO
 
 from bigclip.data.streams import read_errors, shard_location
 from bigclip.errors import BigclipError
+from bigclip.storage.preflight import endpoint_unreachable, explain_error
 
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz")
 # webdataset's `base_plus_ext` rule (tests/test_data_pipeline.py checks it against webdataset's
@@ -70,6 +71,11 @@ class RawSample:
     after: Cursor = START  # where reading continues once this sample is consumed
     duplicate: bool = False  # the shard holds one of its members twice (decode.py skips it)
     followed: bool = False  # another sample follows it in the shard (its header was read)
+
+
+def _why(error: BaseException) -> str:
+    """Why reading stopped: an endpoint that went away is said so (the shard is not damaged)."""
+    return explain_error(error) if endpoint_unreachable(error) else f"{type(error).__name__}: {error}"
 
 
 def is_compressed(url: str) -> bool:
@@ -147,7 +153,7 @@ class ShardSamples:
             errors = read_errors(location)
             stream = location.open_read(name, start=base)
         except (BigclipError, OSError) as e:
-            self.error = f"cannot open shard {self.url}: {e}"
+            self.error = f"cannot open shard {self.url}: {explain_error(e) if endpoint_unreachable(e) else e}"
             return
         with stream:
             yield from self._samples(stream, base=base, first_index=first_index, errors=errors)
@@ -186,7 +192,7 @@ class ShardSamples:
                 check_clean_end(tar)
             end = base + (tar.offset if tar else 0)
         except errors as e:
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = _why(e)
             return  # the sample being read when the damage was found is dropped: it may be incomplete
         if current is not None:
             current.after = self._cursor(index + 1, end)

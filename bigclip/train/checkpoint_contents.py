@@ -66,6 +66,7 @@ class CheckpointContents:
             "model": self.cfg.model.model,
             "global_batch": self.global_batch,
             "tokenizer": self.cfg.data.tokenizer,  # the ids the weights learned (checked on --resume/--pretrained)
+            "image_size": self.engine.unwrapped().image_size,  # --force-image-size's (checked on --resume)
         }
         return {**meta, MOST_RECENT_ONLY: True} if most_recent_only else meta
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bigclip.errors import BigclipError
+from bigclip.errors import BigclipError, StorageError
 from bigclip.train.signals import catch_preemption_signals
 
 if TYPE_CHECKING:
@@ -40,14 +40,25 @@ def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
     try:
         return _train(sys.argv[1:] if argv is None else argv)
     except BigclipError as e:
-        return refuse(f"{prog}: error: {e}")
+        return refuse(f"{prog}: error: {_explained(e)}")
+
+
+def _explained(error: BigclipError) -> str:
+    """A storage error that says the endpoint went away is led by what that means (preflight.py)."""
+    if not isinstance(error, StorageError):
+        return str(error)
+    from bigclip.storage.preflight import explained
+
+    return explained(error)
 
 
 def _train(argv: list[str]) -> int:
     from bigclip.cli_args import parse_train_args
+    from bigclip.launcher_env import check_rendezvous
     from bigclip.train.preflight import check_flags, check_machine
 
     cfg = parse_train_args(argv)
+    check_rendezvous(os.environ)  # rank variables set by hand: one line, not torch's traceback later
     check_flags(cfg)
     check_machine(cfg)  # torch: only now, and only torch (the loop's imports take seconds more)
     from torch.distributed.elastic.multiprocessing.errors import record
