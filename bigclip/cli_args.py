@@ -41,8 +41,14 @@ class ArgumentParser(argparse.ArgumentParser):
     def _nearest(self, message: str) -> str:
         if not message.startswith("unrecognized arguments:"):
             return ""
+        words = message.split(":", 1)[1].split()
+        loose = [w for w in words if not w.startswith("-")]
+        if len(loose) > 1 or any(any(c in w for c in "/.*") for w in loose):
+            # `--train-data /d/{0..3}.tar` unquoted: the shell passes /d/0.tar /d/1.tar ... as words.
+            return (f"; {len(loose)} word(s) no option takes: did the shell expand an unquoted pattern? Quote it "
+                    "so that bigclip expands it, e.g. '/data/{00000..00099}.tar'")  # fmt: skip
         known = [s for a in self._actions for s in a.option_strings]
-        for word in message.split(":", 1)[1].split():
+        for word in words:
             close = difflib.get_close_matches(word.partition("=")[0], known, n=1)
             if word.startswith("-") and close:
                 return f"; did you mean {close[0]}?"

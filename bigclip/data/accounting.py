@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bigclip.data.streams import shard_location
+from bigclip.data.streams import data_location
 from bigclip.errors import DataError
 from bigclip.storage.preflight import endpoint_unreachable, run_check
 
@@ -205,8 +205,8 @@ def unreachable(url: str, *, timeout_s: float = 20.0) -> str:
     so an endpoint that went away is not reported as damaged shards."""
 
     def ask() -> str:
-        location, name = shard_location(url)
-        return str(location.exists(name))
+        folder, _, name = url.rpartition("/")
+        return str(data_location(folder or ".", fast_fail=True).exists(name))  # few tries: it failed already
 
     result = run_check("read", ask, timeout_s=timeout_s)
     return "" if result.ok or not endpoint_unreachable(result.detail) else result.detail
