@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bigclip.launcher_env import read_launch_env
+from bigclip.rank_env import read_launch_env
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def free_port() -> int:
 
 
 def launch_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the launcher's environment variables (launcher_env.py:
+    """(rank, world_size, local_rank) from the launcher's environment variables (rank_env.py:
     values no launcher writes are a ConfigError)."""
     return read_launch_env(os.environ)
 

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from bigclip.storage.local_location import full_error
+from bigclip.storage.full_disk import full_error
 from bigclip.storage.records import Hasher, ObjectRecord
 
 _RECORDED = "_bigclip_recorded"  # set on an error HashingFileSystem recorded as a failure

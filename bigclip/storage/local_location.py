@@ -7,7 +7,7 @@ name exists): the primitive behind immutable names and leases. Ranged reads are 
 Needs no library beyond Python's (torch only when a DCP reader or writer is built).
 
 A write that finds the disk full (ENOSPC, or EDQUOT: the quota) removes its temporary file and
-raises one StorageError naming the target and saying nothing was committed (`disk_full`). A writer
+raises one StorageError naming the target and saying nothing was committed (full_disk.py). A writer
 killed mid-write cannot remove its own: `remove_stale_temporaries` does, at the next start of the
 same command on the same output (a temporary file is stale when its writer's pid is gone from this
 host and it has not changed for STALE_AFTER_S, so a writer on another host sharing the folder, which
@@ -17,7 +17,6 @@ keeps writing, is left alone).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import secrets
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from bigclip.errors import StorageError
+from bigclip.storage.full_disk import full_error
 from bigclip.storage.records import Hasher, ObjectRecord
 
 if TYPE_CHECKING:
@@ -40,30 +40,6 @@ READ_BUFFER_BYTES = 1 << 20  # streamed reads (tar shards) go through a buffer o
 STALE_AFTER_S = 60.0
 # The hidden names this module writes through: .NAME.tmp-PID[-X] and .NAME.partial-PID-X.
 _TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?:tmp|partial)-(?P<pid>\d+)(?:-[0-9a-f]+)?")
-_FULL = {errno.ENOSPC: "ENOSPC: no space left on device", errno.EDQUOT: "EDQUOT: disk quota exceeded"}
-
-
-def disk_full(error: BaseException) -> str | None:
-    """'ENOSPC: ...' when `error`, or an error it was raised from or while handling, is a full disk."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _FULL:
-            return _FULL[error.errno]
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def full_error(
-    error: BaseException, where: object, *, committed: str = "nothing was written under that name"
-) -> StorageError | None:
-    """The one-line error for a write to `where` that found the disk full, or None for other errors."""
-    full = disk_full(error)
-    if full is None:
-        return None
-    return StorageError(
-        f"{where}: the disk is full ({full}); {committed}: free space there, or write elsewhere"
-    )
 
 
 def _discard(path: Path) -> None:

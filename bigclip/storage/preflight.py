@@ -19,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from bigclip.errors import StorageError
-from bigclip.storage.local_location import disk_full
+from bigclip.storage.full_disk import disk_full
 from bigclip.storage.locations import LocalLocation, Location
 from bigclip.storage.s3_boto import BotoS3Location  # (neither imports an S3 library until used)
 from bigclip.storage.s3_location import S3Location

@@ -54,7 +54,7 @@ def _explained(error: BigclipError) -> str:
 
 def _train(argv: list[str]) -> int:
     from bigclip.cli_args import parse_train_args
-    from bigclip.launcher_env import check_rendezvous
+    from bigclip.rank_env import check_rendezvous
     from bigclip.train.preflight import check_flags, check_machine
 
     cfg = parse_train_args(argv)

@@ -15,7 +15,7 @@ import os
 from bigclip.config import EngineConfig, TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.errors import ConfigError
-from bigclip.launcher_env import read_launch_env
+from bigclip.rank_env import read_launch_env
 
 
 def check_flags(cfg: TrainConfig) -> None:
@@ -29,7 +29,7 @@ def check_flags(cfg: TrainConfig) -> None:
 
 def launch_world_size(env: dict[str, str] | None = None) -> int:
     """The world size the launcher's environment declares, read as bigclip.distributed.launch_env
-    reads it (both use launcher_env.py; tests/test_bad_input_flags.py checks the two agree)."""
+    reads it (both use rank_env.py; tests/test_bad_input_flags.py checks the two agree)."""
     return read_launch_env(dict(os.environ) if env is None else env)[1]
 
 
