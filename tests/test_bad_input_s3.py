@@ -166,3 +166,26 @@ def test_an_endpoint_lost_mid_run_is_said_unreachable_not_damaged(tmp_path: Path
                      "--resume latest"), env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint}, max_s=LOST_S,
                     leaves=("logs/fresh",))  # fmt: skip
         check(case, cwd=tmp_path, protect=[tmp_path / "data"])
+
+
+@pytest.mark.slow  # a training start, then the checkpoint client's tries
+def test_an_endpoint_lost_during_a_save_is_said_unreachable(tmp_path: Path) -> None:
+    """The checkpoint bucket answers the start (the access check) and goes away during the first
+    save: before, the line was the client's ("cannot read .../manifest.json: Client error ...")."""
+    write_demo_data(
+        str(tmp_path / "data"), samples=16, shards=1, val_samples=0, classify_samples=0, image_size=16
+    )
+    with LoopbackS3(set_environ=False) as s3, FaultProxy(upstream=s3.endpoint) as proxy:
+        s3.create_bucket("bi-lost")
+        proxy.add_rule("stall", method="PUT", path_contains=".distcp", times=-1)  # the first save's upload
+
+        def lose_the_endpoint() -> None:
+            if proxy.stalled.wait(timeout=600):
+                proxy.cut()
+
+        threading.Thread(target=lose_the_endpoint, daemon=True).start()
+        case = Case("endpoint lost during a save", bigclip("train", *TRAIN, "--train-data", "data/train/00000.tar",
+                    "--max-steps", "2", "--save-every-n-steps", "1", "--checkpoint-dir", "s3://bi-lost/run"),
+                    ("cannot connect to the endpoint", "it is down"), env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint},
+                    max_s=LOST_S, leaves=("logs/fresh",))  # fmt: skip
+        check(case, cwd=tmp_path, protect=[tmp_path / "data"])

@@ -11,7 +11,9 @@ its owner (host, pid, start time), so the refused run's line says which run is i
 kernel drops the lock when its process ends, however it ends (an exception, SIGKILL, the OOM
 killer; on NFS the lock lease of a lost node expires), so a requeued job, or `--resume latest`
 after the first run exited, takes it again with nothing to clean up. Record locks belong to the
-process that took them: forked data workers never hold the folder after the run. Only rank 0
+process that took them: forked data workers never hold the folder after the run; the price is
+that the run's process must never open and close the lock file itself (closing any descriptor of
+a file drops the process's record locks on it: --remote-sync skips hidden files). Only rank 0
 locks (it writes the folder); the others learn its answer. `hold_if_exists` writes nothing, so an
 earlier run's folder a refused start looked at stays byte for byte as it was. A file system
 without locks (some FUSE or Lustre mounts) gets a warning and an unlocked run.
