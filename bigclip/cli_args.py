@@ -218,8 +218,8 @@ def _yaml_value(f: dataclasses.Field, owner: type, value: Any, *, where: str) ->
     except (TypeError, ValueError):
         item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
         what = f"a list of {_ITEMS[item]}" if item else _KINDS[typing.get_origin(kind) or kind]
-        example = f"; write e.g. {f.name}: {yaml.safe_dump(f.default).splitlines()[0]}" if item is None and (
-            not isinstance(f.default, dataclasses._MISSING_TYPE)) else ""  # fmt: skip
+        scalar = item is None and f.default is not dataclasses.MISSING  # lists and mappings have factories
+        example = f"; write e.g. {f.name}: {yaml.safe_dump(f.default).splitlines()[0]}" if scalar else ""
         raise ConfigError(
             f"{where}: {value!r} is not {what} (the value {flag_of(f.name)} takes){example}"
         ) from None
