@@ -42,8 +42,14 @@ class ArgumentParser(argparse.ArgumentParser):
     def _nearest(self, message: str) -> str:
         if not message.startswith("unrecognized arguments:"):
             return ""
+        words = message.split(":", 1)[1].split()
+        loose = [w for w in words if not w.startswith("-")]
+        if len(loose) > 1 or any(any(c in w for c in "/.*") for w in loose):
+            # `--train-data /d/{0..3}.tar` unquoted: the shell passes /d/0.tar /d/1.tar ... as words.
+            return (f"; {len(loose)} word(s) no option takes: did the shell expand an unquoted pattern? Quote it "
+                    "so that bigclip expands it, e.g. '/data/{00000..00099}.tar'")  # fmt: skip
         known = [s for a in self._actions for s in a.option_strings]
-        for word in message.split(":", 1)[1].split():
+        for word in words:
             close = difflib.get_close_matches(word.partition("=")[0], known, n=1)
             if word.startswith("-") and close:
                 return f"; did you mean {close[0]}?"
@@ -195,7 +201,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
     return flat
 
 
-def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
+def _assign(cfg: TrainConfig, name: str, value: Any, *, path: str) -> None:
     if flag_of(name) in openclip_flags.REFUSED:
         raise ConfigError(openclip_flags.refusal(flag_of(name)))
     if flag_of(name) in openclip_flags.IGNORED:
@@ -205,7 +211,53 @@ def _assign(cfg: TrainConfig, name: str, value: Any) -> None:
         section = getattr(cfg, section_of(name))
     except KeyError:
         raise ConfigError(f"unknown option {name!r} (see `bigclip train --help`)") from None
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    value = _yaml_value(f, type(section), value, where=f"--config {path}: {name}")
     setattr(section, name, openclip_flags.resolve_value(name, value))
+
+
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text", dict: "a mapping"}
+_ITEMS = {int: "whole numbers", float: "numbers", str: "texts"}
+
+
+def _yaml_value(f: dataclasses.Field, owner: type, value: Any, *, where: str) -> Any:
+    """A YAML value checked as its flag's text is: of the field's type (a string converted as argparse
+    converts the flag's text, so `lr: 1e-3`, a string to YAML, is a number), among its choices."""
+    kind = field_type(f, owner)
+    if value is None and type(None) in typing.get_args(typing.get_type_hints(owner)[f.name]):
+        return None
+    try:
+        value = _converted(kind, value)
+    except (TypeError, ValueError):
+        item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
+        what = f"a list of {_ITEMS[item]}" if item else _KINDS[typing.get_origin(kind) or kind]
+        scalar = item is None and f.default is not dataclasses.MISSING  # lists and mappings have factories
+        example = f"; write e.g. {f.name}: {yaml.safe_dump(f.default).splitlines()[0]}" if scalar else ""
+        raise ConfigError(
+            f"{where}: {value!r} is not {what} (the value {flag_of(f.name)} takes){example}"
+        ) from None
+    choices = _choices(f)
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{where}: invalid choice {value!r} (choose from {', '.join(map(str, choices))})")
+    return value
+
+
+def _converted(kind: Any, value: Any) -> Any:
+    """`value` as `kind`, as the flag's parser reads it; TypeError or ValueError when it is not one."""
+    origin = typing.get_origin(kind) or kind
+    if origin is list:  # one value is a list of one, as `--image-mean 0.5` is
+        return [
+            _converted(typing.get_args(kind)[0], v) for v in (value if isinstance(value, list) else [value])
+        ]
+    if origin is dict or kind is bool:
+        if not isinstance(value, origin):
+            raise TypeError(value)
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(value)  # `epochs: true`, a list or a mapping where one value goes
+    if kind is int and isinstance(value, float):
+        raise ValueError(value)  # `epochs: 1.5`, which `--epochs 1.5` refuses too
+    return kind(value)  # str -> int/float as argparse's type=; a number -> str (`name: 2024`)
 
 
 def parse_train_args(argv: list[str] | None = None, *, prog: str = "bigclip train") -> TrainConfig:
@@ -215,7 +267,7 @@ def parse_train_args(argv: list[str] | None = None, *, prog: str = "bigclip trai
     cfg = TrainConfig()
     if args.config:
         for name, value in _load_yaml(args.config).items():
-            _assign(cfg, name, value)
+            _assign(cfg, name, value, path=args.config)
     for section in cfg.sections().values():
         for f in dataclasses.fields(section):
             alias_value = getattr(args, f"_alias_{f.name}", None)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bigclip.rank_env import read_launch_env
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -43,13 +45,9 @@ def free_port() -> int:
 
 
 def launch_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the launcher's environment variables."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    return 0, 1, 0
+    """(rank, world_size, local_rank) from the launcher's environment variables (rank_env.py:
+    values no launcher writes are a ConfigError)."""
+    return read_launch_env(os.environ)
 
 
 def pick_device(local_rank: int, requested: str = "") -> torch.device:

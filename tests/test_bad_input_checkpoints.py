@@ -11,7 +11,9 @@ tests/test_checkpoint_integrity.py runs it.
 
 from __future__ import annotations
 
+import os
 import shutil
+import struct
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -25,10 +27,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from bigclip.checkpoint import CheckpointStore, catalog
 from bigclip.checkpoint.finite import local_tensors
 from bigclip.checkpoint.integrity import MemoryFile, zip_records
+from bigclip.cli_args import parse_train_args
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.registry.store import Registry
 from bigclip.storage.safe_metadata import load_metadata
+from bigclip.train.run_lock import RunLock
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -64,6 +68,12 @@ def s3():
 
 def tensor_byte(folder: Path, prefix: str) -> tuple[Path, int]:
     """(file, offset) of a byte inside the stored bytes of the largest tensor under `prefix`."""
+    path, start, nbytes = tensor_bytes(folder, prefix)
+    return path, start + nbytes // 2
+
+
+def tensor_bytes(folder: Path, prefix: str) -> tuple[Path, int, int]:
+    """(file, offset, length) of the stored bytes of the largest tensor under `prefix`."""
     metadata = load_metadata((folder / ".metadata").read_bytes())
     key = max(
         (
@@ -80,7 +90,7 @@ def tensor_byte(folder: Path, prefix: str) -> tuple[Path, int]:
         f.seek(info.offset)
         zipped = f.read(info.length)
     record = next(r for r in zip_records(MemoryFile(memoryview(zipped))) if r.is_storage)
-    return path, info.offset + record.start + record.nbytes // 2
+    return path, info.offset + record.start, record.nbytes
 
 
 def flip(path: Path, offset: int) -> None:
@@ -95,6 +105,15 @@ def flip_model(folder: Path) -> None:
 
 def flip_optim(folder: Path) -> None:
     flip(*tensor_byte(folder, "optim."))
+
+
+def nan_in_model(folder: Path) -> None:
+    """Damage that decodes as a number the run could have made: an fp32 weight's bytes become NaN's."""
+    path, start, nbytes = tensor_bytes(folder, "model.")
+    data = bytearray(path.read_bytes())
+    at = start + (nbytes // 8) * 4  # an element's first byte
+    data[at : at + 4] = struct.pack("<f", float("nan"))
+    path.write_bytes(bytes(data))
 
 
 def flip_metadata(folder: Path) -> None:
@@ -126,6 +145,8 @@ def uncommit(folder: Path) -> None:
 DAMAGES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "flipped byte in a model tensor": (flip_model, ("__0_", "is damaged: model.", "CRC-32", "re-copy")),
     "flipped byte in an optimizer moment": (flip_optim, ("__0_", "is damaged: optim.", "CRC-32", "re-copy")),
+    # Not "the run diverged": the bytes are not the ones written.
+    "bytes that decode as NaN": (nan_in_model, ("__0_", "is damaged: model.", "CRC-32", "re-copy")),
     "flipped byte in .metadata": (flip_metadata, (".metadata is damaged", "SHA-256", "re-copy")),
     "flipped byte in a rank record": (
         flip_rank_record,
@@ -217,8 +238,12 @@ def test_a_checkpoint_with_nan_weights_is_refused_naming_the_tensor(demo_data, r
     [
         (("--model", "ViT-B-32"), ("checkpoint is of model tiny", "--model tiny")),
         (("--batch-size", "16"), ("global batch 32, this run has 16", "--allow-batch-size-change")),
+        (
+            ("--force-image-size", "32"),
+            ("trained at image size 64, this run builds tiny at 32", "resume with no --force-image-size"),
+        ),  # fmt: skip
     ],
-    ids=["another model", "another global batch"],
+    ids=["another model", "another global batch", "another image size"],
 )
 def test_what_the_manifest_settles_fails_before_the_model_is_built(
     demo_data, run, s3, tmp_path, where, flags, says
@@ -228,6 +253,42 @@ def test_what_the_manifest_settles_fails_before_the_model_is_built(
                 "--checkpoint-dir", str(tmp_path / "new"), *flags), says, max_s=MANIFEST_S, env=s3.env)  # fmt: skip
     out = check(case, cwd=tmp_path, protect=[run])
     assert "engine fsdp, model" not in out.stdout + out.stderr  # the "run NAME: ... model" line comes later
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_missing_openclip_checkpoint_is_not_found_and_leaves_no_folder(demo_data, s3, tmp_path, where):
+    """--resume epoch_N.pt is read after the model is built: that it is missing is settled before."""
+    uri = str(tmp_path / "gone" / "epoch_28.pt") if where == "local" else f"s3://{BUCKET}/gone/epoch_3.pt"
+    case = Case(f"missing OpenCLIP checkpoint ({where})", train(demo_data, tmp_path, "--resume", uri),
+                (f"--resume {uri}: not found", "--resume latest"), max_s=MANIFEST_S, env=s3.env)  # fmt: skip
+    check(case, cwd=tmp_path)  # and no run folder: nothing is left in tmp_path
+
+
+def second_start_while_running(rank: int, world: int, argv: list[str], case: Case, cwd: str) -> str:
+    """Worker: set a run up (it now holds its folder), start another with the same name, then end.
+    (The lock file is not digested: a process that opens and closes it drops its own POSIX lock.)"""
+    from bigclip.train.loop import close_run
+    from bigclip.train.setup import setup
+
+    run = setup(parse_train_args(argv))
+    try:
+        line = check(case, cwd=Path(cwd), protect=[run.run_dir / "config.yaml"]).last_line
+    finally:
+        close_run(run, strict=False)
+    assert f" pid {os.getpid()} " in line, line  # the run in the way is named
+    return line
+
+
+def test_a_second_run_with_the_same_name_is_refused_while_the_first_runs(demo_data, tmp_path):
+    """Before, both exited 0, the second overwriting the first's committed checkpoints. The folder's
+    lock names the run in the way; once it ended, the folder is free again (--resume latest)."""
+    argv = demo_argv(demo_data, tmp_path, "--max-steps", "4", name="busy")
+    case = Case("same --name while running", bigclip("train", *argv),
+                ("run folder", "is in use by another run (host", "another --name"), max_s=MANIFEST_S)  # fmt: skip
+    spawn(second_start_while_running, 1, argv, case, str(tmp_path))
+    lock = RunLock(tmp_path / "busy")
+    lock.take()  # the first run ended: its lock went with it
+    lock.release()
 
 
 def test_resume_from_a_missing_bucket_says_so(demo_data, run, s3, tmp_path):

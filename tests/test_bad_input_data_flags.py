@@ -42,6 +42,10 @@ CASES = [
          says=("'one::two'", "e.g. 1::1"), train_data=DATA + "::" + DATA),
     data("upsampling-inf", "--dataset-resampled", "--train-data-upsampling-factors", "inf::1",
          says=("'inf::1'", "non-negative number"), train_data=DATA + "::" + DATA),
+    # `--train-data data/train/{00000..00001}.tar` unquoted: the shell hands bigclip one word per shard.
+    Case("train-pattern-expanded-by-the-shell",
+         bigclip("train", *BASE, "--train-data", "data/train/00000.tar", "data/train/00001.tar"),
+         ("unrecognized arguments: data/train/00001.tar", "did the shell expand an unquoted pattern? Quote it")),
     data("shard-interleave-zero", "--shard-interleave", "0", says=("--shard-interleave must be at least 1",)),
     data("text-key-empty", "--text-key", ";", says=("--text-key ';'", "e.g. --text-key txt")),
     data("image-key-blank", "--image-key", " ", says=("--image-key", "name the tar member suffix")),

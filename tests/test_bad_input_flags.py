@@ -100,6 +100,19 @@ CASES = [
     train("config-missing", "--config", "missing.yaml", says=("--config missing.yaml: file not found",)),
     train("config-not-a-mapping", "--config", "list.yaml", says=("--config list.yaml", "mapping")),
     train("config-unknown-option", "--config", "unknown.yaml", says=("unknown option 'learning_rate'",)),
+    # YAML values meet the flags' checks: `"no"` is not false, 1.5 not a number of epochs, text not a rate.
+    train("config-bool-as-text", "--config", "bool_text.yaml",
+          says=("--config bool_text.yaml: grad_checkpointing: 'no' is not true or false", "grad_checkpointing: false")),
+    train("config-int-as-float", "--config", "float_epochs.yaml",
+          says=("--config float_epochs.yaml: epochs: 1.5 is not a whole number", "epochs: 32")),
+    train("config-wrong-type", "--config", "list_lr.yaml", says=("lr: [1, 2] is not a number", "(the value --lr takes)")),
+    train("config-invalid-choice", "--config", "choice.yaml", says=("precision: invalid choice 'fp8'", "amp_bf16")),
+    train("config-section-value-wrong-type", "--config", "section.yaml",
+          says=("batch_size: 'x' is not a whole number",)),
+    train("remote-sync-is-logs", "--remote-sync", "logs", "--remote-sync-protocol", "fsspec",
+          says=("--remote-sync logs is inside --logs logs", "delete the checkpoints it backs up", "other storage")),
+    train("remote-sync-inside-logs", "--remote-sync", "file://logs/backup", "--remote-sync-protocol", "fsspec",
+          says=("--remote-sync file://logs/backup is inside --logs logs", "outside --logs")),
     train("no-train-data", says=("--train-data is empty", "/data/{00000..00099}.tar", "--val-data"),
           base=("--logs", "logs")),
     # Without --train-data a run evaluates (OpenCLIP's way): it needs weights and an evaluation that runs.
@@ -115,8 +128,17 @@ CASES = [
     train("fewer-samples-than-a-step", "--train-num-samples", "100", "--batch-size", "64", "--accum-freq", "2",
           says=("--train-num-samples 100", "64 x --accum-freq 2 x 1 rank(s) = 128", "lower --batch-size")),
     train("fewer-samples-than-a-world-step", "--train-num-samples", "100", "--batch-size", "32",
-          env={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"},
+          env={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_PORT": "29500"},
           says=("--train-num-samples 100", "x 4 rank(s) = 128")),
+    # Launcher variables set by hand: one line before torch, not torch.distributed's traceback.
+    train("world-size-not-a-number", env={"RANK": "0", "WORLD_SIZE": "two"},
+          says=("WORLD_SIZE='two' is not a whole number", "unset them to train as one process")),
+    train("rank-not-below-world-size", env={"RANK": "2", "WORLD_SIZE": "2", "MASTER_PORT": "29500"},
+          says=("RANK=2 WORLD_SIZE=2", "ranks 0 to WORLD_SIZE - 1", "torchrun")),
+    train("rank-variables-without-a-launcher", env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": None},
+          says=("RANK=0 and WORLD_SIZE=2 are set but MASTER_PORT is not", "-m bigclip.train -- FLAGS")),
+    train("slurm-rank-not-a-number", env={"SLURM_PROCID": "x", "SLURM_NTASKS": "4", "RANK": None},
+          says=("SLURM_PROCID='x' is not a whole number",)),
     # DeepSpeed's config and accelerator: torch and DeepSpeed are imported (DEEPSPEED_S), no process
     # group is formed.
     train("deepspeed-config-missing", "--engine", "deepspeed", "--deepspeed-config", "nope.json",
@@ -166,6 +188,11 @@ def home(tmp_path_factory) -> Path:
     (run / "checkpoints" / "step_00000002" / "manifest.json").write_text(json.dumps({"step": 2}))
     (home / "list.yaml").write_text("- lr: 1\n")
     (home / "unknown.yaml").write_text("learning_rate: 1\n")
+    (home / "bool_text.yaml").write_text('grad_checkpointing: "no"\n')
+    (home / "float_epochs.yaml").write_text("epochs: 1.5\n")
+    (home / "list_lr.yaml").write_text("lr: [1, 2]\n")
+    (home / "choice.yaml").write_text("precision: fp8\n")
+    (home / "section.yaml").write_text("data: {batch_size: x}\n")
     (home / "ds_batch.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
     return home
 
@@ -206,7 +233,7 @@ def test_a_bad_flag_fails_without_importing_torch() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["torch"] is False
-    config_rows = {"config-missing", "config-not-a-mapping", "config-unknown-option"}  # need the home folder
+    config_rows = {c.name for c in rows if "--config" in c.argv}  # their files are in the home folder
     assert len(result["refused"]) >= len(argvs) - len(config_rows)
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from support.bad_input import Case, bigclip, check
+from support.s3_fault_proxy import FaultProxy
 
 from bigclip.demo.data import write_demo_data
 from bigclip.demo.loopback_s3 import LoopbackS3
@@ -28,6 +30,8 @@ pytestmark = pytest.mark.dist  # `bigclip train` rows form a (one-rank) process 
 # Training rows get as far as the process group (torch, the data and checkpoint code imported):
 # 3-5 s on an idle 2-core box; the S3 checks answer in well under a second after that.
 TRAIN_S = 15.0
+# A run whose endpoint goes away mid-read: its start, then the client's tries; bounds the wall time (x6).
+LOST_S = 40.0
 TORCH_FIRST_S = 15.0  # doctor imports torch (storage) before it tries the endpoint
 LOCAL = "data/train/{00000..00001}.tar"
 TRAIN = ("--model", "tiny", "--logs", "logs", "--name", "fresh", "--batch-size", "4", "--workers", "0")
@@ -141,3 +145,51 @@ def table(tmp_path_factory, strict_endpoint) -> dict[str, tuple[Case, Path]]:
 def test_unusable_s3_endpoint(name: str, table) -> None:
     case, home = table[name]
     check(case, cwd=home, protect=[home / "data", home / "logs" / "exp"])
+
+
+@pytest.mark.slow  # the data client's ten tries with back-off: ~2 minutes of waiting, little CPU
+def test_an_endpoint_lost_mid_run_is_said_unreachable_not_damaged(tmp_path: Path) -> None:
+    """The endpoint answers the start (the listing, sizes.json) and goes away while the loader reads
+    the first shard: before, the run ended with "damaged shards: 1 ... replace those shards"."""
+    write_demo_data(
+        str(tmp_path / "data"), samples=16, shards=1, val_samples=0, classify_samples=0, image_size=16
+    )
+    with LoopbackS3(set_environ=False) as s3, FaultProxy(upstream=s3.endpoint) as proxy:
+        s3.create_bucket("bi-lost")
+        for item in (tmp_path / "data" / "train").iterdir():
+            s3.client().upload_file(str(item), "bi-lost", f"train/{item.name}")
+        proxy.add_rule("stall", method="GET", path_contains=".tar", times=-1)  # the shard's first read
+
+        def lose_the_endpoint() -> None:
+            if proxy.stalled.wait(timeout=600):
+                proxy.cut()  # the held read and every open connection reset, new ones refused
+
+        threading.Thread(target=lose_the_endpoint, daemon=True).start()
+        case = Case("endpoint lost mid-run", bigclip("train", *TRAIN, "--train-data", "s3://bi-lost/train/00000.tar"),
+                    ("1 shard(s) could not be read", "not because they are damaged", "cannot connect to the endpoint",
+                     "--resume latest"), env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint}, max_s=LOST_S,
+                    leaves=("logs/fresh",))  # fmt: skip
+        check(case, cwd=tmp_path, protect=[tmp_path / "data"])
+
+
+@pytest.mark.slow  # a training start, then the checkpoint client's tries
+def test_an_endpoint_lost_during_a_save_is_said_unreachable(tmp_path: Path) -> None:
+    """The checkpoint bucket answers the start (the access check) and goes away during the first
+    save: before, the line was the client's ("cannot read .../manifest.json: Client error ...")."""
+    write_demo_data(
+        str(tmp_path / "data"), samples=16, shards=1, val_samples=0, classify_samples=0, image_size=16
+    )
+    with LoopbackS3(set_environ=False) as s3, FaultProxy(upstream=s3.endpoint) as proxy:
+        s3.create_bucket("bi-lost")
+        proxy.add_rule("stall", method="PUT", path_contains=".distcp", times=-1)  # the first save's upload
+
+        def lose_the_endpoint() -> None:
+            if proxy.stalled.wait(timeout=600):
+                proxy.cut()
+
+        threading.Thread(target=lose_the_endpoint, daemon=True).start()
+        case = Case("endpoint lost during a save", bigclip("train", *TRAIN, "--train-data", "data/train/00000.tar",
+                    "--max-steps", "2", "--save-every-n-steps", "1", "--checkpoint-dir", "s3://bi-lost/run"),
+                    ("cannot connect to the endpoint", "it is down"), env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint},
+                    max_s=LOST_S, leaves=("logs/fresh",))  # fmt: skip
+        check(case, cwd=tmp_path, protect=[tmp_path / "data"])

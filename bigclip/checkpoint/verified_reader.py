@@ -153,6 +153,8 @@ class VerifiedReader(StorageReader):
             )
         target.copy_(tensor)
         if not is_finite(target):  # on the device: free on a GPU
+            # A flipped byte can decode as NaN: damage, named as such, unless the bytes are as written.
+            check_crcs(data, records, where=where, key=key)
             raise CheckpointDamaged(
                 f"{where}: {key} holds NaN or inf although its bytes are as written (the run diverged "
                 "before this save); resume from an older checkpoint (--resume PATH)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from bigclip.config.fields import METRIC_SINKS, installed, opt
 from bigclip.errors import ConfigError
@@ -46,6 +47,7 @@ class LogConfig:
         if scheme_of(self.logs):  # a URI: else a folder literally named 's3:' would appear
             raise ConfigError(f"--logs {self.logs}: --logs is a local folder; to keep the logs there too, pass "
                               f"--logs ./logs --remote-sync {self.logs} (OpenCLIP's way)")  # fmt: skip
+        self._check_remote_outside_logs()
         unknown = set(self.sinks()) - set(METRIC_SINKS)
         if unknown:
             raise ConfigError(
@@ -53,6 +55,24 @@ class LogConfig:
             )
         if "wandb" in self.sinks() and not installed("wandb"):
             raise ConfigError("--report-to wandb needs wandb: pip install 'bigclip[wandb]'")
+
+    def _check_remote_outside_logs(self) -> None:
+        """A --remote-sync folder at or under --logs is a copy of the run folder into itself (REMOTE/NAME
+        is LOGS/NAME when they are equal): its pruning deletes the checkpoints it just backed up."""
+        from bigclip.storage.schemes import is_local, local_path
+
+        if not self.remote_sync or not is_local(self.remote_sync):
+            return
+        logs, remote = (
+            Path(self.logs).expanduser().resolve(),
+            Path(local_path(self.remote_sync)).expanduser().resolve(),
+        )
+        if remote == logs or logs in remote.parents:
+            raise ConfigError(
+                f"--remote-sync {self.remote_sync} is inside --logs {self.logs}: the backup would copy the run "
+                "folder into itself and delete the checkpoints it backs up; give a location on other storage "
+                "(e.g. s3://bucket/runs, or a folder outside --logs)"
+            )
 
     def sinks(self) -> list[str]:
         """OpenCLIP's --report-to: 'all' or a comma list."""

@@ -23,10 +23,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from bigclip.data.streams import data_location
 from bigclip.errors import DataError
+from bigclip.storage.preflight import endpoint_unreachable, run_check
 
 log = logging.getLogger("bigclip.data")
 NAMED = 5  # shards named per kind in the line; the counts are always whole
+# A shard's count "found" when a sample follows its last listed one: the plan stops reading there.
+MORE_THAN_LISTED = -2
 
 
 @dataclass
@@ -36,7 +40,7 @@ class RankCounts:
     skipped: dict[str, int]
     broken: list[str]
     empty: list[str]
-    mismatched: dict[str, list[int]]  # url -> [found, listed]
+    mismatched: dict[str, list[int]]  # url -> [found (or MORE_THAN_LISTED), listed]
     ran_dry: bool
 
 
@@ -113,10 +117,8 @@ class EpochAccount:
         parts.append(f"empty shards: {_named(self.empty)}")
         parts.append(f"damaged shards (read up to the damage): {_named(self.broken)}")
         if self.mismatched:
-            counts = [
-                f"{u}: {found} found, {listed} listed"
-                for u, (found, listed) in sorted(self.mismatched.items())
-            ]
+            counts = [f"{u}: {_found(found, listed)} found, {listed} listed" for u, (found, listed) in
+                      sorted(self.mismatched.items())]  # fmt: skip
             parts.append(
                 f"shards whose sample count differs from sizes.json: {len(counts)} ({'; '.join(counts[:NAMED])}); "
                 "recount them with `bigclip index-shards PATTERN`"
@@ -132,6 +134,10 @@ class EpochAccount:
             else ""
         )
         return f", SHORT by {self.planned_steps - self.steps} steps ({missing} samples): {who}{fix}"
+
+
+def _found(found: int, listed: int) -> str:
+    return f"more than {listed} (the rest not read)" if found == MORE_THAN_LISTED else str(found)
 
 
 def _named(urls: list[str]) -> str:
@@ -166,7 +172,10 @@ def note_mismatches(known: dict[str, list[int]], new: dict[str, list[int]]) -> N
     """Add shards whose count differs from sizes.json, warning at once about each new one (the
     balanced plan rests on those counts, so the epoch may end short)."""
     for url, (found, listed) in new.items():
-        if url not in known:
+        if url not in known and found == MORE_THAN_LISTED:
+            log.warning("shard %s holds more samples than the %d sizes.json lists: the epoch's plan reads those "
+                        "%d and not the rest; recount with `bigclip index-shards PATTERN`", url, listed, listed)  # fmt: skip
+        elif url not in known:
             log.warning(
                 "shard %s holds %d samples, sizes.json lists %s: the epoch's plan is off; recount with "
                 "`bigclip index-shards PATTERN`", url, found, listed if listed >= 0 else "none",
@@ -177,12 +186,30 @@ def note_mismatches(known: dict[str, list[int]], new: dict[str, list[int]]) -> N
 def no_batch_error(stats: DataStats, *, epoch: int, batch_size: int, pattern: str, rank: int) -> DataError:
     skipped = ", ".join(f"{k}: {v}" for k, v in sorted(stats.skipped.items())) or "none"
     broken, empty = stats.broken_shards, stats.empty_shards
+    gone = unreachable(broken[0]) if broken else ""
+    if gone:
+        return DataError(
+            f"epoch {epoch}: {len(broken)} shard(s) could not be read ({broken[:3]}), not because they are damaged: "
+            f"their storage does not answer now: {gone}. Once it answers, resume with --resume latest"
+        )
     return DataError(
         f"epoch {epoch}: not every rank could fill one batch of {batch_size} samples from {pattern!r} (rank "
         f"{rank} skipped {stats.skipped_total} corrupt samples: {skipped}; damaged shards: {len(broken)} "
         f"{broken[:3]}; empty shards: {len(empty)} {empty[:3]}). Check or replace those shards, or use fewer "
         "ranks or a smaller --batch-size"
     )
+
+
+def unreachable(url: str, *, timeout_s: float = 20.0) -> str:
+    """Why `url`'s storage does not answer now ('' when it does): asked when shards failed to read,
+    so an endpoint that went away is not reported as damaged shards."""
+
+    def ask() -> str:
+        folder, _, name = url.rpartition("/")
+        return str(data_location(folder or ".", fast_fail=True).exists(name))  # few tries: it failed already
+
+    result = run_check("read", ask, timeout_s=timeout_s)
+    return "" if result.ok or not endpoint_unreachable(result.detail) else result.detail
 
 
 def report(account: EpochAccount, *, rank: int) -> None:

@@ -8,6 +8,14 @@ jpg/png/jpeg/webp present, and txt (UTF-8).
 Training opens images lazily (`load=False`: the header only), so that the transform can
 decode a JPEG at reduced size (transforms.py); damage found then is a BAD_IMAGE skip too
 (the worker catches it). Evaluation loads at once, so that every rank agrees on what is corrupt.
+
+16-bit grayscale images (PNG's mode "I;16", or "I" in older Pillow) are scaled to 8 bits here:
+PIL's own `convert("RGB")` clips them, turning every such image white. An empty caption is a
+skip (EMPTY_TEXT), not a sample: every empty caption tokenizes to the same text, so a batch holding
+two of them asks the loss to tell identical texts apart (OpenCLIP trains on them). A sample a
+shard holds two members of the same name for (`KEY.jpg` twice) is skipped as DUPLICATE: which of
+them goes with the caption is unknown (webdataset itself refuses such a shard: "duplicate file
+name in tar file").
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import io
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image
 
 from bigclip.data.tar_samples import RawSample
@@ -28,7 +37,10 @@ NO_IMAGE = "no_image"  # no file with an image extension (unknown or missing)
 NO_TEXT = "no_text"
 BAD_IMAGE = "bad_image"  # image bytes PIL cannot decode
 BAD_TEXT = "bad_text"  # caption that is not UTF-8
-SKIP_REASONS = (NO_IMAGE, NO_TEXT, BAD_IMAGE, BAD_TEXT)
+EMPTY_TEXT = "empty_text"  # a caption of nothing but white space
+DUPLICATE = "duplicate_member"  # the shard holds a member of this sample twice (tar_samples.py)
+SKIP_REASONS = (NO_IMAGE, NO_TEXT, BAD_IMAGE, BAD_TEXT, EMPTY_TEXT, DUPLICATE)
+WIDE_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit (or 32-bit integer) grayscale
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,8 @@ def decode_image(data: bytes, *, load: bool = True) -> Image.Image | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # EXIF / decompression-bomb warnings: we decide below
             image = Image.open(io.BytesIO(data))
+            if image.mode in WIDE_GRAY:
+                return _eight_bit(image)
             if load:
                 image.load()  # decoding is lazy; force it so damage is found here
         return image
@@ -78,8 +92,19 @@ def decode_image(data: bytes, *, load: bool = True) -> Image.Image | None:
         return None
 
 
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image as 8-bit 'L', scaled (0..65535 -> 0..255), not clipped."""
+    pixels = np.asarray(image).astype(np.int64).clip(0)
+    top = int(pixels.max()) if pixels.size else 0
+    if top > 0xFFFF:  # a 32-bit image: its own range, scaled down
+        pixels = pixels * 0xFFFF // top
+    return Image.fromarray((pixels >> 8).astype(np.uint8), mode="L")
+
+
 def decode_sample(raw: RawSample, *, load: bool = True, keys: SampleKeys = DEFAULT_KEYS) -> Decoded | str:
     """A `Decoded` sample (its image only opened unless `load`), or one of SKIP_REASONS."""
+    if raw.duplicate:
+        return DUPLICATE
     image_bytes = _first(raw.files, keys.image)
     if image_bytes is None:
         return NO_IMAGE
@@ -90,6 +115,8 @@ def decode_sample(raw: RawSample, *, load: bool = True, keys: SampleKeys = DEFAU
         caption = text_bytes.decode("utf-8").strip()
     except UnicodeDecodeError:
         return BAD_TEXT
+    if not caption:
+        return EMPTY_TEXT
     image = decode_image(image_bytes, load=load)
     if image is None:
         return BAD_IMAGE

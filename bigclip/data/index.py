@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from bigclip.cli_args import add_config_flags
+from bigclip.cli_args import ArgumentParser, add_config_flags
 from bigclip.config import CheckpointConfig
 from bigclip.data.shards import SIZES_FILE, read_sizes_json, validate_shards
 from bigclip.data.streams import data_location, read_errors, shard_location
@@ -144,7 +144,7 @@ def check_sizes(counts: list[ShardCount], *, pattern: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bigclip index-shards", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="bigclip index-shards", description=__doc__.split("\n")[0])
     parser.add_argument("pattern", help="Shards: a brace pattern, local or s3://, '::' joins several.")
     parser.add_argument("--threads", type=int, default=16, help="Shards counted at once.")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")

@@ -15,7 +15,10 @@ from the shard's start, the samples before it passed over without reading their 
 A truncated or unreadable shard is not an error: the reader stops, `error` says why, and
 the samples read before the damage are kept (the loader counts and names such shards).
 `end_index` says where reading ended (the shard's sample count when it was read to its end),
-which lets the worker compare it with sizes.json.
+which lets the worker compare it with sizes.json; a sample's `followed` says another sample
+comes after it, so a shard holding more samples than sizes.json lists shows at the last listed one.
+A sample with two members of one name (`KEY.jpg` twice; webdataset refuses such a shard) is marked
+`duplicate` and skipped, counted, by decode.py: which image goes with the caption is unknown.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import BinaryIO
 
 from bigclip.data.streams import read_errors, shard_location
 from bigclip.errors import BigclipError
+from bigclip.storage.preflight import endpoint_unreachable, explain_error
 
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz")
 # webdataset's `base_plus_ext` rule (tests/test_data_pipeline.py checks it against webdataset's
@@ -65,6 +69,13 @@ class RawSample:
     index: int
     files: dict[str, bytes] = field(default_factory=dict)
     after: Cursor = START  # where reading continues once this sample is consumed
+    duplicate: bool = False  # the shard holds one of its members twice (decode.py skips it)
+    followed: bool = False  # another sample follows it in the shard (its header was read)
+
+
+def _why(error: BaseException) -> str:
+    """Why reading stopped: an endpoint that went away is said so (the shard is not damaged)."""
+    return explain_error(error) if endpoint_unreachable(error) else f"{type(error).__name__}: {error}"
 
 
 def is_compressed(url: str) -> bool:
@@ -142,7 +153,7 @@ class ShardSamples:
             errors = read_errors(location)
             stream = location.open_read(name, start=base)
         except (BigclipError, OSError) as e:
-            self.error = f"cannot open shard {self.url}: {e}"
+            self.error = f"cannot open shard {self.url}: {explain_error(e) if endpoint_unreachable(e) else e}"
             return
         with stream:
             yield from self._samples(stream, base=base, first_index=first_index, errors=errors)
@@ -164,6 +175,7 @@ class ShardSamples:
                 if current is not None and key != current.key:
                     # Complete: the next key's header has been read (before its data, which may be damaged).
                     current.after = self._cursor(index + 1, base + info.offset)
+                    current.followed = True
                     if index >= wanted:
                         yield current
                     index, current = index + 1, None
@@ -173,13 +185,14 @@ class ShardSamples:
                 if current is None:
                     current = RawSample(key=key, index=index)
                 if index >= wanted:
+                    current.duplicate |= ext.lower() in current.files
                     current.files[ext.lower()] = tar.extractfile(info).read()
                 tar.members = []  # stream mode keeps every TarInfo otherwise
             if tar is not None:
                 check_clean_end(tar)
             end = base + (tar.offset if tar else 0)
         except errors as e:
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = _why(e)
             return  # the sample being read when the damage was found is dropped: it may be incomplete
         if current is not None:
             current.after = self._cursor(index + 1, end)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from bigclip.data.accounting import MORE_THAN_LISTED
 from bigclip.data.augment import erase_boxes
 from bigclip.data.decode import BAD_IMAGE, DEFAULT_KEYS, SampleKeys, decode_sample
 from bigclip.data.jobs import JobBoard, ReaderJob
@@ -174,6 +175,7 @@ class Reader:
                 self._close(current, pending)
                 continue
             current.read = raw.after
+            self._check_listed(raw, current, pending)
             if self._add(raw, current, pending) and self.emitted % self.stream.batch_size == 0:
                 yield self._emit(pending, last=False)
                 pending = self._pending()
@@ -230,6 +232,13 @@ class Reader:
         expected = shard.stop if shard.stop is not None else size
         if expected is not None and found != expected:
             pending.mismatched[url] = [found, -1 if size is None else size]
+
+    def _check_listed(self, raw: RawSample, shard: _OpenShard, pending: _Pending) -> None:
+        """A shard with more samples than sizes.json lists: the plan never reads past that count, so
+        the rest would go unread in silence; seen as soon as a sample follows the last listed one."""
+        size = self.stream.size(shard.shard)
+        if shard.stop is None and size is not None and raw.followed and raw.index + 1 >= size:
+            pending.mismatched[self.stream.url(shard.shard)] = [MORE_THAN_LISTED, size]
 
     def _add(self, raw: RawSample, shard: _OpenShard, pending: _Pending) -> bool:
         """Decode, transform and append one sample; False when it is skipped as corrupt."""

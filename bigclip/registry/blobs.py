@@ -84,6 +84,15 @@ class BlobStore:
             found.update({sha: listing[sha] for sha in wanted if sha in listing})
         return found
 
+    def remove_stale_temporaries(self) -> list[str]:
+        """Temporary files a killed publish left under blobs/ and staging/ (local registries; an
+        S3 upload cut short leaves no object), removed; their names."""
+        if not isinstance(self.location, LocalLocation):
+            return []
+        shards = sorted(p.name for p in (self.location.root / BLOBS).glob("*") if p.is_dir())
+        folders = [f"{BLOBS}/{shard}" for shard in shards] + [STAGING]
+        return [name for folder in folders for name in self.location.remove_stale_temporaries(folder)]
+
     # -- storing ---------------------------------------------------------------------------
 
     def put_local(self, path: Path, expected: ObjectRecord | None = None) -> ObjectRecord:

@@ -36,12 +36,12 @@ def add_registry_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
 
-def require_registry(args: argparse.Namespace) -> str:
+def require_registry(args: argparse.Namespace, *, hint: str = "") -> str:
     """The registry's URI; checked here, before the registry's code (and torch) is imported."""
     uri = registry_uri(args.registry or "")
     if not uri:
         raise ConfigError(
-            "no registry given: pass --registry PATH|s3://bucket/prefix or set BIGCLIP_REGISTRY"
+            f"no registry given: pass --registry PATH|s3://bucket/prefix or set BIGCLIP_REGISTRY{hint}"
         )
     return uri
 
@@ -53,9 +53,30 @@ def open_registry(args: argparse.Namespace) -> Registry:
     return Registry(require_registry(args))
 
 
-def is_path(target: str) -> bool:
-    """`checkpoints verify` takes a NAME or a checkpoint folder / run root (a path or URI)."""
-    return "/" in target or target.startswith(".")
+def is_path(target: str, *, registry: str = "") -> bool:
+    """`checkpoints verify` takes a NAME or a checkpoint folder / run root (a path or URI); without a
+    registry, a word naming a local folder is that folder."""
+    return "/" in target or target.startswith(".") or (not registry and Path(target).exists())
+
+
+def check_local_target(target: str) -> None:
+    """A local folder `checkpoints verify` can read: one that is missing, or holds no checkpoint, is
+    refused saying what to give instead (a run folder points at its checkpoints)."""
+    if not is_local(target):
+        return
+    path = Path(local_path(target)).expanduser()
+    give = ("give a checkpoint folder (LOGS/RUN/checkpoints/step_N), a run's checkpoints folder, or a "
+            "published NAME with --registry")  # fmt: skip
+    if not path.exists():
+        raise StorageError(f"{target}: no such folder; {give}")
+    if any(path.glob("manifest.json")) or any(path.glob("*/manifest.json")):
+        return
+    if (path / "checkpoints").is_dir():
+        raise StorageError(f"{target} is a run folder: verify {target.rstrip('/')}/checkpoints (its newest "
+                           "checkpoint) or one of its checkpoints/step_N folders")  # fmt: skip
+    raise StorageError(
+        f"{target} holds no committed bigclip checkpoint (no manifest.json in it or its folders); {give}"
+    )
 
 
 def list_command(registry: Registry) -> None:
@@ -106,7 +127,8 @@ def show_command(registry: Registry, name: str) -> None:
 
 def verify_command(args: argparse.Namespace) -> None:
     target = args.name
-    if is_path(target):  # a checkpoint folder or run root, not a NAME
+    if is_path(target, registry=registry_uri(args.registry or "")):  # a checkpoint folder or run root
+        check_local_target(target)  # before torch is imported
         from bigclip.checkpoint.store import CheckpointStore
 
         configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
@@ -142,7 +164,9 @@ def main(argv: list[str]) -> int:
                              help="Delete leases of runs that died (expired, or dead pid on this host).")  # fmt: skip
         add_registry_args(sub)
     args = parser.parse_args(argv)
-    if args.command != "verify" or not is_path(args.name):
+    if args.command == "verify" and not is_path(args.name, registry=registry_uri(args.registry or "")):
+        require_registry(args, hint=f"; to verify a checkpoint folder, give its path (e.g. ./{args.name})")
+    elif args.command != "verify":
         require_registry(args)
     if args.command == "verify":
         verify_command(args)

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from bigclip.errors import StorageError
+from bigclip.storage.local_location import pid_alive
 from bigclip.storage.locations import Location
 
 log = logging.getLogger("bigclip.registry")
@@ -56,16 +57,6 @@ class Lease:
             f"{self.id} ({state}) owner {self.owner!r} on {self.host} pid {self.pid}, "
             f"{'expired' if left < 0 else 'expires in'} {abs(left):.0f}s{' ago' if left < 0 else ''}"
         )
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def lease_path(name: str, lease_id: str) -> str:

@@ -173,6 +173,10 @@ class Registry:
                 f"{name} is being removed (or its removal was interrupted: rerun `checkpoints rm {name}`)"
             )
         info, files = expand_source(src)
+        removed = self.blobs.remove_stale_temporaries()
+        if removed:
+            log.warning("removed %d temporary file(s) an interrupted publish to %s left: %s", len(removed), self.uri,
+                        ", ".join(removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else ""))  # fmt: skip
         self.location.write_bytes(f"{folder}/publishing", now().encode())
         intent = self.blobs.intend(owner=f"publish {name}")
         try:

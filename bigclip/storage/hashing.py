@@ -8,6 +8,11 @@ writers put each rank's objects in a sub-folder, `ab12/__3_0.distcp`). A failed 
 as a failure until the same name is written whole (the S3 writer writes a throttled object
 again). DCP writes `.metadata` as `.metadata.tmp` then renames it, so a rename moves the record. Hashing releases the GIL and runs at ~1.7 GB/s here, far above what one
 rank uploads.
+
+A failed object is recorded (`failures`, which the commit step checks) and its error raised; DCP's
+extra writer threads die of it, and Python's default hook would print each one's traceback: such
+recorded errors are not printed (`_quiet_recorded`), the commit's one line says what failed. A
+full disk is one StorageError naming the folder and saying the checkpoint is not committed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,19 @@ from contextlib import contextmanager
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
+from bigclip.storage.full_disk import full_error
 from bigclip.storage.records import Hasher, ObjectRecord
+
+_RECORDED = "_bigclip_recorded"  # set on an error HashingFileSystem recorded as a failure
+
+
+def _quiet_recorded(args: threading.ExceptHookArgs, *, fallback=threading.excepthook) -> None:  # noqa: ANN001
+    """threading.excepthook: a writer thread's recorded failure is reported by the commit, once."""
+    if not getattr(args.exc_value, _RECORDED, False):
+        fallback(args)
+
+
+threading.excepthook = _quiet_recorded
 
 
 class _HashingWriter(io.RawIOBase):
@@ -98,7 +115,18 @@ class HashingFileSystem(FileSystemBase):
                 writer = _HashingWriter(raw)
                 yield writer
                 writer.close()
-        except BaseException as e:
+        except Exception as e:
+            folder = os.path.dirname(os.fspath(path))
+            committed = (f"this checkpoint is not committed ({self._name(path)} could not be written; the previous "
+                         "commit, if any, is still the latest)")  # fmt: skip
+            error = full_error(e, folder, committed=committed) or e
+            with self._lock:
+                self._failures[self._name(path)] = f"{type(error).__name__}: {error}"
+            setattr(error, _RECORDED, True)
+            if error is e:
+                raise
+            raise error from e
+        except BaseException as e:  # KeyboardInterrupt and the like: recorded, and left to go on
             with self._lock:
                 self._failures[self._name(path)] = f"{type(e).__name__}: {e}"
             raise

@@ -5,18 +5,30 @@ folder fsynced too), so a reader sees the old object, no object, or all of the n
 object that must not replace another is hard-linked into place instead (link(2) fails if the
 name exists): the primitive behind immutable names and leases. Ranged reads are `pread`s.
 Needs no library beyond Python's (torch only when a DCP reader or writer is built).
+
+A write that finds the disk full (ENOSPC, or EDQUOT: the quota) removes its temporary file and
+raises one StorageError naming the target and saying nothing was committed (full_disk.py). A writer
+killed mid-write cannot remove its own: `remove_stale_temporaries` does, at the next start of the
+same command on the same output (a temporary file is stale when its writer's pid is gone from this
+host and it has not changed for STALE_AFTER_S, so a writer on another host sharing the folder, which
+keeps writing, is left alone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import secrets
 import shutil
 import threading
+import time
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from bigclip.errors import StorageError
+from bigclip.storage.full_disk import full_error
 from bigclip.storage.records import Hasher, ObjectRecord
 
 if TYPE_CHECKING:
@@ -25,6 +37,28 @@ if TYPE_CHECKING:
     from bigclip.storage.hashing import HashingFileSystem
 
 READ_BUFFER_BYTES = 1 << 20  # streamed reads (tar shards) go through a buffer of this size
+STALE_AFTER_S = 60.0
+# The hidden names this module writes through: .NAME.tmp-PID[-X] and .NAME.partial-PID-X.
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?:tmp|partial)-(?P<pid>\d+)(?:-[0-9a-f]+)?")
+
+
+def _discard(path: Path) -> None:
+    """Remove a temporary file whatever happened to its writer (a full disk included)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _written_whole(tmp: Path, target: Path) -> Iterator[None]:
+    """A write to `tmp` (for `target`) that fails removes it; a full disk is said so, in one line."""
+    try:
+        yield
+    except OSError as e:
+        _discard(tmp)
+        full = full_error(e, target)
+        if full is not None:
+            raise full from e
+        raise
 
 
 class LocalLocation:
@@ -94,7 +128,7 @@ class LocalLocation:
         target = self.root / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
+        with _written_whole(tmp, target), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -108,7 +142,8 @@ class LocalLocation:
         target = self.root / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        tmp.write_bytes(data)
+        with _written_whole(tmp, target):
+            tmp.write_bytes(data)
         try:
             os.link(tmp, target)
         except FileExistsError:
@@ -136,13 +171,28 @@ class LocalLocation:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
-            shutil.copyfile(source, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            with _written_whole(tmp, target):
+                shutil.copyfile(source, tmp)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
             os.replace(tmp, target)
         finally:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
         fsync_dir(target.parent)
+
+    def remove_stale_temporaries(
+        self, folder: str = "", *, names: Collection[str] | None = None
+    ) -> list[str]:
+        """Delete the temporary files killed writers left in `folder` (of `names` only, if given);
+        returns the names removed."""
+        path, removed = self.root / folder, []
+        entries = path.iterdir() if path.is_dir() else ()
+        for entry in entries:
+            found = _TEMPORARY.fullmatch(entry.name)
+            if found and (names is None or found["name"] in names) and _stale(entry, int(found["pid"])):
+                _discard(entry)
+                removed.append(f"{folder}/{entry.name}" if folder else entry.name)
+        return removed
 
     def dcp_writer(
         self, folder: str, *, threads: int | None = None, world_size: int | None = None
@@ -173,15 +223,23 @@ class LocalSink:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._hash.update(data)
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as e:
+            self._fail(e)
+            raise
 
     def record(self) -> ObjectRecord:
         return self._hash.record()
 
     def commit(self) -> ObjectRecord:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+        except OSError as e:
+            self._fail(e)
+            raise
         try:
             if self.overwrite:
                 os.replace(self.tmp, self.target)
@@ -195,8 +253,35 @@ class LocalSink:
         return self._hash.record()
 
     def abort(self) -> None:
-        self._file.close()
-        self.tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self._file.close()  # flushes what is buffered: on a full disk that fails too
+        _discard(self.tmp)
+
+    def _fail(self, error: OSError) -> None:
+        """A failed write or flush: nothing is kept; a full disk is said so, in one line."""
+        self.abort()
+        full = full_error(error, self.target, committed="nothing was committed under that name")
+        if full is not None:
+            raise full from error
+
+
+def _stale(path: Path, pid: int) -> bool:
+    try:
+        quiet_s = time.time() - path.stat().st_mtime
+    except OSError:
+        return False  # gone meanwhile: committed or removed by its writer
+    return quiet_s > STALE_AFTER_S and not pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def fsync_dir(path: Path) -> None:

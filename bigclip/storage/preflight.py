@@ -19,6 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from bigclip.errors import StorageError
+from bigclip.storage.full_disk import disk_full
 from bigclip.storage.locations import LocalLocation, Location
 from bigclip.storage.s3_boto import BotoS3Location  # (neither imports an S3 library until used)
 from bigclip.storage.s3_location import S3Location
@@ -55,6 +56,12 @@ def run_check(name: str, fn: Callable[[], str], *, timeout_s: float = 20.0) -> C
     return CheckResult(name, ok, detail, time.perf_counter() - started)
 
 
+# Said of an endpoint that refuses connections or does not answer: at the start a wrong address,
+# mid-run an endpoint that went away (what was read or written is not damaged).
+_UNREACHABLE = (
+    "cannot connect to the endpoint (refused or no answer: it is down, or not at that address): check it "
+    "is up and that AWS_ENDPOINT_URL / --s3-endpoint name it"
+)
 _HINTS = [
     (
         "no signing credentials",
@@ -85,9 +92,20 @@ _HINTS = [
         "slowdown",
         "S3 kept throttling (503 SlowDown) beyond the client's retries: retry later or save less often",
     ),
-    ("connection refused", "cannot connect to the endpoint: check AWS_ENDPOINT_URL / --s3-endpoint"),
+    *(
+        (needle, _UNREACHABLE)
+        for needle in (
+            "connection refused",
+            "could not connect to the endpoint url",
+            "connect timeout on endpoint",
+            "network is unreachable",
+            "no answer within",  # run_check's deadline passed
+        )
+    ),
     ("socket", "the connection to S3 kept failing (dropped or reset) beyond the client's retries"),
     ("dns", "cannot resolve the endpoint's host name: check AWS_ENDPOINT_URL / --s3-endpoint"),
+    ("no space left on device", "the disk is full (ENOSPC): free space there, or write elsewhere"),
+    ("disk quota exceeded", "the disk quota is full (EDQUOT): free space there, or write elsewhere"),
     ("file exists", "a file, not a folder, is at that path: give a folder"),
     ("not a directory", "a file, not a folder, is on that path: give a folder"),
     ("permission denied", "no permission to write there: give a folder this user can write to"),
@@ -97,12 +115,26 @@ _HINTS = [
 
 def explain_error(error: BaseException | str) -> str:
     """A one-line, actionable reading of an S3 or OS error, with the raw text's first line."""
+    if not isinstance(error, str) and not isinstance(error, StorageError) and disk_full(error):
+        error = f"OSError: {disk_full(error)}"  # the full disk a wrapping error (torch's zip writer's) hides
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     first = (text.splitlines() or [""])[0][:300]
     for needle, hint in _HINTS:
         if needle in text.lower():
             return f"{hint} [{str(error) if isinstance(error, StorageError) else first}]"
     return str(error) if isinstance(error, StorageError) else first
+
+
+def endpoint_unreachable(error: BaseException | str) -> bool:
+    """Whether `error` says the endpoint refused the connection or did not answer."""
+    return explain_error(error).startswith(_UNREACHABLE)
+
+
+def explained(error: BaseException) -> str:
+    """`error`'s line, led by what it means when it says the endpoint went away (a checkpoint read
+    or written mid-run then fails with the client's words only)."""
+    text = str(error)
+    return explain_error(error) if endpoint_unreachable(error) and _UNREACHABLE not in text else text
 
 
 def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:

@@ -74,6 +74,7 @@ class CheckpointContents:
             "model": self.cfg.model.model,
             "global_batch": self.global_batch,
             "tokenizer": self.cfg.data.tokenizer,  # the ids the weights learned (checked on --resume/--pretrained)
+            "image_size": self.engine.unwrapped().image_size,  # --force-image-size's (checked on --resume)
         }
         if self.schedule():  # in the manifest, not the DCP state: older checkpoints load unchanged
             meta["schedule"] = self.schedule()

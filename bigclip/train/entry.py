@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bigclip.errors import BigclipError
+from bigclip.errors import BigclipError, StorageError
 from bigclip.train.phases import say
 from bigclip.train.signals import REQUEUE_EXIT_CODE, catch_preemption_signals, preemption_flag
 
@@ -54,8 +54,17 @@ def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
         if preemption_flag().exits_now:
             return stopped_before_training(preemption_flag())
         if isinstance(e, BigclipError):
-            return refuse(f"{prog}: error: {e}")
+            return refuse(f"{prog}: error: {_explained(e)}")
         raise
+
+
+def _explained(error: BigclipError) -> str:
+    """A storage error that says the endpoint went away is led by what that means (preflight.py)."""
+    if not isinstance(error, StorageError):
+        return str(error)
+    from bigclip.storage.preflight import explained
+
+    return explained(error)
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -65,11 +74,13 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 def _train(argv: list[str], *, prog: str) -> int:
     from bigclip.cli_args import parse_train_args
+    from bigclip.rank_env import check_rendezvous
     from bigclip.train.preflight import check_flags, check_machine
 
     cfg = parse_train_args(argv, prog=prog if prog == EVAL_PROG else "bigclip train")
     if prog == EVAL_PROG:
         _check_eval_command(cfg)
+    check_rendezvous(os.environ)  # rank variables set by hand: one line, not torch's traceback later
     check_flags(cfg)
     say("start-up: started (loading torch, then the process group and the checks of data, storage and "
         "the resume target)")  # fmt: skip

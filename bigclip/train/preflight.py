@@ -16,6 +16,7 @@ from bigclip.config import EngineConfig, TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.errors import ConfigError
 from bigclip.models.hf_hub import HF_HUB_PREFIX
+from bigclip.rank_env import read_launch_env
 
 
 def check_flags(cfg: TrainConfig) -> None:
@@ -53,13 +54,8 @@ def check_evaluation_only(cfg: TrainConfig) -> None:
 
 def launch_world_size(env: dict[str, str] | None = None) -> int:
     """The world size the launcher's environment declares, read as bigclip.distributed.launch_env
-    reads it (which imports torch; tests/test_bad_input_flags.py checks the two agree)."""
-    env = dict(os.environ) if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_NTASKS"])
-    return 1
+    reads it (both use rank_env.py; tests/test_bad_input_flags.py checks the two agree)."""
+    return read_launch_env(dict(os.environ) if env is None else env)[1]
 
 
 def _check_tag_tokenizer(cfg: TrainConfig) -> None:

@@ -15,6 +15,9 @@ from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import ConfigError
+from bigclip.models.from_config import model_config
+from bigclip.models.named_configs import get_model_config
+from bigclip.storage.locations import open_parent
 from bigclip.train.checkpoint_contents import LEGACY_KEYS, CheckpointContents, TrainState, loaded_state
 from bigclip.train.metrics import get_logger
 from bigclip.weights.openclip_resume import is_openclip_checkpoint, load_openclip_checkpoint
@@ -108,7 +111,10 @@ def check_resume_target(store: CheckpointStore, cfg: TrainConfig, which: str, *,
     """Collective, before any model is built: what the checkpoint's manifest can settle in
     milliseconds (model, global batch, tokenizer). A manifest that cannot be read is left to
     `store.load`, which names the damage (and, for --resume latest, skips it)."""
-    if not which or is_openclip_checkpoint(which):
+    if is_openclip_checkpoint(which):
+        store.group.on_rank0(lambda: _check_file_exists(which))
+        return
+    if not which:
         return
     meta = store.group.on_rank0(lambda: store.manifest_meta(which))
     if meta is None:
@@ -131,6 +137,7 @@ def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int,
             f"--resume {uri}: the checkpoint is of model {saved_model}, this run builds {cfg.model.model}; "
             f"pass --model {saved_model}, or start from its weights with --pretrained"
         )
+    _check_image_size(meta, cfg, uri=uri)
     saved_batch = int(meta.get("global_batch", global_batch))
     # An evaluation-only run takes no step: the batch it evaluates with changes nothing.
     if saved_batch != global_batch and not (cfg.checkpoint.allow_batch_size_change or cfg.evaluates_only):
@@ -138,4 +145,31 @@ def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int,
             f"--resume {uri}: the checkpoint was trained with global batch {saved_batch}, this run has {global_batch} "
             "(--batch-size x --accum-freq x ranks); change --batch-size to keep it, or pass "
             "--allow-batch-size-change to continue with the new one"
+        )
+
+
+def _check_image_size(meta: dict[str, Any], cfg: TrainConfig, *, uri: str) -> None:
+    """The positional embedding's shape follows the image size: another size is not another model."""
+    saved = meta.get("image_size")
+    if not saved:
+        return  # written before checkpoints recorded it: the load names the shapes that differ
+    config = model_config(cfg)
+    size = config.vision_cfg.image_size
+    if int(saved) != size:
+        default = get_model_config(cfg.model.model, cache_dir=cfg.model.cache_dir).vision_cfg.image_size
+        fix = f"--force-image-size {saved}" if int(saved) != default else "no --force-image-size"
+        raise ConfigError(
+            f"--resume {uri}: the checkpoint was trained at image size {saved}, this run builds {cfg.model.model} "
+            f"at {size}{' (--force-image-size)' if cfg.model.force_image_size else ''}; resume with {fix}, or "
+            "start from its weights at the new size with --pretrained"
+        )
+
+
+def _check_file_exists(uri: str) -> None:
+    """An OpenCLIP epoch_N.pt is read after the model is built: one that is not there fails now."""
+    parent, name = open_parent(uri)
+    if not parent.exists(name):
+        raise ConfigError(
+            f"--resume {uri}: not found; give an OpenCLIP epoch_N.pt that exists, a bigclip checkpoint folder "
+            "(LOGS/NAME/checkpoints/step_N), or --resume latest"
         )

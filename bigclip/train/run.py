@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from bigclip.train.metrics import Scalars
     from bigclip.train.phases import Phase
     from bigclip.train.preemption import PreemptionWatcher
+    from bigclip.train.run_lock import RunLock
     from bigclip.train.watchdog import StepWatchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -41,12 +42,15 @@ class Guards:
     preemption: PreemptionWatcher
     watchdog: StepWatchdog
     lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
+    run_lock: RunLock | None = None  # held on rank 0: the run folder is this run's
 
     def close(self) -> None:
         self.watchdog.close()
         self.preemption.close()
         if self.lease is not None:
             self.lease.release()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 @dataclass

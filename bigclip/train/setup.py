@@ -31,6 +31,7 @@ from bigclip.train.preflight import check_flags, check_machine
 from bigclip.train.resume import check_resume_target, resume
 from bigclip.train.run import Guards, Progress, Run
 from bigclip.train.run_dir import open_run_dir, prepare_run_dir, start_logging
+from bigclip.train.run_lock import RunLock
 from bigclip.train.signals import preemption_flag
 from bigclip.train.step import verify_inputs
 from bigclip.train.watchdog import StepWatchdog
@@ -144,12 +145,15 @@ def setup(cfg: TrainConfig) -> Run:
     shards = data.validate_data(cfg.data, world_size=runtime.world_size, evaluation_only=cfg.evaluates_only)
     zeroshot = ZeroShot.open(cfg)
     store = open_store(cfg, run_dir)
+    run_lock = RunLock(run_dir)
+    store.group.on_rank0(run_lock.hold_if_exists)  # another run in this folder: refused before the checks
     sync, which = prepare_backup(cfg, run_dir, store)  # which: what --resume loads ('' for nothing)
     check_resume_target(
         store, cfg, which, global_batch=cfg.data.batch_size * cfg.optim.accum_freq * runtime.world_size
     )
     if cfg.evaluates_only:
         check_weights_to_evaluate(cfg, store, which)
+    store.group.on_rank0(run_lock.take)  # two new runs of one name racing: the second is refused here
     open_run_dir(cfg, run_dir, runtime)  # the checks passed: the folder, config.yaml, out.log
     if not which:
         preemption.flag.note(step=0)  # for a stop before the first step (else known once resumed)
@@ -161,7 +165,7 @@ def setup(cfg: TrainConfig) -> Run:
     engine, lease = build_weights(cfg, runtime, store, resuming=bool(which))
     contents = CheckpointContents(engine, cfg, runtime)
     progress = resumed_progress(store, contents, which=which)
-    guards = Guards(preemption, StepWatchdog.start_for(cfg, runtime, run_dir), lease)
+    guards = Guards(preemption, StepWatchdog.start_for(cfg, runtime, run_dir), lease, run_lock)
     scalars = Scalars.open(cfg, run_dir=run_dir, is_main=runtime.is_main)
     loss_fn = build_loss(cfg.loss)
     checkpointer = Checkpointer(

@@ -2,9 +2,12 @@
 
 The layout is planned before any data moves: output names, dtypes and shapes are known from
 the source's metadata, so each file's header is written first and the tensors' bytes follow
-as they stream in, converted piece by piece. All files are committed together at the end,
-then the index, then the checksum manifest (the commit marker): an interrupted write leaves
-temporary files (locally) or aborted uploads (S3), never a file under its final name.
+as they stream in, converted piece by piece. The index and the checksum manifest (the commit
+marker) are written next, still under temporary names, so a disk that fills fails before anything
+is committed; then the files, the index and the manifest are committed in that order (a commit
+that fails deletes those before it). An interrupted write leaves temporary files (locally; the
+next consolidate to the same output removes them) or aborted uploads (S3), never a file under its
+final name without its manifest.
 
 Naming follows Hugging Face: OUT ending in `.safetensors` is the file (shards and index go
 beside it as STEM-00001-of-0000N.safetensors and STEM.safetensors.index.json); any other OUT
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,12 +28,13 @@ from typing import Any
 import torch
 
 from bigclip.errors import StorageError
-from bigclip.storage.locations import Location, open_location
+from bigclip.storage.locations import LocalLocation, Location, open_location
 from bigclip.storage.records import ObjectRecord
 from bigclip.storage.sinks import Sink
 from bigclip.weights.dcp_reader import TensorInfo
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, encode_header
 
+log = logging.getLogger("bigclip.consolidate")
 MANIFEST_SUFFIX = ".manifest.json"
 FORMAT = "bigclip-consolidated"
 
@@ -95,28 +100,68 @@ def write_safetensors(
 ) -> WriteResult:
     """Stream `pieces` (one per source tensor, in plan order, converted to the plan's dtypes)."""
     location = open_location(plan.folder)
+    _remove_stale(location, plan.names())
     existing = [n for n in plan.names() if not overwrite and location.exists(n)]
     if existing:
         raise StorageError(
             f"{plan.folder}: {', '.join(existing)} exist; pass --overwrite, or choose another name"
         )
-    sinks: list[Sink] = []
+    sinks: dict[str, Sink] = {}
     try:
         for name, _ in plan.files:
-            sinks.append(location.open_sink(name, overwrite=overwrite))
-        for sink, (_, infos) in zip(sinks, plan.files):
-            sink.write(encode_header(infos, metadata))
-        _stream_data(plan, sinks, pieces, on_bytes)
+            sinks[name] = location.open_sink(name, overwrite=overwrite)
+        for name, infos in plan.files:
+            sinks[name].write(encode_header(infos, metadata))
+        _stream_data(plan, list(sinks.values()), pieces, on_bytes)
+        # The index and the manifest are written before anything is committed: a disk that fills
+        # fails now, with nothing under OUT's names, never leaving files without their manifest.
+        records = {name: sink.record() for name, sink in sinks.items()}
+        if plan.index:
+            sinks[plan.index] = _small(location, plan.index, _index_json(plan), records, overwrite=overwrite)
+        body = {**manifest, "files": {n: vars(r) for n, r in records.items()}}
+        sinks[plan.manifest] = _small(
+            location, plan.manifest, _manifest_json(body), records, overwrite=overwrite
+        )
     except BaseException:
-        for sink in sinks:
+        for sink in sinks.values():
             sink.abort()
         raise
-    result = WriteResult(plan, {name: sink.commit() for (name, _), sink in zip(plan.files, sinks)})
-    if plan.index:
-        _write_small(location, plan.index, _index_json(plan), result, overwrite=overwrite)
-    body = {**manifest, "files": {n: vars(r) for n, r in result.records.items()}}
-    _write_small(location, plan.manifest, _manifest_json(body), result, overwrite=overwrite)
-    return result
+    return WriteResult(plan, _commit_all(location, sinks))
+
+
+def _remove_stale(location: Location, names: list[str]) -> None:
+    """What a killed write of these names left behind (its temporary files), removed and said so."""
+    removed = (
+        location.remove_stale_temporaries(names=set(names)) if isinstance(location, LocalLocation) else []
+    )
+    if removed:
+        log.warning("removed %d temporary file(s) an interrupted write to %s left: %s", len(removed), location.uri,
+                    ", ".join(removed))  # fmt: skip
+
+
+def _small(
+    location: Location, name: str, data: bytes, records: dict[str, ObjectRecord], *, overwrite: bool
+) -> Sink:
+    sink = location.open_sink(name, overwrite=overwrite)
+    sink.write(data)
+    records[name] = sink.record()
+    return sink
+
+
+def _commit_all(location: Location, sinks: dict[str, Sink]) -> dict[str, ObjectRecord]:
+    """Commit in order, the manifest last; a commit that fails takes back those before it."""
+    committed: dict[str, ObjectRecord] = {}
+    try:
+        for name, sink in sinks.items():
+            committed[name] = sink.commit()
+    except BaseException:
+        for name, sink in sinks.items():
+            if name in committed:
+                location.delete(name)
+            else:
+                sink.abort()
+        raise
+    return committed
 
 
 def _stream_data(
@@ -162,9 +207,3 @@ def _manifest_json(body: dict[str, Any]) -> bytes:
     return (
         json.dumps({"format": FORMAT, "version": 1, "created": created, **body}, indent=1) + "\n"
     ).encode()
-
-
-def _write_small(location: Location, name: str, data: bytes, result: WriteResult, *, overwrite: bool) -> None:
-    sink = location.open_sink(name, overwrite=overwrite)
-    sink.write(data)
-    result.records[name] = sink.commit()

@@ -6,6 +6,7 @@ path); every request is forwarded to the real server unless a rule matches it fi
     "slowdown"  answer 503 SlowDown, as S3 does when throttling
     "drop"      read the request, then reset the connection without answering
     "stall"     hold the request until `release()`, then reset the connection
+and `cut()` takes the endpoint away (every connection reset, none accepted).
 
     with FaultProxy(upstream=s3.endpoint) as proxy:
         proxy.add_rule("slowdown", method="PUT", path_contains=".distcp", times=3)
@@ -21,6 +22,7 @@ so a test can assert how many requests a save or an epoch start made and how the
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import struct
@@ -94,6 +96,7 @@ class FaultProxy:
         self.stalled = threading.Event()  # set once a request is being held
         self._release = threading.Event()
         self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()  # open client connections (for `cut`)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -157,6 +160,17 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
 
+    def cut(self) -> None:
+        """The endpoint goes away: stop listening and reset every open connection (keep-alive ones
+        included, which `stop` leaves served), so every request from now on fails to connect."""
+        self.stop()
+        with self._lock:
+            open_now, self._connections = list(self._connections), set()
+        for connection in open_now:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)  # wakes its handler's read: close alone does not
+            _reset(connection)
+
     def __enter__(self) -> FaultProxy:
         return self.start()
 
@@ -170,6 +184,16 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def log_message(self, *args: object) -> None:  # quiet
             pass
+
+        def setup(self) -> None:
+            super().setup()
+            with proxy._lock:
+                proxy._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with proxy._lock:
+                proxy._connections.discard(self.connection)
+            super().finish()
 
         def _body(self) -> bytes:
             if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
@@ -220,12 +244,17 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(body)
 
         def _reset(self) -> None:
-            # SO_LINGER 0: close with a TCP reset, as a dropped connection looks to the client.
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True
-            self.connection.close()
+            _reset(self.connection)
 
     return Handler
+
+
+def _reset(connection: socket.socket) -> None:
+    """SO_LINGER 0: close with a TCP reset, as a dropped connection looks to the client."""
+    with contextlib.suppress(OSError):  # closed meanwhile
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.close()
 
 
 def _read_chunked(stream) -> bytes:
