@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import pytest
 from support.launch_harness import read_keys
 from support.requeues import assert_committed, assert_requeued_and_resumed_exactly, stops
+from support.slurm_cluster import KILL_WAIT_S
 from support.slurm_two_nodes import IFACE, TwoNodeCluster
 from support.slurm_waits import Patience, rank_start_up_s, stall_limit_s
 from support.two_node_faults import Fault, Job, flap_link, near_time_limit, run_phase, set_time_limit
@@ -147,7 +148,8 @@ def finished(tmp_path_factory, demo_data):
         lost = [*TWO_NODES, "--step-timeout", str(step_timeout)]
         patience = Patience(stall_limit_s(limits.start_up_s, extra_s=step_timeout + LAUNCHER_GRACE_S))
         one = job("one_node", one_node, *HALF_RANKS, steps=final + 4, run="preempted")
-        jobs2 = [Job("lost_node", submit(cluster, job("lost_node", lost)), Fault(_cut, TRIGGER, _reconnect)),
+        cut = Fault(_cut, TRIGGER, _reconnect, rerun_hold_s=KILL_WAIT_S + 10)  # node1 was away at the requeue
+        jobs2 = [Job("lost_node", submit(cluster, job("lost_node", lost)), cut),
                  Job("one_node", cluster.sbatch(one, "-p", "batch", "-w", "node0", cwd=one.parent))]  # fmt: skip
         states |= run_phase(cluster, root, jobs2, patience=patience)
         jobs3 = [Job("killed_node", submit(cluster, job("killed_node", lost)),

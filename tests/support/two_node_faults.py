@@ -36,6 +36,12 @@ class Fault:
     # starts there (a kill still queued for an unreachable node is delivered when it answers again,
     # and the rerun has the same job id: it would be killed).
     recover: Action | None = None  # None: the fault needs no requeue
+    # Seconds each rerun is held back after a requeue (0: Slurm's own hold, cred_expire + 1 s). A node
+    # that did not answer when the job was requeued gets Slurm's kill of the job once it answers, and
+    # its slurmd then waits up to KillWait for the job's processes: a rerun of the same job id started
+    # there meanwhile is killed with them (and its own requeue's kill can do the same to the next
+    # rerun). Slurm's default hold, 120 s, outlasts KillWait; the test cluster's 10 s does not.
+    rerun_hold_s: float = 0.0
 
 
 @dataclass
@@ -48,6 +54,7 @@ class Job:
     requeue_s: float | None = None  # seconds from the fault to Slurm's Restarts=1
     recovered: bool = False
     cancelled: bool = False
+    held_restarts: int = 0  # restarts whose rerun has been held back (Fault.rerun_hold_s)
 
 
 def last_step(root: Path, name: str) -> int:
@@ -70,9 +77,15 @@ def _tend(cluster: TwoNodeCluster, root: Path, job: Job) -> None:
     if fault and fault.recover and job.fault_at and not job.recovered and _marked(root, job.name):
         fault.recover(cluster, job.job_id)
         job.recovered = True
-    pending = fault and fault.recover and job.fault_at and job.requeue_s is None
-    if pending and int(cluster.job(job.job_id).get("Restarts", "0")) >= 1:
+    timing = fault and fault.recover and job.fault_at and job.requeue_s is None
+    watching = timing or (fault and fault.rerun_hold_s and job.fault_at)
+    restarts = int(cluster.job(job.job_id).get("Restarts", "0")) if watching else 0
+    if timing and restarts >= 1:
         job.requeue_s = round(time.monotonic() - job.fault_at, 1)
+    if fault and fault.rerun_hold_s and restarts > job.held_restarts:  # still pending: its begin time moves
+        hold = f"StartTime=now+{round(fault.rerun_hold_s)}"
+        cluster.run("scontrol", "update", f"JobId={job.job_id}", hold, check=False)
+        job.held_restarts = restarts
     resumed = resumed_at(root, job.name) if job.cancel_after and not job.cancelled else []
     if resumed and step >= resumed[0] + job.cancel_after:
         cluster.run("scancel", str(job.job_id))  # SIGTERM to every process: a checkpoint, no requeue
