@@ -9,20 +9,23 @@ The losses must equal, step for step, the same script rendered for one node with
 to float rounding), and so must every rank's batches.
 The `--launcher deepspeed` job is also preempted as Slurm does it (`scancel --signal=TERM`: SIGTERM
 to every process of the steps, DeepSpeed's launchers included) once it has trained: it must
-checkpoint that step, requeue once and resume there, with the batches and losses of the one-node
-run, so its two runs together are the launcher's whole check. Each engine and each launcher runs
+checkpoint that step, requeue and resume there, with the batches and losses of the one-node run,
+so its runs together are the launcher's whole check (requeues are not counted exactly:
+support/requeues.py). Each engine and each launcher runs
 once across nodes (FSDP2 under torchrun is the FSDP2 of srun and the torchrun of ZeRO-3).
-The four jobs run side by side. Without root, Slurm or `ip` the tests skip, saying why; under CI they fail.
+The four jobs run side by side, waited for while they move (support/slurm_waits.py). Without root,
+Slurm or `ip` the tests skip, saying why; under CI they fail.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import time
+from pathlib import Path
 
 import pytest
 from support.launch_harness import read_keys
+from support.requeues import assert_committed, assert_requeued_and_resumed_exactly
+from support.slurm_waits import Patience, file_size, rank_start_up_s, stall_limit_s
 from support.two_node_jobs import (
     FINAL,
     ROOT,
@@ -46,33 +49,39 @@ JOBS = {
 }
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3.json")]
 ENGINE = {"zero3": "deepspeed", "ds_preempted": "deepspeed"}  # else fsdp
-DEADLINE_S = 600  # for all four jobs, side by side
+SAVE_EVERY = 4  # two_node_jobs.render's --save-every-n-steps
 
 
-def _run_all(cluster, root, ids: dict[str, int]) -> dict[str, dict[str, str]]:
+def _run_all(cluster, root, ids: dict[str, int], patience: Patience) -> dict[str, dict[str, str]]:
     """Wait for every job; SIGTERM the steps of ds_preempted once its rank 0 has trained step 1."""
-    deadline, preempted = time.monotonic() + DEADLINE_S, False
-    while True:
+    preempted = False
+
+    def over() -> bool:
+        nonlocal preempted
         if not preempted and max(read_keys(keys_prefix(root, "ds_preempted"), 0), default=-1) >= 1:
             cluster.run("scancel", "--signal=TERM", str(ids["ds_preempted"]))
             preempted = True
-        states = {name: cluster.job(job_id) for name, job_id in ids.items()}
-        if all(s.get("JobState") in FINAL for s in states.values()):
-            return states
-        assert time.monotonic() < deadline, {name: s.get("JobState") for name, s in states.items()}
-        time.sleep(1)
+        return all(cluster.job(job_id).get("JobState") in FINAL for job_id in ids.values())
+
+    def progress() -> tuple:
+        return tuple((cluster.job(i).get("JobState"), cluster.job(i).get("Restarts"),
+                      file_size(Path(f"{keys_prefix(root, name)}.rank0.jsonl"))) for name, i in ids.items())  # fmt: skip
+
+    patience.wait(over, progress, what="the four jobs finishing")
+    return {name: cluster.job(job_id) for name, job_id in ids.items()}
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, demo_data):
     root = tmp_path_factory.mktemp("two_nodes")
     with two_node_cluster(root) as cluster:
+        patience = Patience(stall_limit_s(rank_start_up_s()))
         ids = {}
         for name, job in JOBS.items():
             train = ZERO3 if name in ENGINE else []
             script = render(root, name, data=demo_data.train_pattern, steps=STEPS, job=job, train=train)
             ids[name] = submit(cluster, script)
-        yield root, _run_all(cluster, root, ids)
+        yield root, _run_all(cluster, root, ids, patience)
 
 
 @pytest.mark.parametrize("name", ["srun", "zero3", "ds_preempted"])
@@ -120,14 +129,11 @@ def test_deepspeed_launcher_preempted_across_nodes_checkpoints_that_step_and_res
     root, states = finished
     out, state = output(root, "ds_preempted"), states["ds_preempted"]
     tail = out[-4000:]
-    assert (state["JobState"], state["Restarts"]) == ("COMPLETED", "1"), f"{state}\n{tail}"
-    stops = [
-        json.loads(m) for m in re.findall(r"the ranks stopped and asked for a requeue \((\{.*\})\)", out)
-    ]
-    assert len(stops) == 1 and (stops[0]["signal"], stops[0]["reason"]) == ("SIGTERM", "preempted"), tail
-    assert re.findall(r"bigclip sbatch: (requeued job|SLURM has requeued)", out) == ["requeued job"], tail
-    # the stopped step itself, no earlier periodic save: the launchers let the ranks finish it
-    assert re.findall(r"resumed \S+ at step (\d+)", out) == [str(stops[0]["step"])], tail
+    # every rerun at the stopped step itself, no earlier periodic save: the launchers let the ranks finish it
+    first = assert_requeued_and_resumed_exactly(out, state, save_every=SAVE_EVERY, final="COMPLETED")[0]
+    assert (first.stop["signal"], first.stop["reason"]) == ("SIGTERM", "preempted"), tail
+    assert first.requeued_by == "requeued job", tail
     # DeepSpeed's launchers never acted on the SIGTERM (they log this when they do), no worker died
     assert "Main process received SIGTERM" not in out and "DataLoader worker" not in out, tail
     _same_losses_and_batches_as_one_node(root, "ds_preempted", out, zero3=True)
+    assert_committed(root / "ds_preempted" / "logs" / "ds_preempted" / "checkpoints", STEPS)

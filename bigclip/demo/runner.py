@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,11 +24,13 @@ from pathlib import Path
 
 from bigclip.cli_args import ArgumentParser
 from bigclip.demo.data import SHAPES, DemoData, write_demo_data
+from bigclip.demo.report import DemoSummary, first_last, losses, resumed_at, summary_lines
 
 BUCKET = "bigclip-demo"
-LOSS = re.compile(r"Contrastive_loss: ([0-9.]+)")
 SAVED = re.compile(r"checkpoint step (\d+) -> \S+ \((?:committed|async)")
-RESUMED = re.compile(r"resumed \S+ at step (\d+)")
+GLOBAL_BATCH = 64
+VAL_SAMPLES = 300  # held-out pairs with distinct captions (at most 720: the distinct captions there are)
+CLASSIFY_SAMPLES = 400  # images for zero-shot classification by shape
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,6 +41,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--preempt-after", type=int, default=400, help="Send SIGUSR1 after the checkpoint at this step."
     )
+    p.add_argument(
+        "--seed", type=int, default=0, help="Training seed (weights, data order); the data stay the same."
+    )
     return p.parse_args(argv)
 
 
@@ -46,28 +52,34 @@ def demo_data(out: Path, samples: int) -> DemoData:
     marker = out / "data" / "demo_data.json"
     if marker.exists():
         saved = DemoData(**json.loads(marker.read_text()))
-        if saved.train_samples == samples and saved.classify_pattern:
+        if (saved.train_samples, saved.val_samples, saved.classify_samples) == (
+            samples,
+            VAL_SAMPLES,
+            CLASSIFY_SAMPLES,
+        ):
             return saved
+        shutil.rmtree(marker.parent)  # another demo's data: written anew
     print(f"[demo] writing {samples} captioned images as webdataset shards under {marker.parent}")
-    made = write_demo_data(str(marker.parent), samples=samples, shards=8, val_samples=300, seed=0)
+    made = write_demo_data(str(marker.parent), samples=samples, shards=8, val_samples=VAL_SAMPLES,
+                           classify_samples=CLASSIFY_SAMPLES, seed=0)  # fmt: skip
     marker.write_text(json.dumps(vars(made)))
     return made
 
 
-def recipe_argv(data: DemoData, steps: int, batch_size: int) -> list[str]:
+def recipe_argv(data: DemoData, steps: int, batch_size: int, *, seed: int = 0) -> list[str]:
     """What the demo trains and evaluates (the tiny CLIP, its data, optimiser, loss, zero-shot set)."""
     return [
         "--model", "tiny", "--train-data", data.train_pattern, "--precision", "fp32", "--batch-size",
         str(batch_size), "--workers", "1", "--epochs", "100", "--max-steps", str(steps), "--lr", "2e-3",
         "--warmup", "50", "--wd", "0.1", "--local-loss", "--gather-with-grad", "--loss-chunk-size", "32",
-        "--imagenet-val", data.classify_pattern, "--zeroshot-frequency", "1",
+        "--imagenet-val", data.classify_pattern, "--zeroshot-frequency", "1", "--seed", str(seed),
     ]  # fmt: skip
 
 
-def train_argv(data: DemoData, out: Path, steps: int, batch_size: int) -> list[str]:
+def train_argv(data: DemoData, out: Path, args: argparse.Namespace, batch_size: int) -> list[str]:
     """The recipe, with held-out retrieval, logs, and checkpoints streamed to the loopback S3."""
     return [
-        *recipe_argv(data, steps, batch_size), "--val-data", data.val_pattern,
+        *recipe_argv(data, args.steps, batch_size, seed=args.seed), "--val-data", data.val_pattern,
         "--log-every-n-steps", "25", "--logs", str(out / "logs"), "--name", "demo",
         "--checkpoint-dir", f"s3://{BUCKET}/demo/checkpoints", "--save-every-n-steps", "100",
         "--save-frequency", "0", "--async-save", "--resume", "latest",
@@ -95,14 +107,13 @@ def run_phase(cmd: list[str], *, preempt_after: int | None) -> tuple[int, list[s
     return proc.wait(), lines
 
 
-def losses(lines: list[str]) -> list[float]:
-    return [float(m.group(1)) for line in lines if (m := LOSS.search(line))]
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
     data = demo_data(out, args.samples)
+    # The checkpoints live on a loopback S3 that ends with the demo: a rerun starts from step 0,
+    # so the logs of an earlier run (its results.jsonl) are not this run's.
+    shutil.rmtree(out / "logs", ignore_errors=True)
     from bigclip.demo.loopback_s3 import LoopbackS3  # torch (and moto): after the options are checked
 
     with LoopbackS3() as s3:
@@ -110,46 +121,44 @@ def main(argv: list[str]) -> int:
         print(f"[demo] loopback S3 at {s3.endpoint}, bucket s3://{BUCKET}")
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                     "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "-m", "bigclip.train", "--"]  # fmt: skip
-        print("[demo] phase 1: torchrun, 2 CPU ranks x batch 32, FSDP2, checkpoints streamed to S3")
+        half = GLOBAL_BATCH // 2
+        print(f"[demo] phase 1: torchrun, 2 CPU ranks x batch {half}, FSDP2, checkpoints streamed to S3")
         code1, lines1 = run_phase(
-            launcher + train_argv(data, out, args.steps, 32), preempt_after=args.preempt_after
+            launcher + train_argv(data, out, args, half), preempt_after=args.preempt_after
         )
         print(f"[demo] phase 1 ended (ranks exit 85 = requeue me; torchrun reports {code1})")
-        print("[demo] phase 2: requeued on 1 rank x batch 64 (same global batch), --resume latest from S3")
-        code2, lines2 = run_phase([sys.executable, "-m", "bigclip.train", *train_argv(data, out, args.steps, 64)],
+        print(
+            f"[demo] phase 2: requeued on 1 rank x batch {GLOBAL_BATCH} (same global batch), --resume latest from S3"
+        )
+        code2, lines2 = run_phase([sys.executable, "-m", "bigclip.train", *train_argv(data, out, args, GLOBAL_BATCH)],
                                   preempt_after=None)  # fmt: skip
         from bigclip.checkpoint import CheckpointStore  # torch: after the options are checked
 
-        committed = CheckpointStore(f"s3://{BUCKET}/demo/checkpoints").committed()
+        committed = [step for step, _ in CheckpointStore(f"s3://{BUCKET}/demo/checkpoints").committed()]
     if code2 != 0:
         print("[demo] phase 2 failed; see the output above", file=sys.stderr)
         return 1
-    report(out, lines1, lines2, committed)
+    summary = summarise(out, args.seed, lines1, lines2, committed)
+    summary.write(out)
+    print("\n================ bigclip demo ================")
+    print("\n".join(summary_lines(summary)))
+    print(f"TensorBoard:           tensorboard --logdir {out / 'logs' / 'demo' / 'tensorboard'}")
     return 0
 
 
-def report(out: Path, lines1: list[str], lines2: list[str], committed: list[tuple[int, str]]) -> None:
-    resumed = next((int(m.group(1)) for line in lines2 if (m := RESUMED.search(line))), None)
-    l1, l2 = losses(lines1), losses(lines2)
+def summarise(
+    out: Path, seed: int, lines1: list[str], lines2: list[str], committed: list[int]
+) -> DemoSummary:
+    """The run's figures: losses and the resume step from its log, evaluation from results.jsonl."""
     results = [json.loads(x) for x in (out / "logs" / "demo" / "results.jsonl").read_text().splitlines()]
     final = results[-1]
-    print("\n================ bigclip demo ================")
-    print(f"loss (2 ranks):        {l1[0]:.3f} -> {l1[-1]:.3f}   (chance level log(64) = 4.159)")
-    print(f"resumed on 1 rank at:  step {resumed}, from the latest committed S3 checkpoint")
-    print(f"loss (1 rank):         {l2[0]:.3f} -> {l2[-1]:.3f}")
-    print(f"checkpoints on S3:     steps {[s for s, _ in committed]}")
-    chance = final["chance"]
-    print(f"held-out retrieval top-1 over {final['num_samples']} pairs (chance {100 * chance:.2f}%):")
-    print(
-        f"   image -> text: {100 * final['image_to_text_R@1']:.1f}%   text -> image: {100 * final['text_to_image_R@1']:.1f}%"
-    )
-    top1 = final.get("imagenet-zeroshot-val-top1")
-    if top1 is not None:
-        print(
-            f"zero-shot classification of new images by shape ({len(SHAPES)} classes, chance "
-            f"{100 / len(SHAPES):.0f}%): top-1 {100 * top1:.1f}%"
-        )
-    print(f"TensorBoard:           tensorboard --logdir {out / 'logs' / 'demo' / 'tensorboard'}")
+    return DemoSummary(
+        seed=seed, loss_2_ranks=first_last(losses(lines1)), resumed_at=resumed_at(lines2),
+        loss_1_rank=first_last(losses(lines2)), checkpoints=committed, pairs=int(final["num_samples"]),
+        image_to_text=final["image_to_text_R@1"], text_to_image=final["text_to_image_R@1"], classes=len(SHAPES),
+        classify_images=CLASSIFY_SAMPLES, zeroshot_top1=final.get("imagenet-zeroshot-val-top1"),
+        global_batch=GLOBAL_BATCH,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

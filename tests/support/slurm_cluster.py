@@ -37,6 +37,9 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CPUS = 16  # declared (config_overrides): room for several 2-rank jobs at once on a 2-core box
 GPUS = 2
 REQUEUE_DELAY_S = 10  # AuthInfo cred_expire: a requeued job waits this + 1 s before it may start
+KILL_WAIT_S = (
+    30  # KillWait: from SIGTERM to SIGKILL when Slurm ends a job (and how long a node's slurmd takes at most)
+)
 
 
 SBIN = "/usr/sbin:/usr/bin:/sbin:/bin"
@@ -107,7 +110,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
-KillWait=30
+KillWait={KILL_WAIT_S}
 MinJobAge=600
 GresTypes=gpu
 # Pending jobs that were not started on submission (a requeued job once its begin time passes)

@@ -6,7 +6,7 @@ run of its phase is over and it is ahead of them all: it never lost time to a re
 
 Jobs that train until stopped cannot finish before their fault lands, however fast the box and
 however late the scheduler acts (a preemptor, a time-limit warning): their steps are compared with
-the reference's wherever both have one.
+the reference's wherever both have one. A phase lasts as long as its jobs move (support/slurm_waits.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 from bigclip.train.preemption import REQUEUE_MARKER
 from support.launch_harness import read_keys
 from support.slurm_two_nodes import TwoNodeCluster
-from support.two_node_jobs import keys_prefix, output, wait_final
+from support.slurm_waits import Patience, file_size
+from support.two_node_jobs import FINAL, keys_prefix, output
 
 Action = Callable[[TwoNodeCluster, int], None]  # (cluster, job id)
 
@@ -35,6 +36,12 @@ class Fault:
     # starts there (a kill still queued for an unreachable node is delivered when it answers again,
     # and the rerun has the same job id: it would be killed).
     recover: Action | None = None  # None: the fault needs no requeue
+    # Seconds each rerun is held back after a requeue (0: Slurm's own hold, cred_expire + 1 s). A node
+    # that did not answer when the job was requeued gets Slurm's kill of the job once it answers, and
+    # its slurmd then waits up to KillWait for the job's processes: a rerun of the same job id started
+    # there meanwhile is killed with them (and its own requeue's kill can do the same to the next
+    # rerun). Slurm's default hold, 120 s, outlasts KillWait; the test cluster's 10 s does not.
+    rerun_hold_s: float = 0.0
 
 
 @dataclass
@@ -47,6 +54,7 @@ class Job:
     requeue_s: float | None = None  # seconds from the fault to Slurm's Restarts=1
     recovered: bool = False
     cancelled: bool = False
+    held_restarts: int = 0  # restarts whose rerun has been held back (Fault.rerun_hold_s)
 
 
 def last_step(root: Path, name: str) -> int:
@@ -69,9 +77,15 @@ def _tend(cluster: TwoNodeCluster, root: Path, job: Job) -> None:
     if fault and fault.recover and job.fault_at and not job.recovered and _marked(root, job.name):
         fault.recover(cluster, job.job_id)
         job.recovered = True
-    pending = fault and fault.recover and job.fault_at and job.requeue_s is None
-    if pending and int(cluster.job(job.job_id).get("Restarts", "0")) >= 1:
+    timing = fault and fault.recover and job.fault_at and job.requeue_s is None
+    watching = timing or (fault and fault.rerun_hold_s and job.fault_at)
+    restarts = int(cluster.job(job.job_id).get("Restarts", "0")) if watching else 0
+    if timing and restarts >= 1:
         job.requeue_s = round(time.monotonic() - job.fault_at, 1)
+    if fault and fault.rerun_hold_s and restarts > job.held_restarts:  # still pending: its begin time moves
+        hold = f"StartTime=now+{round(fault.rerun_hold_s)}"
+        cluster.run("scontrol", "update", f"JobId={job.job_id}", hold, check=False)
+        job.held_restarts = restarts
     resumed = resumed_at(root, job.name) if job.cancel_after and not job.cancelled else []
     if resumed and step >= resumed[0] + job.cancel_after:
         cluster.run("scancel", str(job.job_id))  # SIGTERM to every process: a checkpoint, no requeue
@@ -89,38 +103,43 @@ def _drive(
         errors.append(e)
 
 
-def _stop_when_ahead(cluster: TwoNodeCluster, root: Path, ref: Job, *, needed: int, deadline: float) -> None:
-    while last_step(root, ref.name) < needed and cluster.job(ref.job_id).get("JobState") == "RUNNING":
-        assert time.monotonic() < deadline, f"the reference run fell behind (step {needed} needed)"
-        time.sleep(1)
-    cluster.run("scancel", str(ref.job_id), check=False)
-
-
 def run_phase(
     cluster: TwoNodeCluster,
     root: Path,
     jobs: list[Job],
     *,
-    timeout_s: float,
+    patience: Patience,
     reference: Job | None = None,
     reference_steps: int = 0,
 ) -> dict[str, dict[str, str]]:
     """Drive `jobs` (and `reference`) until every one is over; their final `scontrol show job`.
     The reference is stopped once it has `reference_steps` steps and is ahead of the others."""
-    stop, deadline, errors = threading.Event(), time.monotonic() + timeout_s, []
+    stop, errors = threading.Event(), []
     everyone = jobs + [reference] * (reference is not None)
     threading.Thread(target=_drive, args=(cluster, root, everyone, stop, errors), daemon=True).start()
+
+    def progress() -> tuple:
+        return tuple((cluster.job(j.job_id).get("JobState"), cluster.job(j.job_id).get("Restarts"),
+                      file_size(Path(f"{keys_prefix(root, j.name)}.rank0.jsonl"))) for j in everyone)  # fmt: skip
+
+    def over(job: Job) -> bool:
+        if (
+            errors
+        ):  # the fault driver failed: the phase fails with it, instead of waiting for faults that never come
+            raise errors[0]
+        return cluster.job(job.job_id).get("JobState") in FINAL
+
     try:
-        states = {}
         for j in jobs:
-            states[j.name] = wait_final(
-                cluster, j.job_id, timeout_s=deadline - time.monotonic(), errors=errors
-            )
+            patience.wait(lambda j=j: over(j), progress, what=f"{j.name} finishing")
         if reference is not None:
             needed = max([reference_steps - 1, *(last_step(root, j.name) for j in jobs)])
-            _stop_when_ahead(cluster, root, reference, needed=needed, deadline=deadline)
-            states[reference.name] = wait_final(cluster, reference.job_id, timeout_s=90)
-        return states
+            running = lambda: cluster.job(reference.job_id).get("JobState") == "RUNNING"  # noqa: E731
+            patience.wait(lambda: last_step(root, reference.name) >= needed or not running(), progress,
+                          what=f"the reference reaching step {needed}")  # fmt: skip
+            cluster.run("scancel", str(reference.job_id), check=False)
+            patience.wait(lambda: over(reference), progress, what="the reference finishing")
+        return {j.name: cluster.job(j.job_id) for j in everyone}
     finally:
         stop.set()
 
@@ -154,6 +173,7 @@ def near_time_limit(*, minutes_left: int) -> Action:
 
 
 def set_time_limit(minutes: int) -> Action:
+    """The rerun's fresh limit (minutes from its start): far beyond it, so no second warning comes."""
     return lambda cluster, job_id: cluster.run(
         "scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"
     )

@@ -47,7 +47,8 @@ def render(
     root: Path, name: str, *, data: str, steps: int, job: list[str], train: list[str] = (), run: str = ""
 ) -> Path:
     """`bigclip slurm` for the tiny model on CPU ranks (fp32, gloo), one step per log line; `run`:
-    train on as that run (its logs and name: it resumes that run's latest checkpoint)."""
+    train on as that run (its logs and name: it resumes that run's latest checkpoint). The time
+    limit is one no run comes near, however loaded the box (its warning would be a requeue)."""
     run = run or name
     out = root / name / "job.sbatch"
     out.parent.mkdir(parents=True)
@@ -55,7 +56,7 @@ def render(
     wrapper.write_text(WRAPPER % sys.executable)
     wrapper.chmod(0o755)
     job_args = ["--cpus-per-gpu", "1", "--no-exclusive", "--python", str(wrapper), "--signal-seconds", "60",
-                "--checkpoint-seconds", "40", "--time", "00:10:00", "--chdir", str(out.parent), *job]  # fmt: skip
+                "--checkpoint-seconds", "40", "--time", "02:00:00", "--chdir", str(out.parent), *job]  # fmt: skip
     train_args = ["--model", "tiny", "--train-data", data, "--precision", "fp32", "--batch-size", "16",
                   "--workers", "1", "--warmup", "2", "--epochs", "40", "--max-steps", str(steps),
                   "--save-every-n-steps", "4", "--save-frequency", "0", "--log-every-n-steps", "1",
@@ -85,16 +86,3 @@ def losses(text: str) -> list[str]:
 def starts(text: str) -> set[tuple[str, str]]:
     """(host, SLURM_NODEID) of every process the wrapper started."""
     return set(re.findall(r"bigclip test: start on (\S+) node (\S+)", text))
-
-
-def wait_final(
-    cluster: TwoNodeCluster, job_id: int, timeout_s: float, errors: list[BaseException] = ()
-) -> dict[str, str]:
-    """The job's final state; `errors` (of a fault driver) end the wait at once, raised."""
-
-    def final(job: dict[str, str]) -> bool:
-        if errors:
-            raise errors[0]
-        return job.get("JobState") in FINAL
-
-    return cluster.wait_for(job_id, final, what="finishing", timeout_s=timeout_s)
