@@ -123,8 +123,9 @@ def side_store(*, prefix: str, timeout_s: float) -> Any:
     """A key-value store all ranks share beside the process group, for liveness checks that must
     not queue behind a hung collective: the default group's own store (TCPStore from env:// or
     torchrun's agent, FileStore from file://), reached through a client of its own whose
-    operations give up after `timeout_s` (the group's client waits as long as the group's
-    timeout). None outside torch.distributed."""
+    waits for a key give up after `timeout_s` (the group's client waits as long as the group's
+    timeout; a request the server never answers blocks either: train/bounded_store.py). None
+    outside torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     store = dist.distributed_c10d._get_default_store()
@@ -132,9 +133,15 @@ def side_store(*, prefix: str, timeout_s: float) -> Any:
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
     if isinstance(base, dist.TCPStore):
-        timeout = datetime.timedelta(seconds=timeout_s)
-        base = dist.TCPStore(base.host, base.port, is_master=False, timeout=timeout, wait_for_workers=False)
+        return store_client(base.host, base.port, prefix=prefix, timeout_s=timeout_s)
     return dist.PrefixStore(prefix, base)
+
+
+def store_client(host: str, port: int, *, prefix: str, timeout_s: float) -> Any:
+    """A new connection to the TCPStore at host:port, its keys under `prefix`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(prefix, client)
 
 
 # What every rank imports anyway, imported once by the fork server the ranks start from: a rank
