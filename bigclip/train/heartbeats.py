@@ -44,14 +44,17 @@ from typing import Any
 from bigclip.train.bounded_store import StoreUnresponsive
 
 ROLL_CALL_INTERVALS = 2.5  # a live rank beats, and so answers, at least twice in this many intervals
+EXTRA_INTERVALS = 4  # ... the caller waits up to this much longer while answers still arrive
+WINDOW_INTERVALS = ROLL_CALL_INTERVALS + EXTRA_INTERVALS
 STORE_ATTEMPTS = 2  # a store that stopped answering for a while gets a second connection
 FAILURE_KEY = "failed"
 CALL_KEY = "call"  # a counter: > 0 once a roll call is open
 PRESENT_KEY = "present"  # "R," appended by every rank answering the roll call
+ANSWERS_KEY = "answers"  # ... and a counter of them, which the caller watches
 MEMBERS_KEY = "members"  # MEMBERS_KEY/HOST: "R," appended by every rank on HOST at start
 STARTED_KEY = "started"  # "R," appended by every rank after its first beat: the beats one can read
 VERDICT_KEY = "verdict"  # the opening rank's reading: silent ranks, their last beats, lost hosts
-VERDICT_WAIT_INTERVALS = 3  # after its own window, how long a rank waits for the verdict
+VERDICT_WAIT_INTERVALS = EXTRA_INTERVALS + 3  # after its own window: how long to wait for the verdict
 LEFT_KEY, DEPARTED_KEY = "left", "departed"
 MAX_LISTED = 64  # silent ranks described one per line; the rest are counted
 
@@ -189,6 +192,7 @@ class Heartbeats:
             called = self.store.add(CALL_KEY, 0) > 0
             if called and not self._answered:
                 self.store.append(PRESENT_KEY, f"{self.rank},")
+                self.store.add(ANSWERS_KEY, 1)
                 self._answered = True
             return called
 
@@ -213,11 +217,8 @@ class Heartbeats:
         call = RollCall(self.world_size)
         try:
             opened = self._retried(lambda: self.store.add(CALL_KEY, 1)) == 1
-            deadline = time.monotonic() + ROLL_CALL_INTERVALS * self.interval_s
             self.beat(step)  # this rank's own answer
-            while time.monotonic() < deadline:  # keep beating meanwhile
-                time.sleep(min(self.interval_s, max(0.0, deadline - time.monotonic())))
-                self.beat(step)
+            self._await_answers(step, opened=opened)
             if opened:
                 self._retried(lambda: self._read_answers(call))
                 self.store.set(VERDICT_KEY, _verdict_text(call))
@@ -227,6 +228,31 @@ class Heartbeats:
             call.store_error = describe_error(e)
             call.store_unresponsive = isinstance(e, StoreUnresponsive)
         return call
+
+    def _await_answers(self, step: int, *, opened: bool) -> None:
+        """Beat (so answer others' calls) through the window; the caller extends it, an interval at
+        a time up to EXTRA_INTERVALS, while answers still came in over the last interval (ranks
+        whose watchdog threads were slow to run: answers that trickle in are live ranks)."""
+        start = time.monotonic()
+        end = start + ROLL_CALL_INTERVALS * self.interval_s
+        latest = start + WINDOW_INTERVALS * self.interval_s
+        counts: list[tuple[float, int]] = []  # the caller's (time, answers so far)
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                if not (opened and now < latest and self._arriving(counts, now)):
+                    return
+                end = min(latest, now + self.interval_s)
+            time.sleep(min(self.interval_s, end - now))
+            self.beat(step)
+            if opened:
+                with contextlib.suppress(Exception):  # no count: no extension
+                    counts.append((time.monotonic(), self.store.add(ANSWERS_KEY, 0)))
+
+    def _arriving(self, counts: list[tuple[float, int]], now: float) -> bool:
+        """More answers now than an interval ago."""
+        before = [n for t, n in counts if t <= now - self.interval_s]
+        return bool(counts and before) and counts[-1][1] > before[-1]
 
     def _retried(self, step: Any) -> Any:
         """A store stopped for a while (or too busy to answer in time): once more, connected afresh.
