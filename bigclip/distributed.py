@@ -166,7 +166,10 @@ def side_store(*, prefix: str, timeout_s: float) -> Any:
 
 
 def store_client(host: str, port: int, *, prefix: str, timeout_s: float) -> Any:
-    """A new connection to the TCPStore at host:port, its keys under `prefix`."""
+    """A new connection to the TCPStore at host:port, its keys under `prefix`. A refused connection
+    (the store's process has ended) raises at once: torch's client would retry it until its timeout."""
+    with socket.create_connection((host, port), timeout=timeout_s):
+        pass
     timeout = datetime.timedelta(seconds=timeout_s)
     client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
     return dist.PrefixStore(prefix, client)

@@ -9,13 +9,15 @@ runs on a worker thread of its own connection and the caller waits at most `dead
 it, the call raises StoreUnresponsive and the connection is abandoned (its worker, a daemon
 thread, stays blocked until the store answers or the process ends); the next call connects
 afresh. A store that refuses or resets the connection (its process is gone) raises its own error
-at once and is reconnected too. `requests` counts the calls made and `bytes_read` the values
+at once and is reconnected too; one whose host cannot be reached (no route: a cut link) raises
+StoreUnresponsive at once. `requests` counts the calls made and `bytes_read` the values
 received: the tests and the scale benchmark count what a roll call costs each rank.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import queue
 import threading
 from collections.abc import Callable
@@ -78,6 +80,8 @@ class BoundedStore:
             ok, value = box[0]
             if not ok:
                 self._drop(connection)  # a reset or refused connection: connect afresh next time
+                if _unreachable(value):  # no route to the store's host: as good as no answer
+                    raise StoreUnresponsive(f"{op}: {value}") from value
                 raise value
             self.bytes_read += _size(value)
             return value
@@ -107,6 +111,12 @@ class BoundedStore:
 
     def wait(self, keys: list[str], timeout_s: float) -> None:
         self.call("wait", keys, datetime.timedelta(seconds=timeout_s), extra_s=timeout_s)
+
+
+def _unreachable(error: BaseException) -> bool:
+    """The store's host cannot be reached (its link down, its route gone): not a refusal."""
+    codes = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN, errno.ETIMEDOUT)
+    return isinstance(error, TimeoutError) or (isinstance(error, OSError) and error.errno in codes)
 
 
 def _size(value: Any) -> int:

@@ -72,7 +72,7 @@ class RollCall:
     world_size: int
     silent: list[int] = field(default_factory=list)  # ranks that did not answer the call
     beats: dict[int, Beat] = field(default_factory=dict)  # the last beats of the silent ranks that beat
-    answering: list[tuple[list[int], Beat]] = field(default_factory=list)  # the reporter's: grouped
+    answering: list[tuple[list[int], Beat]] = field(default_factory=list)  # the caller's: grouped by place
     answered: int = 0
     caller: int = -1  # the rank that opened the call: it read every answer, and lists where each one is
     lost_nodes: list[str] = field(default_factory=list)  # hosts none of whose ranks answered
@@ -282,10 +282,8 @@ class Heartbeats:
             self.store.wait([VERDICT_KEY], VERDICT_WAIT_INTERVALS * self.interval_s)
         except StoreUnresponsive:
             raise
-        except Exception:  # the wait timed out
-            self._read_answers(call)
-            call.answering = []
-            return
+        except Exception:  # the wait timed out: this rank reads what the caller would have
+            return self._read_answers(call)
         verdict = json.loads(bytes(self.store.get(VERDICT_KEY)).decode())
         call.caller, call.silent, call.answered = verdict["caller"], verdict["silent"], verdict["answered"]
         call.beats = {int(r): Beat(**b) for r, b in verdict["beats"].items()}

@@ -223,8 +223,9 @@ def check_shared_folder(store: CheckpointStore) -> None:
 
 def _not_shared(uri: str, hosts: list[str]) -> str:
     more = f" and {len(hosts) - 2} more nodes" if len(hosts) > 2 else ""
+    see = "does not see" if len(hosts) == 1 else "do not see"
     return (
-        f"the checkpoint folder {uri} is not shared across nodes: {', '.join(hosts[:2])}{more} do not see the "
+        f"the checkpoint folder {uri} is not shared across nodes: {', '.join(hosts[:2])}{more} {see} the "
         "file rank 0 wrote there (a node-local disk: each node would keep its own ranks' shards while rank 0 "
         "alone commits); give a folder every node mounts (a shared file system) or an s3:// URI, with "
         "--logs or --checkpoint-dir"

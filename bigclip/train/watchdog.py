@@ -27,7 +27,9 @@ watches the one thing every engine has in common, the training loop finishing st
   or cut off; a refused connection is its process ending, a failure): then the node is lost (its
   processes killed, its kernel gone), not a rank's own failure; the survivors write the requeue
   marker and exit with REQUEUE_EXIT_CODE, as for a hang, and the job resumes from its last
-  committed checkpoint once Slurm has a node for it. A hang's report names lost nodes too.
+  committed checkpoint once Slurm has a node for it. A hang's report names lost nodes too. A rank
+  that cannot reach the store at all (cut off with its node) waits for the requeue marker of one
+  that can before writing its own: the marker that stays names the silent ranks.
 While a preemption signal is being handled the watchdog stands aside: the checkpoint may take
 longer than a step, and the scheduler's grace time bounds it.
 """
@@ -50,6 +52,7 @@ from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, side_store
 from bigclip.train.bounded_store import BoundedStore
 from bigclip.train.heartbeats import (
+    EXTRA_INTERVALS,
     ROLL_CALL_INTERVALS,
     Heartbeats,
     RollCall,
@@ -64,6 +67,10 @@ AUTO_FACTOR = 10.0
 AUTO_FLOOR_S = 300.0
 AUTO_MIN_STEPS = 10
 DEPART_INTERVALS = 3  # how long a reporting rank waits for the others' reports before it exits
+# A rank that cannot reach the store (cut off with its node) knows nothing of the others: it waits
+# this long for a peer's requeue marker (the ranks that reached the store report first) before it
+# writes its own, and exits only once the others have had time to finish their reports.
+UNINFORMED_INTERVALS = ROLL_CALL_INTERVALS + EXTRA_INTERVALS + DEPART_INTERVALS + 1
 MAX_BEAT_INTERVAL_S = 5.0  # two store requests per rank per interval: 410/s on 1024 ranks
 MIN_STORE_DEADLINE_S = 10.0  # a store call unanswered for this long (or 2 intervals): its host is gone
 RESUBMIT = ("Resubmit the job to resume from its last committed checkpoint once the cause (out of memory, "
@@ -181,6 +188,7 @@ class StepWatchdog:
             call = self.heartbeats.roll_call(step=self.step)
             log.error(f"step watchdog (rank {self.rank}): roll call:\n{call.describe()}")
         lost = self._lost_nodes(call) if call is not None else []
+        self._await_informed_peers(call)
         record = {"reason": "hung", "step": self.step, "idle_s": round(idle, 1), "by_rank": self.rank,
                   "silent_ranks": call.silent if call else [], "lost_nodes": lost, "signal": None}  # fmt: skip
         self._write_marker(record)
@@ -224,6 +232,7 @@ class StepWatchdog:
         lost = self._lost_nodes(call)
         if not lost:
             return False
+        self._await_informed_peers(call)
         record = {"reason": "lost_node", "step": self.step, "by_rank": self.rank, "silent_ranks": call.silent,
                   "lost_nodes": lost, "error": error, "signal": None}  # fmt: skip
         self._write_marker(record)
@@ -234,6 +243,17 @@ class StepWatchdog:
         self._depart(call)
         self._exit(REQUEUE_EXIT_CODE)
         return True
+
+    def _await_informed_peers(self, call: RollCall | None) -> None:
+        """After a roll call that could not reach the store: give the ranks that can reach it the
+        time to report and to write the requeue marker (theirs names the silent ranks), then leave."""
+        if call is None or not call.store_error:
+            return
+        deadline = time.monotonic() + UNINFORMED_INTERVALS * self.interval_s
+        while time.monotonic() < deadline and not (self.run_dir / REQUEUE_MARKER).exists():
+            time.sleep(min(self.interval_s, max(0.0, deadline - time.monotonic())))
+        if (self.run_dir / REQUEUE_MARKER).exists():  # theirs: their reports are out, they are leaving
+            time.sleep(DEPART_INTERVALS * self.interval_s)
 
     def _depart(self, call: RollCall | None) -> None:
         if call is not None and self.heartbeats is not None and not call.store_error:
