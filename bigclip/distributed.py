@@ -4,6 +4,17 @@ Launchers and the variables they set:
   torchrun / deepspeed      RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
   srun (one task per GPU)   SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (+ MASTER_ADDR/PORT from the sbatch script)
   plain `python`            nothing: a world of one on a free local port
+
+Gloo connects lazily here (TORCH_GLOO_LAZY_INIT=1, unless the environment says otherwise): by
+default each gloo group opens a full mesh when it is made, a socket per peer in every process, two
+groups (cpu_group and the checkpoint store's) so at least 2 x world sockets per process, and about
+a million TCP connections at once across 1024 ranks. Lazily, a process connects to the peers its
+collectives reach: a handful (ring, tree and dissemination neighbours; benchmarks/scale_sockets.py
+measures them), all of them only where one rank gathers from every other (the checkpoint
+coordinator, rank 0). Collectives from two threads on two groups (an async save's background thread
+beside the training loop) stay apart as before: each group has its own connections
+(tests/test_sockets.py runs both at once). What a process may still need is checked before start:
+train/preflight.py, check_open_files.
 """
 
 from __future__ import annotations
@@ -62,6 +73,22 @@ def pick_device(local_rank: int, requested: str = "") -> torch.device:
 
 
 DEFAULT_TIMEOUT_S = 1800
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # torch >= 2.11 reads it when a gloo group is made
+
+
+def connect_gloo_lazily(environ: dict[str, str] | Any = None) -> None:
+    """Make the gloo groups created from now on connect peer by peer, as collectives need them
+    (unless the environment already chose)."""
+    (os.environ if environ is None else environ).setdefault(GLOO_LAZY_INIT, "1")
+
+
+def gloo_connects_lazily(environ: dict[str, str] | None = None) -> bool:
+    """Whether the gloo groups bigclip makes connect lazily (torch's reading of the variable;
+    init_distributed sets it where it is unset)."""
+    value = (os.environ if environ is None else environ).get(GLOO_LAZY_INIT, "1")
+    return value.strip().lower() in ("1", "y", "yes", "t", "true")
+
+
 _timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)  # of every group made here (see cpu_group)
 
 
@@ -78,6 +105,7 @@ def init_distributed(*, backend: str = "", device: str = "", timeout_s: float = 
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
+        connect_gloo_lazily()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
             if world_size > 1:
@@ -121,8 +149,9 @@ def side_store(*, prefix: str, timeout_s: float) -> Any:
     """A key-value store all ranks share beside the process group, for liveness checks that must
     not queue behind a hung collective: the default group's own store (TCPStore from env:// or
     torchrun's agent, FileStore from file://), reached through a client of its own whose
-    operations give up after `timeout_s` (the group's client waits as long as the group's
-    timeout). None outside torch.distributed."""
+    waits for a key give up after `timeout_s` (the group's client waits as long as the group's
+    timeout; a request the server never answers blocks either: train/bounded_store.py). None
+    outside torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     store = dist.distributed_c10d._get_default_store()
@@ -130,9 +159,18 @@ def side_store(*, prefix: str, timeout_s: float) -> Any:
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
     if isinstance(base, dist.TCPStore):
-        timeout = datetime.timedelta(seconds=timeout_s)
-        base = dist.TCPStore(base.host, base.port, is_master=False, timeout=timeout, wait_for_workers=False)
+        return store_client(base.host, base.port, prefix=prefix, timeout_s=timeout_s)
     return dist.PrefixStore(prefix, base)
+
+
+def store_client(host: str, port: int, *, prefix: str, timeout_s: float) -> Any:
+    """A new connection to the TCPStore at host:port, its keys under `prefix`. A refused connection
+    (the store's process has ended) raises at once: torch's client would retry it until its timeout."""
+    with socket.create_connection((host, port), timeout=timeout_s):
+        pass
+    timeout = datetime.timedelta(seconds=timeout_s)
+    client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(prefix, client)
 
 
 # What every rank imports anyway, imported once by the fork server the ranks start from: a rank
@@ -147,6 +185,7 @@ def _spawn_entry(
     # call, and only then unpickle the function, as importing its module may read the environment.
     os.environ.clear()
     os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    connect_gloo_lazily()  # as init_distributed does: every multi-rank test runs the run's way
     torch.set_num_threads(1)
     try:
         fn, args = pickle.loads(call)

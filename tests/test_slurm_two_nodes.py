@@ -13,8 +13,12 @@ checkpoint that step, requeue and resume there, with the batches and losses of t
 so its runs together are the launcher's whole check (requeues are not counted exactly:
 support/requeues.py). Each engine and each launcher runs
 once across nodes (FSDP2 under torchrun is the FSDP2 of srun and the torchrun of ZeRO-3).
-The four jobs run side by side, waited for while they move (support/slurm_waits.py). Without root,
-Slurm or `ip` the tests skip, saying why; under CI they fail.
+A fifth job keeps its logs, and so its checkpoint folder, on a node-local folder (the cluster's
+`local`: one path, each node's own folder behind it, as `--logs /local-nvme/...` on a real cluster):
+it must be refused within seconds, before training, naming node1 and the fix, and leave no file.
+The other jobs pass the same check with a folder both nodes share. The jobs run side by side,
+waited for while they move (support/slurm_waits.py). Without root, Slurm or `ip` the tests skip,
+saying why; under CI they fail.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ JOBS = {
     "srun": [*TWO_NODES, "--launcher", "srun"],
     "zero3": [*TWO_NODES, "--launcher", "torchrun"],
     "ds_preempted": [*TWO_NODES, "--launcher", "deepspeed"],
+    "node_local": [*TWO_NODES, "--launcher", "srun"],
 }
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3.json")]
 ENGINE = {"zero3": "deepspeed", "ds_preempted": "deepspeed"}  # else fsdp
@@ -67,7 +72,7 @@ def _run_all(cluster, root, ids: dict[str, int], patience: Patience) -> dict[str
         return tuple((cluster.job(i).get("JobState"), cluster.job(i).get("Restarts"),
                       file_size(Path(f"{keys_prefix(root, name)}.rank0.jsonl"))) for name, i in ids.items())  # fmt: skip
 
-    patience.wait(over, progress, what="the four jobs finishing")
+    patience.wait(over, progress, what="the jobs finishing")
     return {name: cluster.job(job_id) for name, job_id in ids.items()}
 
 
@@ -79,6 +84,8 @@ def finished(tmp_path_factory, demo_data):
         ids = {}
         for name, job in JOBS.items():
             train = ZERO3 if name in ENGINE else []
+            if name == "node_local":
+                train = ["--logs", str(cluster.local / "logs")]
             script = render(root, name, data=demo_data.train_pattern, steps=STEPS, job=job, train=train)
             ids[name] = submit(cluster, script)
         yield root, _run_all(cluster, root, ids, patience)
@@ -137,3 +144,22 @@ def test_deepspeed_launcher_preempted_across_nodes_checkpoints_that_step_and_res
     assert "Main process received SIGTERM" not in out and "DataLoader worker" not in out, tail
     _same_losses_and_batches_as_one_node(root, "ds_preempted", out, zero3=True)
     assert_committed(root / "ds_preempted" / "logs" / "ds_preempted" / "checkpoints", STEPS)
+
+
+def test_a_checkpoint_folder_on_a_node_local_disk_is_refused_before_training(finished) -> None:
+    root, states = finished
+    out, state = output(root, "node_local"), states["node_local"]
+    # the ranks exit 2 (bad input); srun ends the rest of the step at the first and the job fails
+    assert state["JobState"] == "FAILED", f"{state}\n{out[-4000:]}"
+    assert re.search(r"tasks? [\d-]+: Exited with exit code 2", out), out[-4000:]
+    assert starts(out) == {("node0", "0"), ("node1", "1")}, out[-4000:]  # both nodes' ranks ran the check
+    local = root / "cluster" / "local/logs/node_local/checkpoints"
+    refusal = (
+        f"the checkpoint folder {local} is not shared across nodes: node1 (rank 2) does not see the file"
+    )
+    assert refusal in out and "an s3:// URI, with --logs or --checkpoint-dir" in out, out[-4000:]
+    assert "bigclip sbatch: requeued" not in out and not read_keys(
+        root / "node_local" / "keys", 0
+    )  # no step ran
+    for node in ("node0", "node1"):  # each node's own folder: no file left (the script's empty folders aside)
+        assert not [p for p in (root / "cluster" / f"local-{node}").rglob("*") if p.is_file()], node

@@ -96,6 +96,11 @@ export OMP_NUM_THREADS={{OMP_THREADS}}
 # export NCCL_IB_HCA=mlx5               # InfiniBand adapters to use
 # export FI_PROVIDER=efa                # AWS EFA (p4d/p5), with the aws-ofi-nccl plugin
 {{ENV_SETUP}}
+# Open files: each rank keeps a socket per peer its gloo collectives reach, and the rank hosting the
+# rendezvous store two per rank; a rank refuses to start below what the world needs. Raise the soft
+# limit to the hard one (often 1024 and far more): srun passes this shell's limit on to every task.
+ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true
+
 # Rendezvous on the first node of the allocation; a port derived from the job id keeps two jobs
 # sharing a node apart.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)

@@ -156,6 +156,27 @@ def check_access(location: Location, *, timeout_s: float = 20.0, what: str = "ch
             raise StorageError(f"{what} {location.uri} is not usable: {name}: {result.detail}")
 
 
+def write_probe(location: Location) -> tuple[str, str]:
+    """A probe object holding a random token, for other nodes to look for: (name, token)."""
+    name, token = probe_name(), uuid.uuid4().hex
+    location.write_bytes(name, token.encode())
+    return name, token
+
+
+def probe_seen(location: Location, name: str, token: str, *, attempts: int = 5, pause_s: float = 1.0) -> bool:
+    """Whether `location` holds the probe another process wrote. A few tries: a shared file system
+    may show another node's new file a moment late (attribute caches); a node-local folder never."""
+    for attempt in range(attempts):
+        try:
+            if location.read_bytes(name) == token.encode():
+                return True
+        except (StorageError, *location.read_errors):
+            pass
+        if attempt < attempts - 1:
+            time.sleep(pause_s)
+    return False
+
+
 def _credentials() -> str:
     import botocore.session
 

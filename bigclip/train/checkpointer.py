@@ -47,6 +47,7 @@ from bigclip.errors import StorageError
 from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.metrics import Scalars, get_logger
 from bigclip.train.preemption import PreemptionWatcher
+from bigclip.train.preflight import check_shared_folder
 from bigclip.train.remote_sync import RemoteSync
 from bigclip.train.save_schedule import Boundary, Due, OnFailure, TrainingClock, agree, save_due
 
@@ -77,6 +78,7 @@ def open_store(cfg: TrainConfig, run_dir: Path) -> CheckpointStore:
     """Collective; the access check fails in seconds (wrong bucket, no credentials) before any model."""
     store = CheckpointStore(cfg.checkpoint.checkpoint_dir or str(run_dir / "checkpoints"))
     store.check_access()
+    check_shared_folder(store)  # a local folder: every node's must be the same one
     return store
 
 

@@ -3,20 +3,29 @@ data read, so a bad input costs a second and loses nothing.
 
 `check_flags` needs the flags only and imports no torch: `bigclip train` runs it before importing
 torch, so a contradiction fails in well under a second. `check_machine` asks the machine (torch's
-devices, DeepSpeed's accelerator) and the launcher's environment (world size), still before the
-process group. The checks that need data (shards, sizes.json) or a checkpoint's manifest stay with
-the data and checkpoint code; each section's own value checks are its `validate`.
+devices, DeepSpeed's accelerator) and the launcher's environment (world size, the open-file
+limit), still before the process group. The checks that need data (shards, sizes.json) or a
+checkpoint's manifest stay with the data and checkpoint code; each section's own value checks are
+its `validate`. One check needs the checkpoint store's process group and runs as it opens: a local
+checkpoint folder must be one every node sees (`check_shared_folder`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import resource
+from typing import TYPE_CHECKING
 
 from bigclip.config import EngineConfig, TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.errors import ConfigError
 from bigclip.models.hf_hub import HF_HUB_PREFIX
 from bigclip.rank_env import read_launch_env
+
+if TYPE_CHECKING:
+    from bigclip.checkpoint import CheckpointStore
 
 
 def check_flags(cfg: TrainConfig) -> None:
@@ -75,6 +84,7 @@ def _check_tag_tokenizer(cfg: TrainConfig) -> None:
 def check_machine(cfg: TrainConfig) -> None:
     """Checks that need torch (and DeepSpeed for its engine), but no process group."""
     check_device(cfg.engine)
+    check_open_files(cfg.engine, world_size=launch_world_size())
     _check_linear_kind(cfg)
     if cfg.engine.engine == "deepspeed":
         _check_deepspeed(cfg, world_size=launch_world_size())
@@ -100,6 +110,67 @@ def check_device(engine: EngineConfig) -> None:
             f"--device {engine.device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}; "
             "leave --device out (cuda:LOCAL_RANK) or name one of them"
         )
+
+
+# What a process holds besides the sockets counted below: libraries, devices (CUDA's and NCCL's),
+# logs, data-loader pipes and shared memory, S3 connections. A CPU rank with 2 data workers held 45
+# (benchmarks/scale_sockets.py); the rest is headroom.
+FD_BASE = 512
+
+
+def open_files_needed(world_size: int, *, hosts_store: bool, gloo_world: bool, lazy: bool) -> dict[str, int]:
+    """File descriptors the busiest process of a `world_size`-rank run may hold, by kind (rank 0:
+    it coordinates checkpoints, and under srun or DeepSpeed's launcher it hosts the rendezvous store).
+    Each gloo group holds a socket per peer it reaches: every peer in a full mesh; lazily only those
+    its collectives reach, except where one rank gathers from all (the checkpoint group on rank 0,
+    and the default group when it is gloo: the training's all-to-all). benchmarks/scale_sockets.py
+    measures them at 4-32 ranks."""
+    near = min(world_size, 4 * math.ceil(math.log2(max(2, world_size))) + 4)  # ring, tree, dissemination
+    return {
+        "store": 2 * world_size if hosts_store else 0,  # a connection per rank, one more for its heartbeats
+        "checkpoint group": world_size,
+        "cpu group": world_size if (gloo_world or not lazy) else near,
+        "the rest": FD_BASE,
+    }
+
+
+def check_open_files(engine: EngineConfig, *, world_size: int) -> None:
+    """The open-file limit must hold what the world needs; the soft limit is raised up to the hard
+    one first (as launchers do), so only a hard limit too low refuses the run."""
+    if world_size <= 1:
+        return
+    import torch
+
+    from bigclip.distributed import gloo_connects_lazily
+
+    device = engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gloo_world = (engine.dist_backend or ("nccl" if device.startswith("cuda") else "gloo")) == "gloo"
+    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # torchrun's agent hosts it
+    kinds = open_files_needed(world_size, hosts_store=hosts_store, gloo_world=gloo_world,
+                              lazy=gloo_connects_lazily())  # fmt: skip
+    need = sum(kinds.values())
+    soft, hard = raise_open_files(need)
+    if soft >= need:
+        return
+    parts = ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n)
+    raise ConfigError(
+        f"the open-file limit (ulimit -n) is {soft}, hard limit {hard}: a {world_size}-rank run needs up to "
+        f"{need} per process ({parts}); raise it before the launch, `ulimit -n {need}` in the job script "
+        "(the scripts `bigclip slurm` renders raise the soft limit to the hard one; a higher hard limit "
+        "takes root: /etc/security/limits.conf, or the node's slurmd/systemd LimitNOFILE)"
+    )
+
+
+def raise_open_files(need: int) -> tuple[int, int]:
+    """Raise the soft open-file limit to the hard one if it is below `need`; (soft, hard) after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need and soft != hard:
+        target = hard if hard != resource.RLIM_INFINITY else need
+        # a system cap below the hard limit (macOS's OPEN_MAX) refuses it: the caller's check says so
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft, hard
 
 
 def _check_global_batch(cfg: TrainConfig, *, world_size: int) -> None:
@@ -142,3 +213,41 @@ def _check_deepspeed(cfg: TrainConfig, *, world_size: int) -> None:
     from bigclip.engines.deepspeed import check_supported
 
     check_supported(cfg, accelerator=get_accelerator())
+
+
+def check_shared_folder(store: CheckpointStore) -> None:
+    """Collective, on the store's group: refuse a local checkpoint folder that is not the same on
+    every node. DCP writes each rank's shards on its own node, and rank 0 alone commits and mirrors
+    the checkpoint: with a node-local folder (`--logs /local-nvme/...` on several nodes) the manifest
+    would describe files rank 0 cannot see. Rank 0 writes a probe holding a random token; each
+    node's local rank 0 looks for it (three collectives, one small file: seconds, before the model)."""
+    import socket
+
+    from bigclip.distributed import launch_env
+    from bigclip.storage import schemes
+    from bigclip.storage.preflight import probe_seen, write_probe
+
+    group, location = store.group, store.location
+    if group.world_size == 1 or not schemes.is_local(location.uri):  # an object store is one for all
+        return
+    name, token = group.broadcast(write_probe(location) if group.rank == 0 else None)
+    unseen = None
+    if group.rank != 0 and launch_env()[2] == 0 and not probe_seen(location, name, token):
+        unseen = f"{socket.gethostname()} (rank {group.rank})"
+    hosts = [h for h in group.gather(unseen) if h]
+    if group.rank == 0:
+        location.delete(name)
+    message = group.broadcast(_not_shared(location.uri, hosts) if hosts else None)
+    if message:
+        raise ConfigError(message)
+
+
+def _not_shared(uri: str, hosts: list[str]) -> str:
+    more = f" and {len(hosts) - 2} more nodes" if len(hosts) > 2 else ""
+    see = "does not see" if len(hosts) == 1 else "do not see"
+    return (
+        f"the checkpoint folder {uri} is not shared across nodes: {', '.join(hosts[:2])}{more} {see} the "
+        "file rank 0 wrote there (a node-local disk: each node would keep its own ranks' shards while rank 0 "
+        "alone commits); give a folder every node mounts (a shared file system) or an s3:// URI, with "
+        "--logs or --checkpoint-dir"
+    )

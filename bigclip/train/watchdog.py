@@ -22,34 +22,37 @@ watches the one thing every engine has in common, the training loop finishing st
   that waits for the failed one, alive but past the error, would see nothing until that process
   exits (and the store with it, under srun) or the group times out: its watchdog reads the
   announcement at its next beat, names the silent ranks too, and ends the process with 1.
-- Unless every silent rank is on a node none of whose ranks answers (each rank publishes its
-  host in the store at start): then the node is lost (its processes killed, its kernel gone),
-  not a rank's own failure; the survivors write the requeue marker and exit with
-  REQUEUE_EXIT_CODE, as for a hang, and the job resumes from its last committed checkpoint
-  once Slurm has a node for it.
+- Unless every silent rank is on a node none of whose ranks answers (each rank lists itself under
+  its host in the store at start), or the store itself does not answer at all (its host stopped
+  or cut off; a refused connection is its process ending, a failure): then the node is lost (its
+  processes killed, its kernel gone), not a rank's own failure; the survivors write the requeue
+  marker and exit with REQUEUE_EXIT_CODE, as for a hang, and the job resumes from its last
+  committed checkpoint once Slurm has a node for it. A hang's report names lost nodes too. A rank
+  that cannot reach the store at all (cut off with its node) waits for the requeue marker of one
+  that can before writing its own: the marker that stays names the silent ranks.
 While a preemption signal is being handled the watchdog stands aside: the checkpoint may take
 longer than a step, and the scheduler's grace time bounds it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
-import socket
 import statistics
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime, side_store
+from bigclip.train.bounded_store import BoundedStore
 from bigclip.train.heartbeats import (
+    EXTRA_INTERVALS,
     ROLL_CALL_INTERVALS,
     Heartbeats,
     RollCall,
@@ -64,8 +67,12 @@ AUTO_FACTOR = 10.0
 AUTO_FLOOR_S = 300.0
 AUTO_MIN_STEPS = 10
 DEPART_INTERVALS = 3  # how long a reporting rank waits for the others' reports before it exits
-HOST_KEY = "host"  # HOST_KEY/RANK: the host the rank runs on
+# A rank that cannot reach the store (cut off with its node) knows nothing of the others: it waits
+# this long for a peer's requeue marker (the ranks that reached the store report first) before it
+# writes its own, and exits only once the others have had time to finish their reports.
+UNINFORMED_INTERVALS = ROLL_CALL_INTERVALS + EXTRA_INTERVALS + DEPART_INTERVALS + 1
 MAX_BEAT_INTERVAL_S = 5.0  # two store requests per rank per interval: 410/s on 1024 ranks
+MIN_STORE_DEADLINE_S = 10.0  # a store call unanswered for this long (or 2 intervals): its host is gone
 RESUBMIT = ("Resubmit the job to resume from its last committed checkpoint once the cause (out of memory, "
             "a lost node) is dealt with.")  # fmt: skip
 
@@ -86,11 +93,26 @@ def beat_interval(timeout_s: float) -> float:
     return MAX_BEAT_INTERVAL_S if timeout_s <= 0 else min(MAX_BEAT_INTERVAL_S, max(1.0, timeout_s / 20))
 
 
+def store_deadline(interval_s: float) -> float:
+    return max(MIN_STORE_DEADLINE_S, 2 * interval_s)
+
+
 class StepWatchdog:
-    def __init__(self, *, timeout_s: float, rank: int, run_dir: Path, heartbeats: Heartbeats | None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        rank: int,
+        run_dir: Path,
+        heartbeats: Heartbeats | None,
+        exit: Callable[[int], None] | None = None,
+    ) -> None:
+        """`exit(code)` ends the process from the watchdog's thread (default: at once, skipping the
+        interpreter's shutdown; a simulation of many ranks in one process passes its own)."""
         self.timeout_s, self.rank, self.run_dir, self.heartbeats = timeout_s, rank, Path(run_dir), heartbeats
         self.interval_s = heartbeats.interval_s if heartbeats else beat_interval(timeout_s)
         self.step = 0
+        self._exit = exit or _exit_now
         self._intervals: deque[float] = deque(maxlen=100)
         self._last_step_at: float | None = None  # not watching before the first step
         self._paused = 0
@@ -106,15 +128,18 @@ class StepWatchdog:
             # torchrun (--max-restarts) keeps its TCPStore server across worker restarts: keys of the
             # failed attempt, its failure announcement first, must not reach the next one
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            store = side_store(prefix=f"bigclip/heartbeats/{attempt}", timeout_s=max(10.0, 2 * interval))
+            deadline = store_deadline(interval)
+            prefix = f"bigclip/heartbeats/{attempt}"
+            store = BoundedStore(lambda: side_store(prefix=prefix, timeout_s=deadline), deadline_s=deadline)
             beats = Heartbeats(store, rank=runtime.rank, world_size=runtime.world_size, interval_s=interval)
-            beats.beat(0)  # present from the start, so a roll call never waits for a missing key
-            with contextlib.suppress(Exception):  # no host known: a failure is then never a lost node
-                store.set(f"{HOST_KEY}/{runtime.rank}", socket.gethostname())
+            beats.start()  # listed under its host and beating from the start
         watchdog = cls(timeout_s=timeout_s, rank=runtime.rank, run_dir=run_dir, heartbeats=beats)
         if timeout_s >= 0:
-            watchdog._thread.start()
+            watchdog.start()
         return watchdog
+
+    def start(self) -> None:
+        self._thread.start()
 
     def step_done(self, step: int) -> None:
         now = time.monotonic()
@@ -137,8 +162,8 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
-            if self.heartbeats is not None:
-                self.heartbeats.beat(self.step)
+            # a roll call is open: a peer may have announced its failure (read only then)
+            if self.heartbeats is not None and self.heartbeats.beat(self.step):
                 failure = self.heartbeats.peer_failure()
                 if failure is not None:
                     self._follow(failure)
@@ -161,17 +186,18 @@ class StepWatchdog:
         if self.heartbeats is not None:
             self.heartbeats.activity = f"its own watchdog report, stuck before in {main_thread_location()}"
             call = self.heartbeats.roll_call(step=self.step)
-        if call is not None:
             log.error(f"step watchdog (rank {self.rank}): roll call:\n{call.describe()}")
+        lost = self._lost_nodes(call) if call is not None else []
+        self._await_informed_peers(call)
         record = {"reason": "hung", "step": self.step, "idle_s": round(idle, 1), "by_rank": self.rank,
-                  "silent_ranks": call.silent if call else [], "signal": None}  # fmt: skip
+                  "silent_ranks": call.silent if call else [], "lost_nodes": lost, "signal": None}  # fmt: skip
         self._write_marker(record)
         log.error(
             f"step watchdog (rank {self.rank}): exiting with {REQUEUE_EXIT_CODE}: the job is requeued "
             "and resumes from its last committed checkpoint"
         )
         self._depart(call)
-        _exit_now(REQUEUE_EXIT_CODE)
+        self._exit(REQUEUE_EXIT_CODE)
 
     def _follow(self, failure: dict[str, Any]) -> None:
         """Another rank stopped on an error while this one trains on, most likely blocked in a
@@ -187,29 +213,26 @@ class StepWatchdog:
             f"({failure['error']}) while this rank, after step {self.step}, waited in {where}; roll call of "
             f"the ranks:\n{call.describe()}"
         )
-        self._requeue_if_nodes_lost(call, what=what, error=failure["error"])
+        if self._requeue_if_nodes_lost(call, what=what, error=failure["error"]):
+            return
         get_logger().error(f"{what}\n{RESUBMIT}")
         self._depart(call)
-        _exit_now(1)
+        self._exit(1)
 
     def _lost_nodes(self, call: RollCall) -> list[str]:
-        """The hosts none of whose ranks answered, if every silent rank is on one of them."""
-        if call.store_error or not call.silent or self.heartbeats is None:
-            return []
-        try:
-            keys = [f"{HOST_KEY}/{r}" for r in range(call.world_size)]
-            hosts = [bytes(h).decode() for h in self.heartbeats.store.multi_get(keys)]
-        except Exception:
-            return []
-        silent = set(call.silent)
-        lost = {h for h in hosts if all(r in silent for r, other in enumerate(hosts) if other == h)}
-        return sorted(lost) if all(hosts[r] in lost for r in silent) else []
+        """The hosts none of whose ranks answered (when every silent rank is on one of them), or
+        the store's host when the store did not answer at all (a refusal: its process ended)."""
+        if call.store_unresponsive:
+            return [f"{os.environ.get('MASTER_ADDR', 'the host')} (the rendezvous store's host)"]
+        return [] if call.store_error else call.lost_nodes
 
-    def _requeue_if_nodes_lost(self, call: RollCall, *, what: str, error: str) -> None:
-        """A whole node gone is no fault of the run: requeue (exit REQUEUE_EXIT_CODE), as for a hang."""
+    def _requeue_if_nodes_lost(self, call: RollCall, *, what: str, error: str) -> bool:
+        """A whole node gone is no fault of the run: requeue (exit REQUEUE_EXIT_CODE), as for a hang.
+        False when no node is lost (a simulated rank's `exit` returns: True, it has exited)."""
         lost = self._lost_nodes(call)
         if not lost:
-            return
+            return False
+        self._await_informed_peers(call)
         record = {"reason": "lost_node", "step": self.step, "by_rank": self.rank, "silent_ranks": call.silent,
                   "lost_nodes": lost, "error": error, "signal": None}  # fmt: skip
         self._write_marker(record)
@@ -218,12 +241,23 @@ class StepWatchdog:
             f"exiting with {REQUEUE_EXIT_CODE}: the job is requeued and resumes from its last committed checkpoint"
         )
         self._depart(call)
-        _exit_now(REQUEUE_EXIT_CODE)
+        self._exit(REQUEUE_EXIT_CODE)
+        return True
+
+    def _await_informed_peers(self, call: RollCall | None) -> None:
+        """After a roll call that could not reach the store: give the ranks that can reach it the
+        time to report and to write the requeue marker (theirs names the silent ranks), then leave."""
+        if call is None or not call.store_error:
+            return
+        deadline = time.monotonic() + UNINFORMED_INTERVALS * self.interval_s
+        while time.monotonic() < deadline and not (self.run_dir / REQUEUE_MARKER).exists():
+            time.sleep(min(self.interval_s, max(0.0, deadline - time.monotonic())))
+        if (self.run_dir / REQUEUE_MARKER).exists():  # theirs: their reports are out, they are leaving
+            time.sleep(DEPART_INTERVALS * self.interval_s)
 
     def _depart(self, call: RollCall | None) -> None:
-        if call is not None and self.heartbeats is not None:
-            answering = [r for r in range(call.world_size) if r not in call.silent]
-            self.heartbeats.depart(answering, step=self.step, timeout_s=DEPART_INTERVALS * self.interval_s)
+        if call is not None and self.heartbeats is not None and not call.store_error:
+            self.heartbeats.depart(call.answered, timeout_s=DEPART_INTERVALS * self.interval_s)
 
     def _write_marker(self, record: dict) -> None:
         try:  # every survivor writes it (under srun the first to exit ends the others); the first stays
@@ -250,9 +284,9 @@ class StepWatchdog:
             f"rank {self.rank}: a collective failed after step {self.step} ({describe_error(error)}); "
             f"roll call of the ranks:\n{call.describe()}"
         )
-        self._requeue_if_nodes_lost(call, what=what, error=describe_error(error))
-        get_logger().error(f"{what}\n{RESUBMIT}")
-        self._depart(call)
+        if not self._requeue_if_nodes_lost(call, what=what, error=describe_error(error)):
+            get_logger().error(f"{what}\n{RESUBMIT}")
+            self._depart(call)
         return call
 
 

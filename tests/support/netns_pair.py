@@ -38,12 +38,14 @@ class Node:
     def exec(self) -> list[str]:
         return ["ip", "netns", "exec", self.netns]
 
-    def daemon(self, *argv: str) -> list[str]:
-        """argv as a daemon of this node: its network, its hostname, its /etc/hosts. Not `ip netns
-        exec`, whose fresh /sys hides the cgroup mounts slurmd needs."""
-        inner = (
-            f'mount --bind {HOSTS.format(netns=self.netns)} /etc/hosts && hostname {self.name} && exec "$@"'
+    def daemon(self, *argv: str, binds: dict[str, str] | None = None) -> list[str]:
+        """argv as a daemon of this node: its network, its hostname, its /etc/hosts, and `binds`
+        (this node's folder -> a path, mounted in its mount namespace alone: a node-local disk at a
+        path every node has). Not `ip netns exec`, whose fresh /sys hides the cgroup mounts slurmd needs."""
+        mounts = "".join(
+            f"mkdir -p {src} && mount --bind {src} {dst} && " for src, dst in (binds or {}).items()
         )
+        inner = f'mount --bind {HOSTS.format(netns=self.netns)} /etc/hosts && {mounts}hostname {self.name} && exec "$@"'
         return ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--mount", "--uts", "sh", "-c", inner,
                 self.name, *argv]  # fmt: skip
 

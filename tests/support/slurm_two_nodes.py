@@ -3,6 +3,7 @@
     with TwoNodeCluster.start(tmp_dir) as cluster:
         job = cluster.sbatch(script, "-p", "batch")      # submitted on node0, as a user would
         cluster.limit_link(1, rate="20mbit")              # tc tbf inside node1's namespace
+        cluster.local                                     # one path, each node's own folder behind it
         cluster.kill_node(1)                              # SIGKILL every process of node1's namespace
         cluster.start_slurmd(1)                           # ... and the node is back
         cluster.set_link(1, up=False)                     # a cut cable
@@ -11,7 +12,8 @@ The network is support/netns_pair.py's (NAME = bc<pid>: two clusters never share
   NAMEn0  node0  10.213.0.1  slurmctld + slurmd   veth `bc0` <-> `bc0`   NAMEn1  node1  10.213.0.2  slurmd
 Each daemon also has its node's UTS namespace (hostname) and /etc/hosts naming both nodes, so
 Slurm's node names, torch's MASTER_ADDR and gloo's own address (it resolves the hostname) all work
-as on a real cluster. munged runs in the root namespace: its socket is a file, reachable from both.
+as on a real cluster, and its own mount namespace, where ROOT/local is ROOT/local-NODE: a folder at
+the same path on both nodes but a different one on each, as a node-local disk (/local-nvme) is. munged runs in the root namespace: its socket is a file, reachable from both.
 Client commands (sbatch, scontrol, ...) run on node0 (`cluster.prefix`).
 Teardown: the daemons by PID, then every process left in each namespace (`ip netns pids`), then
 the namespaces and their /etc/netns folders by name; `start` tears down what it made if it fails.
@@ -56,6 +58,11 @@ __all__ = ["IFACE", "Node", "TwoNodeCluster"]
 class TwoNodeCluster(SlurmCluster):
     nodes: list[Node] = field(default_factory=list)
 
+    @property
+    def local(self) -> Path:
+        """A node-local folder: the same path on every node, each node's own folder behind it."""
+        return self.root / "local"
+
     @classmethod
     def start(cls, root: Path, *, timeout_s: float = 60) -> TwoNodeCluster:
         root = Path(root).resolve()
@@ -79,6 +86,7 @@ class TwoNodeCluster(SlurmCluster):
         for node in self.nodes:
             (self.root / "spool" / node.name).mkdir(parents=True, exist_ok=True)
         (self.root / "state").mkdir(parents=True, exist_ok=True)
+        self.local.mkdir(exist_ok=True)  # the mount point; each node binds its own folder over it
         _make_fake_gpus()
         head = self.nodes[0]
         text = config(self.root, ctld=f"{head.name}({head.addr})", nodes={n.name: n.addr for n in self.nodes},
@@ -98,7 +106,8 @@ class TwoNodeCluster(SlurmCluster):
         node = self.nodes[i]
         pid_file = self.root / f"slurmd.{node.name}.pid"
         pid_file.unlink(missing_ok=True)
-        argv = node.daemon(_daemon("slurmd"), "-f", str(self.root / "slurm.conf"), "-N", node.name)
+        own = {str(self.root / f"local-{node.name}"): str(self.local)}
+        argv = node.daemon(_daemon("slurmd"), "-f", str(self.root / "slurm.conf"), "-N", node.name, binds=own)
         subprocess.run(argv, env=self.env, check=True, capture_output=True, timeout=30)
         self.pids[f"slurmd.{node.name}"] = _wait_pid(pid_file)
 
