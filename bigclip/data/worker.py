@@ -236,9 +236,9 @@ class Reader:
     def _check_listed(self, raw: RawSample, shard: _OpenShard, pending: _Pending) -> None:
         """A shard with more samples than sizes.json lists: the plan never reads past that count, so
         the rest would go unread in silence; seen as soon as a sample follows the last listed one."""
-        size = self.stream.size(shard.shard)
+        size = self.size(shard.shard)
         if shard.stop is None and size is not None and raw.followed and raw.index + 1 >= size:
-            pending.mismatched[self.stream.url(shard.shard)] = [MORE_THAN_LISTED, size]
+            pending.mismatched[self.url(shard.shard)] = [MORE_THAN_LISTED, size]
 
     def _add(self, raw: RawSample, shard: _OpenShard, pending: _Pending) -> bool:
         """Decode, transform and append one sample; False when it is skipped as corrupt."""

@@ -25,6 +25,14 @@ def disk_full(error: BaseException) -> str | None:
     return None
 
 
+FULL_WORDS = "the disk is full ("  # in every full-disk line, also once a line has crossed ranks as text
+
+
+def says_disk_full(error: BaseException) -> bool:
+    """`error` is, or reports, a full disk: no rerun gets past it until space is freed."""
+    return disk_full(error) is not None or FULL_WORDS in str(error)
+
+
 def full_error(
     error: BaseException, where: object, *, committed: str = "nothing was written under that name"
 ) -> StorageError | None:
@@ -33,5 +41,5 @@ def full_error(
     if full is None:
         return None
     return StorageError(
-        f"{where}: the disk is full ({full}); {committed}: free space there, or write elsewhere"
+        f"{where}: {FULL_WORDS}{full}); {committed}: free space there, or write elsewhere"
     )

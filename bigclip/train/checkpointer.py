@@ -27,7 +27,7 @@ A failed save (save_schedule.OnFailure): a periodic one is one warning line on r
 goes on (the step is not marked saved, so the end can still save it); an async one is reported
 as soon as its upload fails, and the next save, `wait` or `close` goes on past it. A failed stop
 request's or final save raises `SaveFailed`: the loop leaves the requeue marker and exits with
-the requeue code. A state holding NaN or inf (`NonFiniteState`) ends the run whatever the cadence.
+the requeue code, unless the disk is full (a rerun would fill it again: the error ends the run). A state holding NaN or inf (`NonFiniteState`) ends the run whatever the cadence.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from bigclip.checkpoint.finite import NonFiniteState
 from bigclip.checkpoint.mirror import MOST_RECENT_ONLY
 from bigclip.config import CheckpointConfig, TrainConfig
 from bigclip.errors import StorageError
+from bigclip.storage.full_disk import says_disk_full
+from bigclip.storage.preflight import explained
 from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.metrics import Scalars, get_logger
 from bigclip.train.preemption import PreemptionWatcher
@@ -60,7 +62,7 @@ class SaveFailed(Exception):
     input, and must not end the run with code 2."""
 
     def __init__(self, step: int, reason: str, error: BaseException) -> None:
-        super().__init__(f"checkpoint step {step} ({reason}) failed: {error}")
+        super().__init__(f"checkpoint step {step} ({reason}) failed: {explained(error)}")
         self.step = step
 
 
@@ -211,10 +213,10 @@ class Checkpointer:
                 self.committed_step = in_flight[0]
 
     def _failed(self, step: int, due: Due, error: StorageError) -> None:
+        if due.on_failure is OnFailure.RAISE or (due.on_failure is OnFailure.REQUEUE and says_disk_full(error)):
+            raise error  # a full disk: a rerun would fill it again
         if due.on_failure is OnFailure.REQUEUE:
             raise SaveFailed(step, due.reason, error) from error
-        if due.on_failure is OnFailure.RAISE:
-            raise error
         self._warn(step, due, error)
 
     def _warn(self, step: int, due: Due, error: BaseException) -> None:

@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
         raise
 
 
+def _in_process_group() -> bool:
+    """A process group exists already (a caller made it, as tests' spawn does): torch not imported here."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def _explained(error: BigclipError) -> str:
     """A storage error that says the endpoint went away is led by what that means (preflight.py)."""
     if not isinstance(error, StorageError):
@@ -80,7 +86,8 @@ def _train(argv: list[str], *, prog: str) -> int:
     cfg = parse_train_args(argv, prog=prog if prog == EVAL_PROG else "bigclip train")
     if prog == EVAL_PROG:
         _check_eval_command(cfg)
-    check_rendezvous(os.environ)  # rank variables set by hand: one line, not torch's traceback later
+    if not _in_process_group():  # else whoever made the group was the launcher
+        check_rendezvous(os.environ)  # rank variables set by hand: one line, not torch's traceback later
     check_flags(cfg)
     say("start-up: started (loading torch, then the process group and the checks of data, storage and "
         "the resume target)")  # fmt: skip
