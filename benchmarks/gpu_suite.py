@@ -43,7 +43,7 @@ class Row:
 # Every test marked `gpu`. Not `pytest -m gpu tests`: collecting the whole suite imports the S3,
 # DeepSpeed and reference packages a GPU image may lack (tests/test_gpu_image.py).
 GPU_TEST_FILES = ("tests/test_gpu_ops.py", "tests/test_gpu_engines.py", "tests/test_gpu_train.py",
-                  "tests/test_data_fast_transform.py")  # fmt: skip
+                  "tests/test_data_fast_transform.py", "tests/test_local_shards.py")  # fmt: skip
 
 ROWS = [
     Row(
