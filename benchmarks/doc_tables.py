@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import faults_report
+from benchmarks import faults_report, scale_sim_report
 
 Json = dict[str, Any]
 
@@ -297,6 +297,7 @@ TABLES: dict[str, Callable[[Json], str]] = {
     )
 }  # fmt: skip
 TABLES["checkpoint_io_s3rver"] = checkpoint_io
+TABLES["scale_sim"] = scale_sim_report.markdown
 TABLES["switchback_layers_gpu"] = switchback
 TABLES["step_variants_ViT_bigG_14_fsdp_gpu"] = step_variants
 TABLES["step_variants_ViT_bigG_14_fsdp_profile_gpu"] = step_variants
