@@ -40,6 +40,4 @@ def full_error(
     full = disk_full(error)
     if full is None:
         return None
-    return StorageError(
-        f"{where}: {FULL_WORDS}{full}); {committed}: free space there, or write elsewhere"
-    )
+    return StorageError(f"{where}: {FULL_WORDS}{full}); {committed}: free space there, or write elsewhere")

@@ -213,7 +213,9 @@ class Checkpointer:
                 self.committed_step = in_flight[0]
 
     def _failed(self, step: int, due: Due, error: StorageError) -> None:
-        if due.on_failure is OnFailure.RAISE or (due.on_failure is OnFailure.REQUEUE and says_disk_full(error)):
+        if due.on_failure is OnFailure.RAISE or (
+            due.on_failure is OnFailure.REQUEUE and says_disk_full(error)
+        ):
             raise error  # a full disk: a rerun would fill it again
         if due.on_failure is OnFailure.REQUEUE:
             raise SaveFailed(step, due.reason, error) from error
