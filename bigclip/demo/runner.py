@@ -30,7 +30,7 @@ BUCKET = "bigclip-demo"
 SAVED = re.compile(r"checkpoint step (\d+) -> \S+ \((?:committed|async)")
 GLOBAL_BATCH = 64
 VAL_SAMPLES = 300  # held-out pairs with distinct captions (at most 720: the distinct captions there are)
-CLASSIFY_SAMPLES = 400  # images for zero-shot classification by shape
+CLASSIFY_SAMPLES = 2000  # zero-shot classification by shape: a figure over 400 images moved ~2.4 points with the sample alone
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
