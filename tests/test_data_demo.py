@@ -4,6 +4,8 @@ import json
 import os
 import re
 import tarfile
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +15,10 @@ from bigclip.data.decode import decode_sample
 from bigclip.data.shards import validate_shards
 from bigclip.data.tar_samples import ShardSamples
 from bigclip.demo.data import BACKGROUNDS, COLOURS, POSITIONS, all_attributes, write_demo_data
+from bigclip.demo.report import DemoSummary, summary_lines
 from bigclip.errors import DataError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +120,32 @@ def test_cli_shows_a_progress_bar_unless_told_not_to(tmp_path, capfd):
     assert bigclip_main(["make-demo-data", str(tmp_path / "b"), "--samples", "40", "--shards", "2",
                          "--val-samples", "10", "--no-progress"]) == 0  # fmt: skip
     assert "demo data" not in capfd.readouterr().err
+
+
+def summary(seed: int, i2t: float, t2i: float, top1: float | None) -> DemoSummary:
+    return DemoSummary(seed=seed, loss_2_ranks=(3.1, 0.8), resumed_at=401, loss_1_rank=(0.75, 0.7),
+                       checkpoints=[600, 500, 401], pairs=720, image_to_text=i2t, text_to_image=t2i, classes=4,
+                       classify_images=2000, zeroshot_top1=top1, global_batch=64)  # fmt: skip
+
+
+def test_the_readme_block_is_what_the_demo_prints_at_seed_0():
+    """The demo prints summary_lines(its summary); the README renders the same lines from the
+    seed-0 summary in benchmarks/results/demo_seed_spread.json, and each figure's range."""
+    import importlib.util
+
+    runs = [summary(1, 0.5, 0.6, 0.7), summary(0, 0.55, 0.62, None), summary(2, 0.45, 0.58, 0.66)]
+    assert (
+        DemoSummary.from_dict(json.loads(json.dumps(asdict(runs[0])))) == runs[0]
+    )  # as summary.json holds it
+    printed = summary_lines(runs[1])
+    assert (
+        "image -> text: 55.0%   text -> image: 62.0%" in printed[-1]
+        and "720 pairs (chance 0.14%)" in printed[-2]
+    )
+    spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "benchmarks" / "doc_tables.py")
+    doc_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(doc_tables)
+    rendered = doc_tables.demo_seed_spread({"summaries": [asdict(r) for r in runs]})
+    assert "```\n" + "\n".join(printed) + "\n```" in rendered  # seed 0's lines, verbatim
+    assert "| held-out retrieval, image -> text | 55.0% | 45.0-55.0% | ±5.0 points |" in rendered
+    assert "zero-shot" not in rendered.split("```")[-1]  # seed 0 printed none: no row for it
