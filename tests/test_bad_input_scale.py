@@ -17,8 +17,10 @@ LOW_LIMIT = (
     "import resource, runpy; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); "
     "runpy.run_module('bigclip', run_name='__main__', alter_sys=True)"
 )
+# Rank 0 of 1024 as srun starts it, with what the sbatch script exports (MASTER_ADDR, MASTER_PORT).
 RANK_0_OF_1024 = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "SLURM_PROCID": "0", "SLURM_NTASKS": "1024",
-                  "SLURM_LOCALID": "0", "TORCHELASTIC_USE_AGENT_STORE": None, "TORCH_GLOO_LAZY_INIT": None}  # fmt: skip
+                  "SLURM_LOCALID": "0", "TORCHELASTIC_USE_AGENT_STORE": None, "TORCH_GLOO_LAZY_INIT": None,
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
 TRAIN = (
     "train",
     "--model",
