@@ -112,4 +112,6 @@ def assert_committed(checkpoints: Path, step: int, *, newer_allowed: bool = Fals
 
     committed = [s for s, _ in CheckpointStore(str(checkpoints)).committed()]
     newest_ok = committed and (committed[0] >= step if newer_allowed else committed[0] == step)
-    assert newest_ok and step in committed, f"{checkpoints}: committed steps {committed}, expected {step} last"
+    assert newest_ok and step in committed, (
+        f"{checkpoints}: committed steps {committed}, expected {step} last"
+    )
