@@ -28,19 +28,18 @@ DCP's own planning and I/O are not in these figures (see docs/scale-and-slurm.md
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
-import math
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the old builder lives in tests/support
 
 from benchmarks.common import env_with_checkout, print_table, write_results  # noqa: E402
 
@@ -98,6 +97,7 @@ def _run_child(world: int, *, old: str, timeout_s: float) -> dict[str, Any]:
 
 def _child(world: int, old: str) -> dict[str, Any]:
     import torch
+    from support.zero3_state_reference import old_builder, zero3_owners
 
     from bigclip.cli_args import parse_train_args
     from bigclip.engines import deepspeed_state
@@ -126,7 +126,7 @@ def _child(world: int, old: str) -> dict[str, Any]:
     refresh_s, _ = _cpu(layout.refresh_low_precision)  # DeepSpeed's part of a model load
     old_s, old_state = None, {}
     if old != "none":
-        with _old_builder(deepspeed_state, _zero3_owners(layout, world)):
+        with old_builder(zero3_owners(layout, world)):
             old_s, old_state = _cpu(save_state if old == "save" else lambda: {"model": model.state_dict()})
     return {
         "world": world,
@@ -161,61 +161,6 @@ def _sharded_tensor() -> type:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     return ShardedTensor
-
-
-# -- today's builder before issue 37, as it was (the reference the new one replaced) ------------
-
-
-def _zero3_owners(layout: Any, world: int) -> dict[str, list[tuple[int, int, int]]]:
-    """name -> [(rank, start, numel)] over all ranks: ZeRO-3 gives rank r elements
-    [r * p, min((r + 1) * p, numel)) of each parameter, p = ceil(numel / world)."""
-    owners = {}
-    for name, param in layout.params.items():
-        partition, numel = param.ds_tensor.ds_numel, param.ds_numel
-        spans = ((r, r * partition, min(partition, numel - r * partition)) for r in range(world))
-        owners[name] = [span for span in spans if span[2] > 0]
-    return owners
-
-
-def _old_sharded(owners: dict, layout: Any, name: str, local: Any, *, dtype: Any) -> Any:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-
-    from bigclip.engines.deepspeed_layout import flat_boxes
-
-    shape, me = layout.shapes[name], dist.get_rank()
-    device = str(local.device) if local is not None else str(layout.flats[0].device)
-    boxes = {rank: flat_boxes(shape, start, start + numel) for rank, start, numel in owners[name]}
-    metas, shards = [], []
-    for rank in range(dist.get_world_size()):
-        pos = 0
-        for offsets, sizes in boxes.get(rank) or [([shape[0]] + [0] * (len(shape) - 1), [0, *shape[1:]])]:
-            meta = ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")
-            metas.append(meta)
-            if rank == me:
-                n = math.prod(sizes)
-                data = local[pos : pos + n] if n else torch.empty(0, dtype=dtype, device=device)
-                shards.append(Shard(data.view(sizes), meta))
-                pos += n
-    props = TensorProperties(
-        dtype=dtype, requires_grad=False, pin_memory=bool(local is not None and local.is_pinned())
-    )
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, ShardedTensorMetadata(metas, torch.Size(shape), props)
-    )
-
-
-@contextlib.contextmanager
-def _old_builder(module: Any, owners: dict) -> Iterator[None]:
-    new = module.sharded
-    module.sharded = lambda *args, **kw: _old_sharded(owners, *args, **kw)
-    try:
-        yield
-    finally:
-        module.sharded = new
 
 
 # -- report -----------------------------------------------------------------------------------
