@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing
-import os
 import pickle
 import time
 from typing import Any
@@ -107,25 +105,13 @@ def ours(metas: list[Any], pieces: list[bytes], *, cache: PieceCache) -> tuple[f
     return time.process_time() - start, len(data)
 
 
-def _one_rank(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> Any:
-    return checkpoint_sim.rank_metadata(shapes, engine="fsdp", world=world, rank=rank)
-
-
-def every_rank_metadata(shapes: dict[str, tuple[int, ...]], world: int) -> list[Any]:
-    """Every rank's metadata, built over the machine's cores: each rank's is its own (DCP's planner
-    over that rank's chunks), and at 1024 ranks building them is most of this benchmark's time."""
-    ranks = range(world)
-    if world < 256:
-        return [_one_rank(shapes, world, r) for r in ranks]
-    with multiprocessing.get_context("fork").Pool(min(os.cpu_count() or 1, 4)) as pool:
-        return pool.starmap(_one_rank, [(shapes, world, r) for r in ranks], chunksize=16)
-
-
 def measure(worlds: list[int], *, today_up_to: int = 256, shapes: dict | None = None) -> list[dict[str, Any]]:
     shapes = shapes or bigg_shapes()
     rows = []
     for world in worlds:
-        metas = every_rank_metadata(shapes, world)
+        metas = [
+            checkpoint_sim.rank_metadata(shapes, engine="fsdp", world=world, rank=r) for r in range(world)
+        ]
         pieces, cache = rank_pieces(metas), PieceCache()
         first_s, size = ours(metas, pieces, cache=cache)
         later_s, _ = ours(metas, pieces, cache=cache)
