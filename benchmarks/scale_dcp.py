@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import pickle
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -85,10 +86,18 @@ def manifest_objects(world: int) -> dict[str, dict]:
     return objects | {f"rank_{r:05d}.bigclip": {"size": 1, "sha256": "0" * 64} for r in range(world)}
 
 
-def _pieces(shapes: dict[str, tuple[int, ...]], world: int, keys: list[str], ranks: range) -> list[bytes]:
-    """What each of `ranks` sends rank 0 at its first save (its pickled piece of `.metadata`)."""
+def rank_metadata(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> Any:
+    return checkpoint_sim.rank_metadata(shapes, engine="fsdp", world=world, rank=rank)
+
+
+def pieces_of(metas: Iterable[Any], keys: list[str]) -> list[bytes]:
+    """What each rank sends rank 0 at its first save (its pickled piece of `.metadata`)."""
     pickler = metadata_stream.PiecePickler()
-    return [metadata_stream.rank_piece(rank_metadata(shapes, world, r), keys, pickler=pickler) for r in ranks]
+    return [metadata_stream.rank_piece(m, keys, pickler=pickler) for m in metas]
+
+
+def _pieces(shapes: dict[str, tuple[int, ...]], world: int, keys: list[str], ranks: range) -> list[bytes]:
+    return pieces_of((rank_metadata(shapes, world, r) for r in ranks), keys)
 
 
 def every_rank_piece(shapes: dict[str, tuple[int, ...]], world: int, keys: list[str]) -> list[bytes]:
@@ -102,10 +111,6 @@ def every_rank_piece(shapes: dict[str, tuple[int, ...]], world: int, keys: list[
     spans = [(shapes, world, keys, range(r, min(r + step, world))) for r in range(0, world, step)]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         return [piece for part in pool.starmap(_pieces, spans) for piece in part]
-
-
-def rank_metadata(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> Any:
-    return checkpoint_sim.rank_metadata(shapes, engine="fsdp", world=world, rank=rank)
 
 
 def ours(first: Any, pieces: list[bytes], *, cache: PieceCache) -> tuple[float, int]:
@@ -135,8 +140,7 @@ def measure(worlds: list[int], *, today_up_to: int = 256, shapes: dict | None = 
         if world <= today_up_to:  # DCP's coordinator takes every rank's whole metadata
             metas = [first, second, *(rank_metadata(shapes, world, r) for r in range(2, world))]
             today_s = round(today(metas), 2)
-            pickler = metadata_stream.PiecePickler()
-            pieces = [metadata_stream.rank_piece(m, keys, pickler=pickler) for m in metas]
+            pieces = pieces_of(metas, keys)
             del metas
         else:
             pieces = every_rank_piece(shapes, world, keys)
