@@ -26,7 +26,6 @@ import multiprocessing
 import os
 import pickle
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -65,10 +64,9 @@ def _plan_of(meta: Any) -> SavePlan:
     return SavePlan(items, planner_data=meta.planner_data)
 
 
-def today(metas: list[Any]) -> float:
-    """Rank 0's CPU in DCP's coordinator for one save (the steps `dcp.save` runs there)."""
-    plans = [pickle.dumps(_plan_of(m)) for m in metas]
-    results = [pickle.dumps([WriteResult(i, 0, s) for i, s in (m.storage_data or {}).items()]) for m in metas]
+def today(plans: list[bytes], results: list[bytes]) -> float:
+    """Rank 0's CPU in DCP's coordinator for one save (the steps `dcp.save` runs there), from what
+    every rank sends it: its pickled local plan, then its pickled write results."""
     start = time.process_time()
     planner = DefaultSavePlanner()
     planner.set_up_planner({}, None, True)
@@ -78,6 +76,12 @@ def today(metas: list[Any]) -> float:
     meta.storage_data = {r.index: r.storage_data for blob in results for r in pickle.loads(blob)}
     pickle.dumps(meta)
     return time.process_time() - start
+
+
+def sent_today(meta: Any) -> tuple[bytes, bytes]:
+    """What a rank sends DCP's coordinator: its pickled local plan and write results."""
+    results = [WriteResult(i, 0, s) for i, s in (meta.storage_data or {}).items()]
+    return pickle.dumps(_plan_of(meta)), pickle.dumps(results)
 
 
 def manifest_objects(world: int) -> dict[str, dict]:
@@ -90,27 +94,30 @@ def rank_metadata(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> 
     return checkpoint_sim.rank_metadata(shapes, engine="fsdp", world=world, rank=rank)
 
 
-def pieces_of(metas: Iterable[Any], keys: list[str]) -> list[bytes]:
-    """What each rank sends rank 0 at its first save (its pickled piece of `.metadata`)."""
-    pickler = metadata_stream.PiecePickler()
-    return [metadata_stream.rank_piece(m, keys, pickler=pickler) for m in metas]
+def _sent(shapes: dict[str, tuple[int, ...]], world: int, keys: list[str], ranks: range,
+          with_today: bool) -> list[tuple[bytes, bytes | None, bytes | None]]:  # fmt: skip
+    pickler, sent = metadata_stream.PiecePickler(), []
+    for rank in ranks:
+        meta = rank_metadata(shapes, world, rank)
+        plan, results = sent_today(meta) if with_today else (None, None)
+        sent.append((metadata_stream.rank_piece(meta, keys, pickler=pickler), plan, results))
+    return sent
 
 
-def _pieces(shapes: dict[str, tuple[int, ...]], world: int, keys: list[str], ranks: range) -> list[bytes]:
-    return pieces_of((rank_metadata(shapes, world, r) for r in ranks), keys)
-
-
-def every_rank_piece(shapes: dict[str, tuple[int, ...]], world: int, keys: list[str]) -> list[bytes]:
-    """Every rank's piece, built over the machine's cores: at 1024 ranks, building each rank's
-    metadata with DCP's planner is most of this benchmark's time. Only the pieces (bytes) come
-    back: moving the metadata objects themselves between processes would cost what it saves."""
+def every_rank_sends(
+    shapes: dict[str, tuple[int, ...]], world: int, keys: list[str], *, with_today: bool
+) -> list[tuple[bytes, bytes | None, bytes | None]]:
+    """Every rank's piece (bigclip's gather) and, `with_today`, its plan and write results (DCP's),
+    built over the machine's cores: building each rank's metadata with DCP's planner is most of
+    this benchmark's time. Only bytes come back, what the ranks would send: moving the metadata
+    objects themselves between processes would cost what the workers save."""
     workers = min(os.cpu_count() or 1, 8)
-    if workers == 1 or world < 256:
-        return _pieces(shapes, world, keys, range(world))
+    if workers == 1:
+        return _sent(shapes, world, keys, range(world), with_today)
     step = math.ceil(world / workers)
-    spans = [(shapes, world, keys, range(r, min(r + step, world))) for r in range(0, world, step)]
+    spans = [(shapes, world, keys, range(r, min(r + step, world)), with_today) for r in range(0, world, step)]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        return [piece for part in pool.starmap(_pieces, spans) for piece in part]
+        return [one for part in pool.starmap(_sent, spans) for one in part]
 
 
 def ours(first: Any, pieces: list[bytes], *, cache: PieceCache) -> tuple[float, int]:
@@ -136,14 +143,12 @@ def measure(worlds: list[int], *, today_up_to: int = 256, shapes: dict | None = 
     for world in worlds:
         first, second = rank_metadata(shapes, world, 0), rank_metadata(shapes, world, 1)
         keys = metadata_stream.tensor_keys(first)
+        sent = every_rank_sends(shapes, world, keys, with_today=world <= today_up_to)
+        pieces = [piece for piece, _, _ in sent]
         today_s = None
-        if world <= today_up_to:  # DCP's coordinator takes every rank's whole metadata
-            metas = [first, second, *(rank_metadata(shapes, world, r) for r in range(2, world))]
-            today_s = round(today(metas), 2)
-            pieces = pieces_of(metas, keys)
-            del metas
-        else:
-            pieces = every_rank_piece(shapes, world, keys)
+        if world <= today_up_to:  # DCP's coordinator takes every rank's whole plan and results
+            today_s = round(today([p for _, p, _ in sent], [r for _, _, r in sent]), 2)
+        del sent
         cache = PieceCache()
         first_s, size = ours(first, pieces, cache=cache)
         later_s, _ = ours(first, pieces, cache=cache)
