@@ -23,9 +23,9 @@ writes for a list of the rank's chunks (`MARK chunk... APPENDS` per thousand), `
 extends the objects the skeleton already holds, in rank order, which is DCP's own order. Pieces
 are pickled with the real pickler in fast mode (no memo writes) over a memo preloaded with the
 prelude, so they never disturb the skeleton's memo and each object is pickled exactly as pickle
-would; a list or dict is pickled whole and its opening opcode dropped, one dump a key. `assemble` checks the memo
-layout it relies on; the tests load the result with DCP's own readers and compare it with the
-metadata DCP's coordinator writes.
+would; a list or dict is pickled whole and its opening opcode dropped, one dump a key.
+`assemble` checks the memo layout it relies on; the tests load the result with DCP's own readers
+and compare it with the metadata DCP's coordinator writes.
 """
 
 from __future__ import annotations
