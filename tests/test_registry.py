@@ -29,7 +29,7 @@ from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError, StorageError
 from bigclip.models import create_model
 from bigclip.registry.leases import HeldLease
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 from bigclip.storage import s3_sink
 from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.locations import LocalLocation

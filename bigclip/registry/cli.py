@@ -28,7 +28,7 @@ from bigclip.storage.settings import configure_storage
 from bigclip.weights.schemes import registry_uri
 
 if TYPE_CHECKING:
-    from bigclip.registry.store import Registry
+    from bigclip.registry.registry import Registry
 
 
 def add_registry_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def require_registry(args: argparse.Namespace, *, hint: str = "") -> str:
 
 
 def open_registry(args: argparse.Namespace) -> Registry:
-    from bigclip.registry.store import Registry  # torch: only once the options hold
+    from bigclip.registry.registry import Registry  # torch: only once the options hold
 
     configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
     return Registry(require_registry(args))

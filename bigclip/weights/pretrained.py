@@ -103,7 +103,7 @@ def _open_on_rank0(cfg: TrainConfig, shapes: dict) -> tuple[WeightSource, Weight
     uri, lease = cfg.model.pretrained, None
     named = weights_of(cfg.model)  # a tag's or an hf-hub model's file, from the Hugging Face cache
     if uri.startswith(REGISTRY_SCHEME):
-        from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
+        from bigclip.registry.registry import Registry, parse_registry_ref  # an offline tool: only now
 
         owner = f"{cfg.log.name or 'run'}@{os.uname().nodename}"
         registry = Registry(registry_uri(cfg.checkpoint.registry))

@@ -48,7 +48,7 @@ from bigclip.weights.safetensors_format import INDEX_SUFFIX, Checked, Safetensor
 from bigclip.weights.schemes import REGISTRY_SCHEME, registry_uri
 
 if TYPE_CHECKING:
-    from bigclip.registry.store import Published, Registry
+    from bigclip.registry.registry import Published, Registry
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
@@ -67,7 +67,7 @@ class WeightSource:
 def open_weights(uri: str, *, registry: str = "", cache: str = "") -> WeightSource:
     """`cache`: where remote .pt/.bin files are downloaded (--cache-dir; default `cache_dir()`)."""
     if uri.startswith(REGISTRY_SCHEME):
-        from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
+        from bigclip.registry.registry import Registry, parse_registry_ref  # an offline tool: only now
 
         return _from_registry(Registry(registry_uri(registry)), parse_registry_ref(uri))
     parent, leaf = open_parent(uri)
