@@ -35,9 +35,9 @@ from bigclip.registry.published import (
     now,
     parse_registry_ref,
 )
-from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.locations import open_location
 from bigclip.storage.progress import human_bytes, progress_bar
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.records import ObjectRecord, sha256_of_stream
 from bigclip.weights.safetensors_format import Checked
 

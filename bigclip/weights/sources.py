@@ -39,8 +39,8 @@ from bigclip.checkpoint.lookup import inspect
 from bigclip.checkpoint.manifest import MANIFEST_NAME
 from bigclip.data.tokenizer import saved_tokenizer
 from bigclip.errors import StorageError
-from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.locations import LocalLocation, Location, open_location, open_parent
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.redact import redact_text
 from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
 from bigclip.weights.output_manifest import checked_files
