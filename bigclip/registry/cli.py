@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
+from bigclip.config.checkpoint import registry_uri
 from bigclip.errors import ConfigError, StorageError
 from bigclip.registry.git_source import GIT_PREFIX
 from bigclip.storage.progress import human_bytes
 from bigclip.storage.schemes import is_local, local_path
 from bigclip.storage.settings import configure_storage
-from bigclip.weights.schemes import registry_uri
 
 if TYPE_CHECKING:
     from bigclip.registry.registry import Registry

@@ -27,19 +27,14 @@ import torch.distributed as dist
 
 from bigclip.checkpoint import LATEST, CheckpointStore
 from bigclip.config import TrainConfig
+from bigclip.config.checkpoint import REGISTRY_SCHEME, registry_uri
 from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import BigclipError, ConfigError, StorageError
 from bigclip.models.hf_hub import is_hub_model
 from bigclip.weights.named import weights_of
-from bigclip.weights.sources import (
-    REGISTRY_SCHEME,
-    WeightSource,
-    open_weights,
-    registry_uri,
-    weights_tokenizer,
-)
+from bigclip.weights.sources import WeightSource, open_weights, weights_tokenizer
 
 log = logging.getLogger("bigclip.pretrained")  # under the run's logger: printed on rank 0
 

@@ -37,6 +37,7 @@ from bigclip.checkpoint import catalog
 from bigclip.checkpoint.integrity import CheckpointDamaged, StreamDigest, read_checked
 from bigclip.checkpoint.lookup import inspect
 from bigclip.checkpoint.manifest import MANIFEST_NAME
+from bigclip.config.checkpoint import REGISTRY_SCHEME, registry_uri
 from bigclip.data.tokenizer import saved_tokenizer
 from bigclip.errors import StorageError
 from bigclip.storage.locations import LocalLocation, Location, open_location, open_parent
@@ -45,7 +46,6 @@ from bigclip.storage.redact import redact_text
 from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
 from bigclip.weights.output_manifest import checked_files
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, Checked, SafetensorsReader
-from bigclip.weights.schemes import REGISTRY_SCHEME, registry_uri
 
 if TYPE_CHECKING:
     from bigclip.registry.registry import Published, Registry
