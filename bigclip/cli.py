@@ -27,8 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("bigclip.models.listing", "List model configs with their parameter counts."),
     "doctor": ("bigclip.storage.doctor", "Check S3 credentials, permissions and throughput."),
     "consolidate": ("bigclip.weights.consolidate_command", "Stream a sharded checkpoint into safetensors."),
-    "publish": ("bigclip.registry.cli:publish_main", "Publish an immutable named checkpoint."),
-    "checkpoints": ("bigclip.registry.cli", "List, show, verify or remove published checkpoints."),
+    "publish": ("bigclip.registry.commands:publish_main", "Publish an immutable named checkpoint."),
+    "checkpoints": ("bigclip.registry.commands", "List, show, verify or remove published checkpoints."),
     "plan": ("bigclip.plan.command", "Per-GPU memory, FLOPs and checkpoint plan for a run."),
     "slurm": ("bigclip.launch.slurm", "Render an sbatch script for a multi-node run."),
 }
