@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("bigclip.train.entry", "Train a CLIP model (the same entry as `python -m bigclip.train`)."),
     "eval": ("bigclip.train.entry:eval_main", "Evaluate weights: retrieval and zero-shot, no training."),
     "demo": ("bigclip.demo.runner", "End-to-end demo on CPU: data, S3, 2-rank training, resume, retrieval."),
-    "make-demo-data": ("bigclip.demo.data", "Write synthetic captioned-image webdataset shards."),
+    "make-demo-data": ("bigclip.demo.shapes_data", "Write synthetic captioned-image webdataset shards."),
     "index-shards": (
         "bigclip.data.index",
         "Count the samples of existing shards into sizes.json (local or S3).",

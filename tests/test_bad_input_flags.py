@@ -18,7 +18,7 @@ import pytest
 import torch
 from support.bad_input import ROOT, Case, bigclip, check
 
-from bigclip.demo.data import write_demo_data
+from bigclip.demo.shapes_data import write_demo_data
 
 DATA = "data/train/{00000..00001}.tar"
 # Importing torch and DeepSpeed alone takes 4-6 s on a busy 2-core box; the check itself is instant.

@@ -16,7 +16,7 @@ import pytest
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
-from bigclip.demo.data import write_demo_data
+from bigclip.demo.shapes_data import write_demo_data
 from bigclip.distributed import spawn
 from bigclip.errors import StorageError
 from bigclip.registry.registry import Registry
