@@ -34,7 +34,7 @@ from support.slurm_cluster import SlurmCluster  # noqa: E402
 
 from benchmarks.common import print_table, write_results  # noqa: E402
 from benchmarks.faults_report import DELIVERY, Row, markdown, output, read_outcome  # noqa: E402
-from bigclip.demo.data import write_demo_data  # noqa: E402
+from bigclip.demo.shapes_data import write_demo_data  # noqa: E402
 from bigclip.launch.slurm import main as slurm_main  # noqa: E402
 
 TRIGGER_STEP, STEPS, AFTER_RESUME, ROW_TIMEOUT_S = 5, 40, 8, 480

@@ -1,4 +1,4 @@
-"""The AdamW step bigclip uses (torch's fused AdamW, engines/optim.py) against torch's default
+"""The AdamW step bigclip uses (torch's fused AdamW, engines/optimizer.py) against torch's default
 foreach AdamW and DeepSpeed's CPU Adam, on a real model's parameters, side by side.
 
     PYTHONPATH=$PWD python benchmarks/optimizer_step.py [--model ViT-B-32] [--steps 7]
@@ -36,7 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common import missing_package, print_table, write_results  # noqa: E402
 
 from bigclip.config import OptimConfig  # noqa: E402
-from bigclip.engines.optim import make_optimizer, param_groups  # noqa: E402
+from bigclip.engines.optimizer import make_optimizer, param_groups  # noqa: E402
 from bigclip.models import create_model  # noqa: E402
 
 OPTIM = OptimConfig(lr=1e-3, wd=0.2)

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import print_table, write_results  # noqa: E402
 from bigclip.checkpoint import CheckpointStore  # noqa: E402
 from bigclip.checkpoint.mirror import CheckpointMirror  # noqa: E402
-from bigclip.demo.data import write_demo_data  # noqa: E402
 from bigclip.demo.loopback_s3 import LoopbackS3  # noqa: E402
+from bigclip.demo.shapes_data import write_demo_data  # noqa: E402
 from bigclip.storage.locations import LocalLocation, Location  # noqa: E402
 from bigclip.train.remote_sync import open_target  # noqa: E402
 

@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import print_table, write_results  # noqa: E402
-from bigclip.storage.blobs import BlobFolder  # noqa: E402
 from bigclip.storage.locations import LocalLocation  # noqa: E402
+from bigclip.storage.ranged_reads import BlobFolder  # noqa: E402
 from bigclip.weights.dcp_reader import TensorInfo  # noqa: E402
 from bigclip.weights.safetensors_format import SafetensorsReader  # noqa: E402
 from bigclip.weights.safetensors_writer import plan_output, write_safetensors  # noqa: E402

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("bigclip.train.entry", "Train a CLIP model (the same entry as `python -m bigclip.train`)."),
     "eval": ("bigclip.train.entry:eval_main", "Evaluate weights: retrieval and zero-shot, no training."),
     "demo": ("bigclip.demo.runner", "End-to-end demo on CPU: data, S3, 2-rank training, resume, retrieval."),
-    "make-demo-data": ("bigclip.demo.data", "Write synthetic captioned-image webdataset shards."),
+    "make-demo-data": ("bigclip.demo.shapes_data", "Write synthetic captioned-image webdataset shards."),
     "index-shards": (
         "bigclip.data.index",
         "Count the samples of existing shards into sizes.json (local or S3).",
@@ -27,8 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("bigclip.models.listing", "List model configs with their parameter counts."),
     "doctor": ("bigclip.storage.doctor", "Check S3 credentials, permissions and throughput."),
     "consolidate": ("bigclip.weights.consolidate_command", "Stream a sharded checkpoint into safetensors."),
-    "publish": ("bigclip.registry.cli:publish_main", "Publish an immutable named checkpoint."),
-    "checkpoints": ("bigclip.registry.cli", "List, show, verify or remove published checkpoints."),
+    "publish": ("bigclip.registry.commands:publish_main", "Publish an immutable named checkpoint."),
+    "checkpoints": ("bigclip.registry.commands", "List, show, verify or remove published checkpoints."),
     "plan": ("bigclip.plan.command", "Per-GPU memory, FLOPs and checkpoint plan for a run."),
     "slurm": ("bigclip.launch.slurm", "Render an sbatch script for a multi-node run."),
 }

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from bigclip.demo.data import DemoData, write_demo_data
+from bigclip.demo.shapes_data import DemoData, write_demo_data
 
 CLUSTER_MODULES = ("test_slurm_cluster.py", "test_slurm_two_nodes.py", "test_slurm_two_nodes_faults.py")
 TEST_TIMES = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "test_times.json"

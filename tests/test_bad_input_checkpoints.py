@@ -30,7 +30,7 @@ from bigclip.checkpoint.integrity import MemoryFile, zip_records
 from bigclip.cli_args import parse_train_args
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 from bigclip.storage.safe_metadata import load_metadata
 from bigclip.train.run_lock import RunLock
 

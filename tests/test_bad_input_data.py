@@ -30,7 +30,7 @@ from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, good_sample, wr
 
 from bigclip.data import build_train_loader
 from bigclip.data.accounting import MORE_THAN_LISTED
-from bigclip.demo.data import tar_bytes
+from bigclip.demo.shapes_data import tar_bytes
 
 # `bigclip train` imports torch before the data is checked (4-6 s on a busy 2-core box); `index-shards`
 # imports none (it reads tar headers only), so its rows keep the suite's default bound.

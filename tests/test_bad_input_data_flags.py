@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from support.bad_input import Case, bigclip, check
 
-from bigclip.demo.data import write_demo_data
+from bigclip.demo.shapes_data import write_demo_data
 
 DATA = "data/train/{00000..00001}.tar"
 BASE = ("--model", "tiny", "--logs", "logs", "--name", "fresh")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support.bad_input import ROOT, Case, bigclip, check
 
-from bigclip.demo.data import SIZES_FILE, write_demo_data
+from bigclip.demo.shapes_data import SIZES_FILE, write_demo_data
 
 
 def make(name: str, *args: str, says: tuple[str, ...]) -> Case:

@@ -23,7 +23,7 @@ import torch
 from support.bad_input import ROOT, Case, bigclip, check
 
 from bigclip.checkpoint import CheckpointStore
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 
 WORK_S = 120.0  # the save row trains a step first: torch, the model, the loader
 READ_S = 30.0  # consolidate and publish import torch and read the checkpoint before the disk fills

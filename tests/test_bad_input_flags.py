@@ -20,7 +20,7 @@ from support.bad_input import ROOT, Case, bigclip, check
 from support.hf_cache import populate_cache
 from support.openclip_ref import open_clip_config
 
-from bigclip.demo.data import write_demo_data
+from bigclip.demo.shapes_data import write_demo_data
 
 DATA = "data/train/{00000..00001}.tar"
 # Importing torch and DeepSpeed alone takes 4-6 s on a busy 2-core box; the check itself is instant.

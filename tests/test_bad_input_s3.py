@@ -21,8 +21,8 @@ import pytest
 from support.bad_input import Case, bigclip, check, run
 from support.s3_fault_proxy import FaultProxy
 
-from bigclip.demo.data import write_demo_data
 from bigclip.demo.loopback_s3 import LoopbackS3
+from bigclip.demo.shapes_data import write_demo_data
 from bigclip.distributed import free_port
 from bigclip.train.signals import REQUEUE_EXIT_CODE
 

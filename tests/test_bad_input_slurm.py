@@ -15,7 +15,7 @@ from support.no_torch import refusals_without_torch
 DATA = ("--train-data", "s3://bucket/laion/{00000..41407}.tar")
 JOB = ("--nodes", "2", "--gpus-per-node", "8")
 # Rows whose check needs the plan (`bigclip plan`): the planner imports torch, torch.distributed.tensor
-# (engines.optim) and builds the model on the meta device: about 4 s on an idle 2-core box, 10 s at a
+# (engines.optimizer) and builds the model on the meta device: about 4 s on an idle 2-core box, 10 s at a
 # load of 7. Every other row is settled by the flags, before torch (test_flag_settled_refusals_import_no_torch).
 PLAN_S = 15.0
 

@@ -33,8 +33,8 @@ from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.errors import StorageError
 from bigclip.models import create_model
-from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.locations import LocalLocation
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.weights.consolidate import consolidate
 from bigclip.weights.dcp_reader import DcpReader
 

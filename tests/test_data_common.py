@@ -12,7 +12,7 @@ from PIL import Image
 
 from bigclip.config import DataConfig
 from bigclip.data.tokenizer import HashingTokenizer
-from bigclip.demo.data import tar_bytes
+from bigclip.demo.shapes_data import tar_bytes
 
 IMAGE_SIZE = 8
 TOKENIZER = HashingTokenizer(context_length=16, vocab_size=1000)

@@ -14,8 +14,8 @@ from bigclip.cli import main as bigclip_main
 from bigclip.data.decode import decode_sample
 from bigclip.data.shards import validate_shards
 from bigclip.data.tar_samples import ShardSamples
-from bigclip.demo.data import BACKGROUNDS, COLOURS, POSITIONS, all_attributes, write_demo_data
 from bigclip.demo.report import DemoSummary, summary_lines
+from bigclip.demo.shapes_data import BACKGROUNDS, COLOURS, POSITIONS, all_attributes, write_demo_data
 from bigclip.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]

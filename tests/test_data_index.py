@@ -13,8 +13,8 @@ from bigclip.cli import main as cli_main
 from bigclip.data import validate_shards
 from bigclip.data.index import count_samples, index_shards, write_sizes
 from bigclip.data.tar_samples import ShardSamples
-from bigclip.demo.data import tar_bytes
 from bigclip.demo.loopback_s3 import LoopbackS3
+from bigclip.demo.shapes_data import tar_bytes
 
 SIZES = [9, 14, 6, 11]
 

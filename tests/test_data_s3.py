@@ -8,8 +8,8 @@ import torch
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, write_dataset
 
 from bigclip.data import build_train_loader, iter_eval_samples, validate_shards
-from bigclip.demo.data import write_demo_data
 from bigclip.demo.loopback_s3 import LoopbackS3
+from bigclip.demo.shapes_data import write_demo_data
 from bigclip.errors import DataError
 from bigclip.storage.s3 import S3Settings, boto3_client
 from bigclip.storage.s3_stream import S3ObjectStream

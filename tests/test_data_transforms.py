@@ -16,7 +16,7 @@ from bigclip.data.transforms import (
     shortest_side_size,
     train_transform,
 )
-from bigclip.demo.data import all_attributes
+from bigclip.demo.shapes_data import all_attributes
 from bigclip.errors import ConfigError
 
 

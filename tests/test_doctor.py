@@ -11,8 +11,8 @@ from bigclip.cli import main as bigclip_main
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import free_port
 from bigclip.errors import StorageError
+from bigclip.storage.access_checks import PROBE_PREFIX, check_access
 from bigclip.storage.locations import LocalLocation
-from bigclip.storage.preflight import PROBE_PREFIX, check_access
 from bigclip.storage.settings import storage_configured
 
 

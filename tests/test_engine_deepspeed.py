@@ -17,7 +17,7 @@ from support.engine_harness import assert_same_weights, global_batch, make_engin
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
-from bigclip.engines.optim import make_optimizer, param_groups
+from bigclip.engines.optimizer import make_optimizer, param_groups
 from bigclip.models import MAX_LOGIT_SCALE, create_model
 from bigclip.ops.loss.contrastive import build_loss
 

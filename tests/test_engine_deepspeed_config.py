@@ -18,7 +18,7 @@ from bigclip.distributed import Runtime
 from bigclip.engines import build_engine
 from bigclip.engines.deepspeed_config import DS_INSTALL, load_ds_config, resolve_ds_config
 from bigclip.engines.deepspeed_layout import flat_boxes
-from bigclip.engines.optim import read_moments, write_moments
+from bigclip.engines.optimizer import read_moments, write_moments
 from bigclip.errors import ConfigError
 
 WIDTH = 64  # the tiny model's width

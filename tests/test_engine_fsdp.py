@@ -14,7 +14,7 @@ from support.engine_harness import (
 
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import build_engine
-from bigclip.engines.optim import param_groups
+from bigclip.engines.optimizer import param_groups
 from bigclip.models import create_model
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.train.step import contrastive_loss, train_step

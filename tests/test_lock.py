@@ -20,7 +20,7 @@ from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
-from bigclip.engines.optim import make_optimizer, param_groups
+from bigclip.engines.optimizer import make_optimizer, param_groups
 from bigclip.errors import ConfigError, StorageError
 from bigclip.models import MAX_LOGIT_SCALE, create_model
 from bigclip.models.lock import lock_image_tower, lock_text_tower

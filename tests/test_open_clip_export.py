@@ -25,7 +25,7 @@ from bigclip.config import TrainConfig
 from bigclip.data import ImageNormalizer
 from bigclip.data.bpe_tokenizer import ClipBpeTokenizer
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, eval_transform
-from bigclip.demo.data import Attributes, draw
+from bigclip.demo.shapes_data import Attributes, draw
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError
 from bigclip.models import create_model

@@ -15,7 +15,7 @@ from support.train_harness import demo_argv
 
 from bigclip.cli_args import parse_train_args
 from bigclip.distributed import spawn
-from bigclip.engines.optim import make_optimizer, param_groups
+from bigclip.engines.optimizer import make_optimizer, param_groups
 from bigclip.errors import ConfigError
 from bigclip.train.evaluate import retrieval_metrics
 

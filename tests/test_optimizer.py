@@ -9,7 +9,7 @@ import io
 import torch
 
 from bigclip.config import OptimConfig
-from bigclip.engines.optim import keep_kernel_choice, make_optimizer, param_groups
+from bigclip.engines.optimizer import keep_kernel_choice, make_optimizer, param_groups
 
 OPTIM = OptimConfig(lr=1e-2, wd=0.2)
 

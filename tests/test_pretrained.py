@@ -28,7 +28,7 @@ from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.errors import BigclipError, ConfigError
 from bigclip.models import create_model
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 from bigclip.weights.consolidate import consolidate
 from bigclip.weights.pretrained import match_weights
 from bigclip.weights.sources import open_weights

@@ -29,10 +29,10 @@ from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError, StorageError
 from bigclip.models import create_model
 from bigclip.registry.leases import HeldLease
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 from bigclip.storage import s3_sink
-from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.locations import LocalLocation
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.weights.consolidate import consolidate
 from bigclip.weights.dcp_chunks import locate_payload
 from bigclip.weights.dcp_reader import DcpReader

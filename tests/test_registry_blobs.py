@@ -20,7 +20,7 @@ from bigclip.cli import main as cli
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import StorageError
 from bigclip.registry import blobs as blob_module
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 from bigclip.storage.progress import human_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -28,7 +28,7 @@ from bigclip.checkpoint import CheckpointStore
 from bigclip.checkpoint.mirror import CheckpointMirror
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 from bigclip.storage import rank_prefixes
 from bigclip.storage.locations import LocalLocation, open_location
 from bigclip.storage.s3_dcp_writer import S3CheckpointWriter

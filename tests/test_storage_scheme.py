@@ -16,10 +16,10 @@ import pytest
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.cli_args import parse_train_args
-from bigclip.demo.data import write_demo_data
+from bigclip.demo.shapes_data import write_demo_data
 from bigclip.distributed import spawn
 from bigclip.errors import StorageError
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 from bigclip.storage.fsspec_location import FsspecLocation
 from bigclip.storage.locations import open_location
 from bigclip.storage.s3 import S3Settings

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from bigclip.checkpoint.integrity import CheckpointDamaged, StreamDigest, read_checked
-from bigclip.registry.store import Registry
+from bigclip.registry.registry import Registry
 from bigclip.storage.records import ObjectRecord
 from bigclip.weights.safetensors_writer import plan_output, write_safetensors
 from bigclip.weights.sources import open_weights

@@ -25,8 +25,8 @@ from bigclip.config import TrainConfig
 from bigclip.data import HashingTokenizer, ImageNormalizer
 from bigclip.data.classification import open_classification_set
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, eval_transform
-from bigclip.demo.data import SHAPES, Attributes, draw, encode, write_demo_data
 from bigclip.demo.runner import recipe_argv
+from bigclip.demo.shapes_data import SHAPES, Attributes, draw, encode, write_demo_data
 from bigclip.distributed import spawn
 from bigclip.errors import DataError
 from bigclip.models import create_model

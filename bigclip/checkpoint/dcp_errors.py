@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from bigclip.checkpoint.safe_load import unwrap_checkpoint_exception
 from bigclip.errors import StorageError
-from bigclip.storage.preflight import explain_error
+from bigclip.storage.access_checks import explain_error
 from bigclip.storage.safe_metadata import metadata_failure_of
 
 

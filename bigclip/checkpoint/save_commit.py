@@ -20,9 +20,9 @@ from bigclip.checkpoint.coordination import CheckpointGroup
 from bigclip.checkpoint.dcp_errors import summarize_failures
 from bigclip.checkpoint.manifest import MANIFEST_NAME, RANK_RECORDS, Manifest
 from bigclip.checkpoint.rank_local_save import RankSave
+from bigclip.storage.access_checks import explain_error
 from bigclip.storage.hashing import HashingFileSystem
 from bigclip.storage.locations import Location
-from bigclip.storage.preflight import explain_error
 from bigclip.storage.rank_prefixes import rule_of
 
 METADATA_NAME = ".metadata"

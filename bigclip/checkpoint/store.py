@@ -47,9 +47,9 @@ from bigclip.checkpoint.save_commit import (
 from bigclip.checkpoint.verified_reader import VerifiedReader
 from bigclip.distributed import launch_env
 from bigclip.errors import StorageError
+from bigclip.storage.access_checks import check_access, explain_error
 from bigclip.storage.hashing import HashingFileSystem
 from bigclip.storage.locations import Location, open_location, open_parent
-from bigclip.storage.preflight import check_access, explain_error
 
 log = logging.getLogger("bigclip.checkpoint")
 

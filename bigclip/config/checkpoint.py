@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from bigclip.config.fields import opt
 from bigclip.errors import ConfigError
+
+# `registry:NAME`: weights/sources.py opens it (importing the registry only then) and
+# registry/published.py parses it; it lives here, below both and free of torch, so neither imports
+# the other for it and `bigclip publish`/`checkpoints`/`consolidate` check their options with it.
+REGISTRY_SCHEME = "registry:"
+
+
+def registry_uri(explicit: str = "") -> str:
+    """The registry `registry:NAME` refers to: --registry, else $BIGCLIP_REGISTRY."""
+    return explicit or os.environ.get("BIGCLIP_REGISTRY", "")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The precisions a run can train in, declared once: what each means for the stored parameters,
 the blocks' compute, the gradient reduction and loss scaling, and which DeepSpeed section it turns
-on. Config validation, both engines (engines/optim.py's `Precision`, engines/deepspeed_config.py),
+on. Config validation, both engines (engines/optimizer.py's `Precision`, engines/deepspeed_config.py),
 the planner and the tests read this table; the linear kinds are beside it (linear_kinds.py).
 
   fp32       everything in fp32.

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from bigclip.data.streams import data_location
 from bigclip.errors import DataError
-from bigclip.storage.preflight import endpoint_unreachable, run_check
+from bigclip.storage.access_checks import endpoint_unreachable, run_check
 
 log = logging.getLogger("bigclip.data")
 NAMED = 5  # shards named per kind in the line; the counts are always whole

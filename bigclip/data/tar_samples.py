@@ -31,7 +31,7 @@ from typing import BinaryIO
 
 from bigclip.data.streams import read_errors, shard_location
 from bigclip.errors import BigclipError
-from bigclip.storage.preflight import endpoint_unreachable, explain_error
+from bigclip.storage.access_checks import endpoint_unreachable, explain_error
 
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz")
 # webdataset's `base_plus_ext` rule (tests/test_data_pipeline.py checks it against webdataset's

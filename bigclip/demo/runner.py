@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from bigclip.cli_args import ArgumentParser
-from bigclip.demo.data import SHAPES, DemoData, write_demo_data
 from bigclip.demo.report import DemoSummary, first_last, losses, resumed_at, summary_lines
+from bigclip.demo.shapes_data import SHAPES, DemoData, write_demo_data
 
 BUCKET = "bigclip-demo"
 SAVED = re.compile(r"checkpoint step (\d+) -> \S+ \((?:committed|async)")

@@ -1,5 +1,5 @@
 """Sharding engines behind one interface (`Engine`): torch FSDP2 and DeepSpeed ZeRO 1/2/3, with one
-optim module (parameter groups, AdamW / 8-bit, clipping, loss scaling, moments).
+optimizer module (parameter groups, AdamW / 8-bit, clipping, loss scaling, moments).
 May import models, ops, config, distributed and errors; DeepSpeed and bitsandbytes only lazily.
 """
 

@@ -43,7 +43,7 @@ from bigclip.engines.deepspeed_config import (
 )
 from bigclip.engines.deepspeed_layout import ZeroLayout
 from bigclip.engines.deepspeed_state import DeepSpeedModelState, DeepSpeedOptimState, ensure_optimizer_state
-from bigclip.engines.optim import (
+from bigclip.engines.optimizer import (
     Precision,
     make_optimizer,
     param_groups,

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from bigclip.engines.deepspeed_layout import ZeroLayout, flat_boxes
 from bigclip.engines.local_shards import LocalShards
-from bigclip.engines.optim import (
+from bigclip.engines.optimizer import (
     MOMENTS,
     create_optimizer_state,
     excluded_from_weight_decay,

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bigclip.engines.base import Engine, StepStats
 from bigclip.engines.compile import compile_blocks
-from bigclip.engines.optim import (
+from bigclip.engines.optimizer import (
     DynamicLossScaler,
     LocalShardOptimizer,
     Precision,

@@ -37,7 +37,7 @@ from bigclip.engines.deepspeed_layout import flat_boxes
 
 ENGINES = ("fsdp", "zero3")
 MOMENTS = ("exp_avg", "exp_avg_sq")
-PARAM_GROUPS = 2  # bigclip's: with and without weight decay (engines/optim.py)
+PARAM_GROUPS = 2  # bigclip's: with and without weight decay (engines/optimizer.py)
 
 
 @functools.cache

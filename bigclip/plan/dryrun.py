@@ -65,7 +65,7 @@ def fsdp_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from bigclip.engines.fsdp import FSDPEngine
-    from bigclip.engines.optim import Precision, make_optimizer, param_groups
+    from bigclip.engines.optimizer import Precision, make_optimizer, param_groups
     from bigclip.models.from_config import build_model, synthetic_batch
     from bigclip.train.step import contrastive_loss
 
@@ -128,7 +128,7 @@ def zero3_engine(cfg: TrainConfig, runtime: Runtime) -> Any:
     `DeepSpeedEngine.build` builds it but for the initial weights' values (the partitions hold
     whatever memory held): what a dry run, or a benchmark of the checkpoint state, needs."""
     from bigclip.engines.deepspeed import DeepSpeedEngine, scalar_parameter_fixes
-    from bigclip.engines.optim import make_optimizer, param_groups
+    from bigclip.engines.optimizer import make_optimizer, param_groups
     from bigclip.models.from_config import build_model, model_factory
 
     phase(0)

@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from bigclip.engines.optim import excluded_from_weight_decay
+from bigclip.engines.optimizer import excluded_from_weight_decay
 from bigclip.models.shape import ParamShape
 from bigclip.plan.spec import PlanSpec, dtype_bytes
 

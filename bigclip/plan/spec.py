@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bigclip.config import TrainConfig
-from bigclip.engines.optim import Precision
+from bigclip.engines.optimizer import Precision
 from bigclip.errors import ConfigError
 from bigclip.models.families import model_options, model_shape
 from bigclip.models.shape import ModelOptions, ModelShape

@@ -7,9 +7,9 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+from bigclip.config.checkpoint import REGISTRY_SCHEME
 from bigclip.errors import ConfigError, StorageError
 from bigclip.storage.records import ObjectRecord
-from bigclip.weights.schemes import REGISTRY_SCHEME
 
 PUBLISHED = "published.json"
 FORMAT = "bigclip-published"

@@ -21,8 +21,8 @@ from bigclip.errors import ConfigError
 from bigclip.storage.settings import configure_storage
 
 if TYPE_CHECKING:  # imported by main once the options are checked: they load torch (seconds)
+    from bigclip.storage.access_checks import CheckResult
     from bigclip.storage.locations import Location
-    from bigclip.storage.preflight import CheckResult
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def throughput_checks(location: Location, *, size_mb: int) -> list[tuple[str, Callable[[], str]]]:
     """Upload, download and delete one object of `size_mb`; detail lines carry MB/s."""
-    from bigclip.storage.preflight import probe_name
+    from bigclip.storage.access_checks import probe_name
 
     key = probe_name() + ".bin"
     payload = os.urandom(1 << 20) * size_mb  # incompressible, built once
@@ -80,8 +80,8 @@ def main(argv: list[str]) -> int:
     if args.size_mb < 0 or args.timeout_s <= 0:
         raise ConfigError(f"--size-mb must be 0 (no throughput test) or more and --timeout-s positive, got "
                           f"{args.size_mb} and {args.timeout_s:g}")  # fmt: skip
+    from bigclip.storage.access_checks import access_checks, run_check
     from bigclip.storage.locations import open_location
-    from bigclip.storage.preflight import access_checks, run_check
 
     configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
     location = open_location(args.location, max_attempts=2)

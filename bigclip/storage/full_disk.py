@@ -1,7 +1,7 @@
 """A write that found the disk full (ENOSPC, or EDQUOT: the quota), told in one line.
 
 Local writers (local_location.py), DCP's checkpoint streams (hashing.py) and the error reader
-(preflight.explain_error) share it: the OSError is often wrapped (torch's zip writer raises its own
+(access_checks.explain_error) share it: the OSError is often wrapped (torch's zip writer raises its own
 error while handling it), so the chain of errors is searched.
 """
 

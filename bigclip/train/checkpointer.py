@@ -44,8 +44,8 @@ from bigclip.checkpoint.finite import NonFiniteState
 from bigclip.checkpoint.mirror import MOST_RECENT_ONLY
 from bigclip.config import CheckpointConfig, TrainConfig
 from bigclip.errors import StorageError
+from bigclip.storage.access_checks import explained
 from bigclip.storage.full_disk import says_disk_full
-from bigclip.storage.preflight import explained
 from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.metrics import Scalars, get_logger
 from bigclip.train.preemption import PreemptionWatcher

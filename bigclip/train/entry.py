@@ -65,10 +65,10 @@ def _in_process_group() -> bool:
 
 
 def _explained(error: BigclipError) -> str:
-    """A storage error that says the endpoint went away is led by what that means (preflight.py)."""
+    """A storage error that says the endpoint went away is led by what that means (access_checks.py)."""
     if not isinstance(error, StorageError):
         return str(error)
-    from bigclip.storage.preflight import explained
+    from bigclip.storage.access_checks import explained
 
     return explained(error)
 

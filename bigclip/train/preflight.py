@@ -225,7 +225,7 @@ def check_shared_folder(store: CheckpointStore) -> None:
 
     from bigclip.distributed import launch_env
     from bigclip.storage import schemes
-    from bigclip.storage.preflight import probe_seen, write_probe
+    from bigclip.storage.access_checks import probe_seen, write_probe
 
     group, location = store.group, store.location
     if group.world_size == 1 or not schemes.is_local(location.uri):  # an object store is one for all

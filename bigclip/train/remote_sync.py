@@ -33,8 +33,8 @@ from pathlib import Path
 
 from bigclip.checkpoint.mirror import CheckpointMirror, MirrorReport
 from bigclip.errors import ConfigError, StorageError
+from bigclip.storage.access_checks import check_access, explain_error
 from bigclip.storage.locations import FSSPEC, LocalLocation, Location, open_location
-from bigclip.storage.preflight import check_access, explain_error
 from bigclip.storage.redact import redact_text
 
 log = logging.getLogger("bigclip.train.remote_sync")

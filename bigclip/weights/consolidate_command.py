@@ -13,11 +13,11 @@ from pathlib import Path
 
 from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
+from bigclip.config.checkpoint import REGISTRY_SCHEME, registry_uri
 from bigclip.errors import ConfigError, StorageError
 from bigclip.storage.progress import human_bytes, parse_size
 from bigclip.storage.schemes import is_local, local_path
 from bigclip.storage.settings import configure_storage
-from bigclip.weights.schemes import REGISTRY_SCHEME, registry_uri
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")  # consolidate.DTYPES' keys (tests/test_bad_input_commands.py)
 

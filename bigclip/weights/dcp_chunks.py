@@ -38,7 +38,7 @@ from bigclip.checkpoint.integrity import (
     tensor_of,
     zip_records,
 )
-from bigclip.storage.blobs import BlobFolder
+from bigclip.storage.ranged_reads import BlobFolder
 
 HEAD_BYTES = TAIL_BYTES = 16 << 10  # a tensor's pickle and a zip directory take < 2 KiB
 

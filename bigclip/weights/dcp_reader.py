@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from bigclip.checkpoint.integrity import check_object
 from bigclip.errors import StorageError
-from bigclip.storage.blobs import BlobFolder
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.records import ObjectRecord
 from bigclip.storage.safe_metadata import load_metadata
 from bigclip.weights.dcp_chunks import (

@@ -34,7 +34,7 @@ from bigclip.config import TrainConfig
 from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
-from bigclip.engines.optim import excluded_from_weight_decay
+from bigclip.engines.optimizer import excluded_from_weight_decay
 from bigclip.errors import BigclipError, ConfigError, StorageError
 from bigclip.weights.dcp_reader import prefetch
 from bigclip.weights.pretrained import match_weights

@@ -27,19 +27,14 @@ import torch.distributed as dist
 
 from bigclip.checkpoint import LATEST, CheckpointStore
 from bigclip.config import TrainConfig
+from bigclip.config.checkpoint import REGISTRY_SCHEME, registry_uri
 from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import BigclipError, ConfigError, StorageError
 from bigclip.models.hf_hub import is_hub_model
 from bigclip.weights.named import weights_of
-from bigclip.weights.sources import (
-    REGISTRY_SCHEME,
-    WeightSource,
-    open_weights,
-    registry_uri,
-    weights_tokenizer,
-)
+from bigclip.weights.sources import WeightSource, open_weights, weights_tokenizer
 
 log = logging.getLogger("bigclip.pretrained")  # under the run's logger: printed on rank 0
 
@@ -103,7 +98,7 @@ def _open_on_rank0(cfg: TrainConfig, shapes: dict) -> tuple[WeightSource, Weight
     uri, lease = cfg.model.pretrained, None
     named = weights_of(cfg.model)  # a tag's or an hf-hub model's file, from the Hugging Face cache
     if uri.startswith(REGISTRY_SCHEME):
-        from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
+        from bigclip.registry.registry import Registry, parse_registry_ref  # an offline tool: only now
 
         owner = f"{cfg.log.name or 'run'}@{os.uname().nodename}"
         registry = Registry(registry_uri(cfg.checkpoint.registry))

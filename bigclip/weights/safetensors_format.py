@@ -24,7 +24,7 @@ import torch
 
 from bigclip.checkpoint.integrity import StreamDigest, check_object
 from bigclip.errors import StorageError
-from bigclip.storage.blobs import BlobFolder
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.records import ObjectRecord
 from bigclip.weights.dcp_reader import PIECE_BYTES, TensorInfo, prefetch
 

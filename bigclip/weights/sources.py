@@ -37,18 +37,18 @@ from bigclip.checkpoint import catalog
 from bigclip.checkpoint.integrity import CheckpointDamaged, StreamDigest, read_checked
 from bigclip.checkpoint.lookup import inspect
 from bigclip.checkpoint.manifest import MANIFEST_NAME
+from bigclip.config.checkpoint import REGISTRY_SCHEME, registry_uri
 from bigclip.data.tokenizer import saved_tokenizer
 from bigclip.errors import StorageError
-from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.locations import LocalLocation, Location, open_location, open_parent
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.redact import redact_text
 from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
 from bigclip.weights.output_manifest import checked_files
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, Checked, SafetensorsReader
-from bigclip.weights.schemes import REGISTRY_SCHEME, registry_uri
 
 if TYPE_CHECKING:
-    from bigclip.registry.store import Published, Registry
+    from bigclip.registry.registry import Published, Registry
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
@@ -67,7 +67,7 @@ class WeightSource:
 def open_weights(uri: str, *, registry: str = "", cache: str = "") -> WeightSource:
     """`cache`: where remote .pt/.bin files are downloaded (--cache-dir; default `cache_dir()`)."""
     if uri.startswith(REGISTRY_SCHEME):
-        from bigclip.registry.store import Registry, parse_registry_ref  # an offline tool: only now
+        from bigclip.registry.registry import Registry, parse_registry_ref  # an offline tool: only now
 
         return _from_registry(Registry(registry_uri(registry)), parse_registry_ref(uri))
     parent, leaf = open_parent(uri)

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 
 from bigclip.cli_args import add_config_flags
 from bigclip.config import CheckpointConfig
+from bigclip.config.checkpoint import registry_uri
 from bigclip.errors import ConfigError, StorageError
 from bigclip.registry.git_source import GIT_PREFIX
 from bigclip.storage.progress import human_bytes
 from bigclip.storage.schemes import is_local, local_path
 from bigclip.storage.settings import configure_storage
-from bigclip.weights.schemes import registry_uri
 
 if TYPE_CHECKING:
-    from bigclip.registry.store import Registry
+    from bigclip.registry.registry import Registry
 
 
 def add_registry_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def require_registry(args: argparse.Namespace, *, hint: str = "") -> str:
 
 
 def open_registry(args: argparse.Namespace) -> Registry:
-    from bigclip.registry.store import Registry  # torch: only once the options hold
+    from bigclip.registry.registry import Registry  # torch: only once the options hold
 
     configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
     return Registry(require_registry(args))

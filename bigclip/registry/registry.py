@@ -26,6 +26,7 @@ from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
 from bigclip.errors import ConfigError, StorageError
 from bigclip.registry.blobs import BlobStore, blob_path
 from bigclip.registry.leases import HeldLease, break_stale, list_leases, refuse_if_leased
+from bigclip.registry.publish_sources import SourceFile, SourceInfo, expand_source
 from bigclip.registry.published import (
     PUBLISHED,
     Published,
@@ -34,10 +35,9 @@ from bigclip.registry.published import (
     now,
     parse_registry_ref,
 )
-from bigclip.registry.sources import SourceFile, SourceInfo, expand_source
-from bigclip.storage.blobs import BlobFolder
 from bigclip.storage.locations import open_location
 from bigclip.storage.progress import human_bytes, progress_bar
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.records import ObjectRecord, sha256_of_stream
 from bigclip.weights.safetensors_format import Checked
 
