@@ -44,10 +44,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="runs/demo", help="Folder for data and logs.")
     p.add_argument("--samples", type=int, default=20000, help="Training samples to generate.")
     p.add_argument(
-        "--steps", type=int, default=400, help=f"Total optimizer steps (global batch {GLOBAL_BATCH})."
+        "--steps", type=int, default=600, help=f"Total optimizer steps (global batch {GLOBAL_BATCH})."
     )
     p.add_argument(
-        "--preempt-after", type=int, default=300, help="Send SIGUSR1 after the checkpoint at this step."
+        "--preempt-after", type=int, default=400, help="Send SIGUSR1 after the checkpoint at this step."
     )
     p.add_argument(
         "--seed", type=int, default=0, help="Training seed (weights, data order); the data stay the same."
