@@ -19,6 +19,7 @@ HEAD = [
 
 
 RANK0, OTHERS = "rank 0 sockets", "other ranks' sockets (most)"  # scale_sockets.py's columns
+NAMED, REQUESTS = "named and requeued", "requests per rank"  # scale_store.py's
 
 
 def _by_world(data: dict[str, Any], goal: int, **match: Any) -> dict[int, dict[str, Any]]:
@@ -51,9 +52,9 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
             today = d.get("today_rank0_cpu_s")
             commit = f"{_num(d['first_save_rank0_cpu_s'])} / {_num(d['later_save_rank0_cpu_s'])}"
             commit += f" ({_num(today)})" if today is not None else ""
-        hang = "-" if hn is None else f"{hn['named']}, {_beside(hn['requests'], ho.get('requests'))}"
+        hang = "-" if hn is None else f"{hn[NAMED]}, {_beside(hn[REQUESTS], ho.get(REQUESTS))}"
         if hn is not None and ho:
-            hang += f"; before: {ho['named']}"
+            hang += f"; before: {ho[NAMED]}"
         sockets = (
             "-"
             if sl is None

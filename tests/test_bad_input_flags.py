@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.bad_input import ROOT, Case, bigclip, check
+from support.hf_cache import populate_cache
+from support.openclip_ref import open_clip_config
 
 from bigclip.demo.data import write_demo_data
 
@@ -201,6 +203,38 @@ def home(tmp_path_factory) -> Path:
 def test_bad_flag(case: Case, home: Path) -> None:
     check(case, cwd=home, protect=[home])
     assert not (home / "logs" / "fresh").exists()  # refused before the run folder is made
+
+
+# OpenCLIP's own configs whose towers bigclip does not build, as `--model hf-hub:` repositories in an
+# offline Hugging Face cache: each refused by its tower before any work (a ResNet's config failed
+# deep in the model's build, with a TypeError's traceback).
+OTHER_TOWERS = {
+    "RN50": "a ResNet image tower (OpenCLIP's ModifiedResNet)",
+    "convnext_base": "timm's convnext_base image tower",
+    "xlm-roberta-base-ViT-B-32": "Hugging Face's xlm-roberta-base text tower",
+    "coca_ViT-B-32": "CoCa's captioning decoder",
+}
+HUB_ENV = {"HF_HOME": "hf", "HF_HUB_OFFLINE": "1"}  # relative: the case's working directory
+HUB_MODELS = [
+    train(f"hub-{name}", "--model", f"hf-hub:openclip/{name}", "--batch-size", "4", env=HUB_ENV,
+          says=(f"model 'hf-hub:openclip/{name}' needs {tower}", "bigclip models", "docs/extending.md"))
+    for name, tower in OTHER_TOWERS.items()
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hub_home(home: Path, tmp_path_factory) -> Path:
+    for name in OTHER_TOWERS:
+        folder = tmp_path_factory.mktemp(name)
+        config = {"model_cfg": open_clip_config(name), "preprocess_cfg": {}}
+        (folder / "open_clip_config.json").write_text(json.dumps(config))
+        populate_cache(home / "hf" / "hub", f"openclip/{name}", folder)
+    return home
+
+
+@pytest.mark.parametrize("case", HUB_MODELS, ids=[c.name for c in HUB_MODELS])
+def test_a_model_of_towers_bigclip_does_not_build_is_refused_by_its_tower(case: Case, hub_home: Path) -> None:
+    check(case, cwd=hub_home, protect=[hub_home])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: --device cuda is valid here")

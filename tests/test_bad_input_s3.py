@@ -194,8 +194,14 @@ def test_an_endpoint_lost_during_a_save_is_said_unreachable(tmp_path: Path) -> N
                     (), env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_MAX_ATTEMPTS": "2"})  # fmt: skip
         out = run(case, cwd=tmp_path)
     # An outage passes: the periodic save warns, the final one fails and the run exits 85 to be
-    # requeued (checkpoints.md, "When a save fails"), each line saying the endpoint went away.
+    # requeued (checkpoints.md, "When a save fails"), each line saying in words what went wrong.
     assert out.code == REQUEUE_EXIT_CODE and "Traceback" not in out.stdout + out.stderr, out.stdout[-3000:]
     failed = [line for line in out.stdout.splitlines() if "checkpoint step" in line and "failed" in line]
     assert [("step 1" in line, "step 2" in line) for line in failed] == [(True, False), (False, True)], failed
-    assert all("cannot connect to the endpoint" in line and "it is down" in line for line in failed), failed
+    # The held upload's socket is closed under it by the cut, so whether its last try saw the socket
+    # closed or a refused reconnect is a race; either reading is the right one for the periodic save.
+    unreachable = "cannot connect to the endpoint (refused or no answer: it is down"
+    dropped = "the connection to S3 kept failing (dropped or reset)"
+    assert unreachable in failed[0] or dropped in failed[0], failed
+    assert "AWS_IO_" in failed[0], failed  # the client's own words kept, in brackets
+    assert unreachable in failed[1], failed  # the final save opens new connections: refused

@@ -21,8 +21,10 @@ import torch
 from support.engine_harness import make_engine, run_steps, tiny_config
 from support.legacy_checkpoint import save_legacy
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from bigclip.checkpoint import CheckpointStore, metadata_stream, rank_record
 from bigclip.checkpoint.rank_local_load import merge, ranks_to_read, uncovered
@@ -85,6 +87,36 @@ def test_rank_local_save_writes_the_coordinators_metadata_and_stock_dcp_reads_it
             if hasattr(value, "chunks") and key in real:
                 assert real[key].chunks == value.chunks, key
         assert set(real) <= set(sim)  # rank 0's record holds every key; the others their shards
+
+
+def test_pieces_of_over_a_thousand_records_join_into_the_coordinators_metadata() -> None:
+    """Pickle writes a list or dict's items in batches of a thousand (a lone one by itself), and a
+    piece carries them as pickle wrote them: the joined file is what DCP's coordinator makes of
+    the same ranks' plans, whatever the batches (1,200 storage records on rank 1)."""
+    shapes = {f"visual.p{i}.weight": (5, 3) for i in range(400)} | {"visual.lone": (1,)}
+    metas = [rank_metadata(shapes, engine="fsdp", world=3, rank=r) for r in range(3)]
+    keys = metadata_stream.tensor_keys(metas[0])
+    head, _ = metadata_stream.skeleton(metas[0])
+    ours = pickle.loads(metadata_stream.assemble(head, [metadata_stream.rank_piece(m, keys) for m in metas]))
+    plans = [SavePlan(_write_items(m), planner_data=m.planner_data) for m in metas]
+    _, theirs = create_default_global_save_plan(plans)
+    assert len(metas[1].storage_data) > 1000
+    assert ours.state_dict_metadata == theirs.state_dict_metadata  # every chunk list, in rank order
+    assert ours.storage_data == {i: s for m in metas for i, s in m.storage_data.items()}
+
+
+def _write_items(meta: Metadata) -> list[WriteItem]:
+    """The write items a rank's plan held, back from its metadata."""
+    items = []
+    for key, value in meta.state_dict_metadata.items():
+        if not hasattr(value, "chunks"):
+            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+        for chunk in getattr(value, "chunks", []):
+            data = TensorWriteData(chunk=chunk, properties=value.properties, size=value.size)
+            items.append(
+                WriteItem(index=MetadataIndex(key, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)
+            )
+    return items
 
 
 def _reads(world: int, loading: int, rank: int, rank0: object) -> set[int]:

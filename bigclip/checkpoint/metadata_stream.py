@@ -17,11 +17,13 @@ The file is one valid pickle, built from standard opcodes (protocol 2):
     rank 0's piece ... rank W-1's piece
     STOP
 
-A rank's piece is, per tensor key it holds chunks of, `LONG_BINGET list MARK chunk... APPENDS
-POP`, then `LONG_BINGET dict MARK key value... SETITEMS POP`: it extends the objects the skeleton
-already holds, in rank order, which is DCP's own order. Pieces are pickled with the real pickler
-in fast mode (no memo writes) over a memo preloaded with the prelude, so they never disturb the
-skeleton's memo and each object is pickled exactly as pickle would. `assemble` checks the memo
+A rank's piece is, per tensor key it holds chunks of, `LONG_BINGET list` and the appends pickle
+writes for a list of the rank's chunks (`MARK chunk... APPENDS` per thousand), `POP`; then
+`LONG_BINGET dict`, the setitems of its storage records (`MARK key value... SETITEMS`), `POP`: it
+extends the objects the skeleton already holds, in rank order, which is DCP's own order. Pieces
+are pickled with the real pickler in fast mode (no memo writes) over a memo preloaded with the
+prelude, so they never disturb the skeleton's memo and each object is pickled exactly as pickle
+would; a list or dict is pickled whole and its opening opcode dropped, one dump a key. `assemble` checks the memo
 layout it relies on; the tests load the result with DCP's own readers and compare it with the
 metadata DCP's coordinator writes.
 """
@@ -52,7 +54,8 @@ _PRELUDE: list[Any] = [
     torch.Size,
     *dict.fromkeys(f for cls in _CLASSES for f in cls.__dataclass_fields__),
 ]
-_POP, _MARK, _APPENDS, _SETITEMS, _STOP = b"0", b"(", b"e", b"u", b"."
+_POP, _STOP = b"0", b"."
+_EMPTY_LIST, _EMPTY_DICT = b"]", b"}"
 
 
 def _get(index: int) -> bytes:
@@ -78,17 +81,18 @@ class PiecePickler:
         probe.dump(_PRELUDE)
         self._memo = probe.memo.copy()
 
-    def dump_each(self, objects: Iterable[Any]) -> bytes:
+    def additions(self, container: list | dict) -> bytes:
+        """The opcodes that fill `container` once it is on the stack: its pickle without the
+        PROTO, the EMPTY_LIST or EMPTY_DICT that creates it, and the STOP."""
         buffer = io.BytesIO()
         pickler = pickle.Pickler(buffer, PROTOCOL)
         pickler.fast = True
         pickler.memo = self._memo
-        pieces = []
-        for obj in objects:
-            start = buffer.tell()
-            pickler.dump(obj)
-            pieces.append(buffer.getbuffer()[start + 2 : buffer.tell() - 1].tobytes())  # no PROTO, no STOP
-        return b"".join(pieces)
+        pickler.dump(container)
+        data = buffer.getbuffer()
+        if data[2:3] not in (_EMPTY_LIST, _EMPTY_DICT):  # what pickle has always written first
+            raise AssertionError(f"pickle opened a {type(container).__name__} with {bytes(data[2:3])!r}")
+        return data[3:-1].tobytes()
 
 
 def rank_piece(local: Metadata, keys: list[str], *, pickler: PiecePickler | None = None) -> bytes:
@@ -103,10 +107,9 @@ def rank_piece(local: Metadata, keys: list[str], *, pickler: PiecePickler | None
         if isinstance(value, TensorStorageMetadata) and value.chunks:
             if key not in position:
                 raise KeyError(f"{key!r} is not a tensor key of the checkpoint's skeleton")
-            out += [_get(_list_index(position[key])), _MARK, pickler.dump_each(value.chunks), _APPENDS, _POP]
-    records = [x for pair in (local.storage_data or {}).items() for x in pair]
-    if records:
-        out += [_get(_list_index(len(keys))), _MARK, pickler.dump_each(records), _SETITEMS, _POP]
+            out += [_get(_list_index(position[key])), pickler.additions(value.chunks), _POP]
+    if local.storage_data:
+        out += [_get(_list_index(len(keys))), pickler.additions(dict(local.storage_data)), _POP]
     return b"".join(out)
 
 

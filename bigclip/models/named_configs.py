@@ -83,6 +83,12 @@ def get_model_config(
     A changed image size or context length changes the positional embeddings' shapes, as in
     OpenCLIP; weights of the original size then no longer fit (`--pretrained` says which)."""
     raw = _raw_config(name, cache_dir=cache_dir)
+    if towers := other_towers(raw):
+        raise ConfigError(
+            f"model {name!r} needs {' and '.join(towers)}: bigclip builds CLIP models from OpenCLIP's own "
+            "ViT image and text transformers (`bigclip models` lists them; a new tower is a model family, "
+            "docs/extending.md)"
+        )
     vision = VisionConfig(**_known(VisionConfig, raw.pop("vision_cfg", {}), "vision_cfg"))
     text = TextConfig(**_known(TextConfig, raw.pop("text_cfg", {}), "text_cfg"))
     raw.setdefault("quick_gelu", name.endswith("-quickgelu"))
@@ -90,6 +96,23 @@ def get_model_config(
     vision.image_size = force_image_size or vision.image_size
     text.context_length = force_context_length or text.context_length
     return CLIPConfig(vision_cfg=vision, text_cfg=text, **_known(CLIPConfig, raw, "top level"))
+
+
+def other_towers(raw: dict) -> list[str]:
+    """The towers of an OpenCLIP config that are not OpenCLIP's own ViT and text transformers, by
+    the keys OpenCLIP's factory picks a tower class by (a ResNet config would otherwise fail deep
+    in the build, its `layers` a list)."""
+    vision, text = raw.get("vision_cfg") or {}, raw.get("text_cfg") or {}
+    towers = []
+    if vision.get("timm_model_name"):
+        towers.append(f"timm's {vision['timm_model_name']} image tower")
+    elif isinstance(vision.get("layers"), list | tuple):
+        towers.append("a ResNet image tower (OpenCLIP's ModifiedResNet)")
+    if text.get("hf_model_name"):
+        towers.append(f"Hugging Face's {text['hf_model_name']} text tower")
+    if "multimodal_cfg" in raw:
+        towers.append("CoCa's captioning decoder")
+    return towers
 
 
 def _raw_config(name: str, *, cache_dir: str) -> dict:

@@ -123,8 +123,9 @@ class _Captured(Exception):
 
 
 def open_clip_config(name: str) -> dict:
-    module = open_clip_model_module()
-    path = Path(module.__file__).parent / "model_configs" / f"{name}.json"
+    """OpenCLIP's own model config `name` (its package's model_configs/NAME.json; nothing imported)."""
+    _register_open_clip_package()
+    path = Path(sys.modules["open_clip"].__path__[0]) / "model_configs" / f"{name}.json"
     return json.loads(path.read_text())
 
 
