@@ -15,16 +15,20 @@ from bigclip.data.decode import decode_sample
 from bigclip.data.shards import validate_shards
 from bigclip.data.tar_samples import ShardSamples
 from bigclip.demo.report import DemoSummary, summary_lines
-from bigclip.demo.shapes_data import BACKGROUNDS, COLOURS, POSITIONS, all_attributes, write_demo_data
+from bigclip.demo.shapes_data import BACKGROUNDS, COLOURS, POSITIONS, SIZES, all_attributes, write_demo_data
 from bigclip.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
+IMAGE_SIZE = 64
+# A shape's extent is about twice its radius: small and large are told apart halfway between the
+# largest small one and the smallest large one.
+LARGE_FROM = (SIZES["small"][1] + SIZES["large"][0]) * IMAGE_SIZE
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("demo"))
-    return out, write_demo_data(out, samples=90, shards=4, val_samples=60, image_size=64, seed=1)
+    return out, write_demo_data(out, samples=90, shards=4, val_samples=60, image_size=IMAGE_SIZE, seed=1)
 
 
 def decoded(pattern):
@@ -39,7 +43,7 @@ def shape_of(mask: np.ndarray) -> tuple[str, str]:
     """(size, shape) read back from the pixels of one colour: bounding box, fill, top vs bottom width."""
     rows, cols = np.nonzero(mask)
     height, width = rows.max() - rows.min() + 1, cols.max() - cols.min() + 1
-    size = "large" if max(height, width) >= 22 else "small"
+    size = "large" if max(height, width) >= LARGE_FROM else "small"
     fill = mask.sum() / (height * width)
     if fill >= 0.9:
         return size, "square"

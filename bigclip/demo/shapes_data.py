@@ -40,7 +40,7 @@ from bigclip.errors import BigclipError, DataError
 from bigclip.storage.progress import progress_bar
 from bigclip.storage.schemes import is_local, local_path
 
-SIZES = {"small": (0.10, 0.14), "large": (0.20, 0.25)}  # radius as a fraction of the image side
+SIZES = {"small": (0.14, 0.17), "large": (0.23, 0.27)}  # radius as a fraction of the image side
 COLOURS = {
     "red": (220, 30, 30),
     "green": (30, 170, 40),
