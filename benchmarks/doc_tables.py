@@ -227,13 +227,17 @@ def demo_seed_spread(d: Json) -> str:
     default = next(s for s in runs if s.seed == 0)
     seeds = ", ".join(str(s.seed) for s in runs)
     chance = 1 / default.pairs
+    seed0 = next(r for r in d["rows"] if r["seed"] == 0)
+    cpu_min, wall_min = seed0["cpu_s"] / 60, seed0["wall_s"] / 60
     return "\n".join([
         "```", *summary_lines(default), "```", "",
         f"The figures vary with the seed (`bigclip demo --seed S`; `make demo` runs seed 0), measured over "
         f"{len(runs)} seeds ({seeds}), each a whole demo run:", "",
         table(["figure", "seed 0", f"range over {len(runs)} seeds", "±"], spread_table(runs)), "",
         f"Held-out retrieval at seed 0 is {default.image_to_text / chance:.0f}x / {default.text_to_image / chance:.0f}x "
-        f"chance ({100 * chance:.2f}% over {default.pairs} pairs).",
+        f"chance ({100 * chance:.2f}% over {default.pairs} pairs). A whole demo run (both phases, "
+        f"after set-up) used {cpu_min:.0f} CPU-minutes at seed 0, {wall_min:.0f} minutes of wall time on "
+        f"{d['device']}.",
     ])  # fmt: skip
 
 
