@@ -149,7 +149,11 @@ def test_the_readme_block_is_what_the_demo_prints_at_seed_0():
     spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "benchmarks" / "doc_tables.py")
     doc_tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(doc_tables)
-    rendered = doc_tables.demo_seed_spread({"summaries": [asdict(r) for r in runs]})
+    rows = [{"seed": r.seed, "wall_s": 420.0 + r.seed, "cpu_s": 660.0} for r in runs]
+    rendered = doc_tables.demo_seed_spread(
+        {"summaries": [asdict(r) for r in runs], "rows": rows, "device": "CPU (x86_64, 2 threads)"}
+    )
     assert "```\n" + "\n".join(printed) + "\n```" in rendered  # seed 0's lines, verbatim
     assert "| held-out retrieval, image -> text | 55.0% | 45.0-55.0% | ±5.0 points |" in rendered
     assert "zero-shot" not in rendered.split("```")[-1]  # seed 0 printed none: no row for it
+    assert "used 11 CPU-minutes at seed 0, 7 minutes of wall time on CPU (x86_64, 2 threads)" in rendered
