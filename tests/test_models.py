@@ -1,14 +1,16 @@
 """Model layout, sizes and numerics against OpenCLIP's own code."""
 
+import json
 import time
 import tracemalloc
 
 import pytest
 import torch
-from support.openclip_ref import open_clip_clip
+from support.openclip_ref import open_clip_clip, open_clip_config
 
 from bigclip.errors import ConfigError
 from bigclip.models import count_parameters, create_model, init_weights, list_models
+from bigclip.models.named_configs import _config_files
 from bigclip.models.vision import PatchDropout
 
 # OpenCLIP's parameter counts in millions: total, image tower, text tower.
@@ -33,8 +35,16 @@ def test_all_openclip_configs_listed():
     assert set(OPENCLIP_SIZES) | {"tiny"} <= set(list_models())
 
 
-@pytest.mark.parametrize("name", ["tiny", "ViT-B-32", "ViT-bigG-14"])
+def test_bundled_configs_are_openclips_own():
+    """Every bundled config but bigclip's tiny is OpenCLIP's file of that name, value for value."""
+    for name in list_models():
+        if name != "tiny":
+            assert json.loads(_config_files()[name]) == open_clip_config(name), name
+
+
+@pytest.mark.parametrize("name", list_models())
 def test_state_dict_layout_matches_openclip(name):
+    """Every bundled config, its image size other than 224 included, builds OpenCLIP's keys and shapes."""
     ours = create_model(name, device="meta").state_dict()
     with torch.device("meta"):
         ref = open_clip_clip(name).state_dict()
@@ -121,3 +131,13 @@ def test_grad_checkpointing_gives_same_gradients():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
+
+
+def test_bigclip_models_lists_each_config_with_its_image_size_and_tags(capsys):
+    from bigclip.models import listing
+
+    assert listing.main([]) == 0
+    rows = {line.split()[0]: line.split(None, 5) for line in capsys.readouterr().out.splitlines()[1:]}
+    assert list(rows) == list_models()
+    assert rows["ViT-L-14-336"][1:3] == ["336", "427.94"]
+    assert "openai (-quickgelu)" in rows["ViT-L-14-336"][5] and rows["ViT-e-14"][5] == "-"

@@ -26,6 +26,8 @@ def test_tag_table_is_openclips_for_every_bundled_model():
     assert set(expected) == {  # every bundled model but tiny, and the -quickgelu forms OpenCLIP tags
         "ViT-B-32", "ViT-B-16", "ViT-L-14", "ViT-H-14", "ViT-g-14", "ViT-bigG-14", "ViT-B-32-quickgelu",
         "ViT-B-16-quickgelu", "ViT-L-14-quickgelu", "ViT-H-14-quickgelu", "ViT-bigG-14-quickgelu",
+        "ViT-B-16-plus-240", "ViT-B-32-256", "ViT-H-14-378", "ViT-H-14-378-quickgelu", "ViT-L-14-336",
+        "ViT-L-14-336-quickgelu",
     }  # fmt: skip
     for model, tag in [("ViT-B-32", "laion2b_s34b_b79k"), ("ViT-bigG-14", "LAION2B-S39B-B160K")]:
         assert get_tag(model, tag) == json.loads(
@@ -61,10 +63,10 @@ def test_tag_table_is_openclips_for_every_bundled_model():
         ),
         (["--model", "ViT-B-32", "--pretrained", "no_such_tag"], ["there is no such file or folder"]),
         (
-            ["--model", "ViT-B-16-plus-240", "--pretrained", "laion400m_e32"],
+            ["--model", "convnext_base", "--pretrained", "laion400m_e32"],
             [
-                "unknown model 'ViT-B-16-plus-240'",
-                "'laion400m_e32' is known for ViT-B-16, ViT-B-32, ViT-B-32-quickgelu, ViT-L-14",
+                "unknown model 'convnext_base'",
+                "'laion400m_e32' is known for ViT-B-16, ViT-B-16-plus-240, ViT-B-32, ViT-B-32-quickgelu, ViT-L-14",
             ],
         ),
         (
@@ -72,11 +74,11 @@ def test_tag_table_is_openclips_for_every_bundled_model():
             ["OpenCLIP tags name weights of bigclip's bundled models", "brings its own weights"],
         ),
         (
-            ["--model", "ViT-B-32-256", "--pretrained", "datacomp_s34b_b86k"],
+            ["--model", "RN50", "--pretrained", "yfcc15m"],
             [
-                "unknown model 'ViT-B-32-256'; available: tiny, ViT-B-16, ViT-B-32",
+                "unknown model 'RN50'; available: tiny, ViT-B-16, ViT-B-16-plus,",
                 "hf-hub:ORG/REPO",
-                "the OpenCLIP tag 'datacomp_s34b_b86k' is known for none of them",
+                "the OpenCLIP tag 'yfcc15m' is known for none of them",
             ],
         ),
     ],  # fmt: skip
