@@ -148,6 +148,12 @@ CASES = [
     train("deepspeed-batch-contradiction", "--engine", "deepspeed", "--deepspeed-config", "ds_batch.json",
           "--batch-size", "8", says=('"train_micro_batch_size_per_gpu": 4 contradicts --batch-size (8)',),
           max_s=DEEPSPEED_S),
+    # The model's tokenizer, built as the run sets up (torch imported, nothing written yet).
+    train("model-tokenizer-not-cached", "--model", "ViT-L-14-CLIPA", env={"HF_HOME": "hf", "HF_HUB_OFFLINE": "1"},
+          says=("model ViT-L-14-CLIPA reads Hugging Face's bert-base-uncased tokenizer", "transformers could not load it",
+                "Hugging Face cache (--cache-dir)"), max_s=SET_UP_S),
+    train("eos-pooling-with-hashing", "--model", "ViT-H-14-worldwide", "--tokenizer", "hashing",
+          says=("--tokenizer hashing", "pool_type 'eos'", "use --tokenizer open_clip"), max_s=SET_UP_S),
 ]  # fmt: skip
 
 EVAL_COMMAND = [  # `bigclip eval`: the evaluation-only run by name

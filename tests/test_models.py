@@ -6,11 +6,23 @@ import tracemalloc
 
 import pytest
 import torch
-from support.openclip_ref import open_clip_clip, open_clip_config
+from support.openclip_ref import (
+    open_clip_clip,
+    open_clip_config,
+    open_clip_config_names,
+    open_clip_model_module,
+)
 
 from bigclip.errors import ConfigError
 from bigclip.models import count_parameters, create_model, init_weights, list_models
-from bigclip.models.named_configs import _config_files
+from bigclip.models.clip import CLIP
+from bigclip.models.named_configs import (
+    CLIPConfig,
+    TextConfig,
+    VisionConfig,
+    _config_files,
+    other_towers,
+)
 from bigclip.models.vision import PatchDropout
 
 # OpenCLIP's parameter counts in millions: total, image tower, text tower.
@@ -33,6 +45,55 @@ def test_parameter_counts_match_openclip(name):
 
 def test_all_openclip_configs_listed():
     assert set(OPENCLIP_SIZES) | {"tiny"} <= set(list_models())
+
+
+def test_every_openclip_config_of_its_own_towers_is_bundled_and_the_others_name_their_tower():
+    """OpenCLIP's towers are its VisionTransformer and TextTransformer at the model's root; the rest
+    (timm, Hugging Face, ResNet, CoCa) are refused naming the tower (tests/test_bad_input_flags.py)."""
+    own, other = [], []
+    for name in open_clip_config_names():
+        raw = open_clip_config(name)
+        (other if other_towers(raw) or raw.get("custom_text") else own).append(name)
+    for name in own:  # bundled, or the -quickgelu form of a bundled config, which is what that means
+        base = name.removesuffix("-quickgelu")
+        assert base in list_models(), name
+        assert open_clip_config(name) == open_clip_config(base) | (
+            {"quick_gelu": True} if name != base else {}
+        )
+    assert len(own) >= 45 and not [n for n in other if n in list_models()]
+
+
+def shrunk(name: str) -> dict:
+    """OpenCLIP's config `name` with tiny towers: every option kept, widths, depths and sizes cut."""
+    cfg = open_clip_config(name)
+    tokenizer = ("hf_tokenizer_name", "tokenizer_kwargs")
+    v, t = dict(cfg["vision_cfg"]), {k: x for k, x in cfg["text_cfg"].items() if k not in tokenizer}
+    v.update(layers=2, width=64, head_width=16, image_size=v["patch_size"] * 3)
+    t.update(layers=2, width=48, heads=4, vocab_size=1000, context_length=16)
+    return {"embed_dim": 32, "vision_cfg": v, "text_cfg": t, "quick_gelu": cfg.get("quick_gelu", False)}
+
+
+@pytest.mark.parametrize("name", [n for n in list_models() if n != "tiny"])
+def test_every_bundled_configs_options_give_openclips_features(name):
+    """Pooling (class token or average; text at the highest id, the first eos_id or the last
+    position), layer scale, no ln_pre, ln_post after pooling, a bidirectional text tower: each
+    config's options on tiny towers, with OpenCLIP's weights (moved off their init), give OpenCLIP's
+    features."""
+    cfg = shrunk(name)
+    torch.manual_seed(0)
+    ref = open_clip_model_module().CLIP(**json.loads(json.dumps(cfg))).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # LayerScale gains and norms away from their init
+    v, t = VisionConfig(**cfg["vision_cfg"]), TextConfig(**cfg["text_cfg"])
+    ours = CLIP(CLIPConfig(embed_dim=32, vision_cfg=v, text_cfg=t, quick_gelu=cfg["quick_gelu"])).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    image = torch.randn(2, 3, v.image_size, v.image_size)
+    text = torch.randint(3, 900, (2, 16))
+    text[:, 9], text[:, 10:], text[0, 4] = t.eos_id, 0, 999  # an eos id, padding, a highest id before it
+    with torch.no_grad():
+        torch.testing.assert_close(ours.encode_image(image), ref.encode_image(image), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.encode_text(text), ref.encode_text(text), rtol=1e-5, atol=1e-5)
 
 
 def test_bundled_configs_are_openclips_own():

@@ -168,3 +168,25 @@ def test_layouts_clip_model_cannot_hold_are_refused_before_anything_is_written(t
             [str(tmp_path / "extra.pt"), "--transformers-dir", str(tmp_path / "out"), "--model", "tiny"]
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_openclip_options_clip_model_lacks_are_named():
+    """CLIPA's average pooling, bidirectional text and BERT tokenizer; MetaCLIP 2's eos pooling;
+    layer scale: CLIPModel computes none of them, so their export is refused naming them."""
+    from bigclip.models.families import family_of
+    from bigclip.models.shape import ModelOptions
+    from bigclip.weights.transformers_export import options_clip_model_lacks
+
+    def lacks(name: str) -> list[str]:
+        return options_clip_model_lacks(family_of(name).open_clip_config(name, ModelOptions()))
+
+    assert lacks("ViT-B-32") == [] and lacks("ViT-L-14-336") == []
+    assert lacks("ViT-L-14-CLIPA") == [
+        "vision_cfg.pool_type 'avg'", "vision_cfg.no_ln_pre True", "vision_cfg.final_ln_after_pool True",
+        "text_cfg.pool_type 'last'", "text_cfg.no_causal_mask True", "text_cfg.hf_tokenizer_name 'bert-base-uncased'",
+    ]  # fmt: skip
+    assert lacks("ViT-H-14-worldwide") == [
+        "text_cfg.pool_type 'eos'",
+        "text_cfg.hf_tokenizer_name 'facebook/xlm-v-base'",
+    ]
+    assert lacks("ViT-M-16-alt") == ["vision_cfg.ls_init_value 0.0001"]

@@ -74,12 +74,17 @@ def _tables() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     return {piece: i for i, piece in enumerate(vocab)}, {m: r for r, m in enumerate(merges)}
 
 
-def clean(text: str) -> str:
-    """OpenCLIP's 'lower' cleaning: ftfy, HTML unescape (twice), whitespace collapsed, lower case."""
+def clean_whitespace(text: str) -> str:
+    """OpenCLIP's 'whitespace' cleaning: ftfy, HTML unescape (twice), whitespace collapsed."""
     if not (text.isascii() and text.isprintable() and "&" not in text):
         text = ftfy.fix_text(text)  # the identity on printable ASCII without entities
     text = html.unescape(html.unescape(text)).strip()
-    return " ".join(text.split()).lower()
+    return " ".join(text.split())
+
+
+def clean(text: str) -> str:
+    """OpenCLIP's 'lower' cleaning: its 'whitespace' cleaning, lower-cased."""
+    return clean_whitespace(text).lower()
 
 
 def pad_rows(rows: list[list[int]], *, context_length: int, eot_token_id: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Text tokenizers, chosen by `--tokenizer`; the name is recorded with every checkpoint.
 
-  open_clip  OpenCLIP's BPE tokenizer (OpenAI CLIP's vocabulary), the default: the ids every
-             OpenCLIP model was trained with, so weights move both ways (`bpe_tokenizer.py`).
+  open_clip  the default: the tokenizer OpenCLIP pairs with the model, so weights move both ways.
+             OpenCLIP's BPE (OpenAI CLIP's vocabulary, `bpe_tokenizer.py`), or the Hugging Face
+             tokenizer the model config names (`text_cfg.hf_tokenizer_name`: CLIPA, MetaCLIP 2;
+             `hf_tokenizer.py`), whose own layout (its special tokens) the model pools by.
   hashing    opt-in: words mapped to ids by a stable hash, with no vocabulary. Only for models
              trained from scratch on small, known vocabularies (tests, toy data); its ids mean
              nothing to OpenCLIP weights.
@@ -90,13 +92,32 @@ class HashingTokenizer:
         return {i: ws for i, ws in by_id.items() if len(ws) > 1}
 
 
-def build_tokenizer(name: str, *, context_length: int, vocab_size: int) -> Tokenizer:
-    """`name` is `--tokenizer`: 'open_clip' (OpenCLIP's BPE, the default) or 'hashing' (opt-in)."""
+def build_tokenizer(
+    name: str, *, context_length: int, vocab_size: int, text_pool: str = "argmax", hf_name: str = "",
+    hf_kwargs: dict[str, Any] | None = None, cache_dir: str = "", model: str = "",
+) -> Tokenizer:  # fmt: skip
+    """`name` is `--tokenizer`: 'open_clip' (the default: the tokenizer OpenCLIP pairs with the
+    model, its BPE or, where the config names one, `hf_name` from Hugging Face; `cache_dir`: where
+    it is cached) or 'hashing' (opt-in). `text_pool`: how the text tower pools (text_cfg.pool_type)."""
+    if name == "open_clip" and hf_name:
+        from bigclip.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(
+            hf_name, context_length=context_length, vocab_size=vocab_size, cache_dir=cache_dir, model=model,
+            **(hf_kwargs or {}),
+        )  # fmt: skip
+    if name == "hashing" and text_pool == "eos":
+        raise ConfigError(
+            "--tokenizer hashing ends each text with its own highest id, but this model's text tower pools at "
+            "the end-of-sequence id its Hugging Face tokenizer writes (text_cfg.pool_type 'eos'); use "
+            "--tokenizer open_clip"
+        )
     if name == "open_clip":
         if vocab_size < VOCAB_SIZE:
             raise ConfigError(
                 f"--tokenizer open_clip has {VOCAB_SIZE} ids but the model's text_cfg.vocab_size is "
-                f"{vocab_size}; use a model with vocab_size {VOCAB_SIZE} (every OpenCLIP ViT config has it)"
+                f"{vocab_size}; use a model with vocab_size {VOCAB_SIZE} (or a config naming its tokenizer, "
+                "text_cfg.hf_tokenizer_name)"
             )
         return ClipBpeTokenizer(context_length=context_length)
     if name == "hashing":

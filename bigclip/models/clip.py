@@ -16,7 +16,7 @@ from torch import nn
 
 from bigclip.models.contract import InitFn, LinearSlot, ScalarRange, initial_values
 from bigclip.models.named_configs import CLIPConfig, TextConfig, VisionConfig  # noqa: F401 (re-exported)
-from bigclip.models.text import build_text_modules, pool_end_of_text
+from bigclip.models.text import build_text_modules, pool_text
 from bigclip.models.transformer import QuickGELU, block_linears
 from bigclip.models.vision import VisionTransformer
 
@@ -42,6 +42,10 @@ class CLIP(nn.Module):
             output_dim=cfg.embed_dim,
             patch_dropout=patch_dropout,
             act_layer=act,
+            layer_scale=v.ls_init_value is not None,
+            no_ln_pre=v.no_ln_pre,
+            pool_type=v.pool_type,
+            final_ln_after_pool=v.final_ln_after_pool,
             device=device,
         )
         text = build_text_modules(
@@ -53,6 +57,7 @@ class CLIP(nn.Module):
             mlp_ratio=t.mlp_ratio,
             output_dim=cfg.embed_dim,
             act_layer=act,
+            layer_scale=t.ls_init_value is not None,
             device=device,
         )
         for name, module in text.items():
@@ -109,8 +114,11 @@ class CLIP(nn.Module):
 
     def encode_text(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         x = self.token_embedding(text) + self.positional_embedding[: text.shape[1]]
-        x = self.transformer(x, causal=True)
-        pooled = self.ln_final(pool_end_of_text(x, text))
+        t = self.cfg.text_cfg
+        x = self.transformer(x, causal=not t.no_causal_mask)
+        pooled = self.ln_final(
+            pool_text(x, text, t.pool_type, t.eos_id)
+        )  # per token: pooling first is equivalent
         features = pooled.to(self.text_projection.dtype) @ self.text_projection
         return F.normalize(features, dim=-1) if normalize else features
 
@@ -140,8 +148,9 @@ def _uniform_fan_in(fan_in: int) -> InitFn:
     return lambda t, g: t.uniform_(-bound, bound, generator=g)
 
 
-def _block_rules(prefix: str, width: int, layers: int) -> dict[str, InitFn]:
-    """OpenCLIP's text-tower init, used for both towers (its vision init is torch's defaults)."""
+def _block_rules(prefix: str, width: int, layers: int, ls_init_value: float | None) -> dict[str, InitFn]:
+    """OpenCLIP's text-tower init, used for both towers (its vision init is torch's defaults);
+    LayerScale gains start at the config's `ls_init_value`."""
     attn_std = width**-0.5
     proj_std = attn_std * (2 * layers) ** -0.5
     fc_std = (2 * width) ** -0.5
@@ -162,6 +171,8 @@ def _block_rules(prefix: str, width: int, layers: int) -> dict[str, InitFn]:
             p + "mlp.c_proj.weight": _normal(proj_std),
             p + "mlp.c_proj.bias": _constant(0.0),
         }
+        if ls_init_value is not None:
+            rules |= {p + "ls_1.gamma": _constant(ls_init_value), p + "ls_2.gamma": _constant(ls_init_value)}
     return rules
 
 
@@ -188,8 +199,8 @@ def param_initializers(model: CLIP) -> dict[str, InitFn]:
     }
     if cfg.init_logit_bias is not None:
         rules["logit_bias"] = _constant(cfg.init_logit_bias)
-    rules |= _block_rules("visual.transformer", v.width, v.layers)
-    rules |= _block_rules("transformer", t.width, t.layers)
+    rules |= _block_rules("visual.transformer", v.width, v.layers, v.ls_init_value)
+    rules |= _block_rules("transformer", t.width, t.layers, t.ls_init_value)
     return rules
 
 

@@ -37,15 +37,18 @@ def owns_name(name: str) -> bool:
     return is_hub_model(name) or name.removesuffix("-quickgelu") in list_models()
 
 
-def _block_params(prefix: str, *, width: int, mlp: int, layers: int, first: int) -> list[ParamShape]:
+def _block_params(
+    prefix: str, *, width: int, mlp: int, layers: int, first: int, layer_scale: bool
+) -> list[ParamShape]:
     """One `ResidualAttentionBlock` per layer (transformer.py), blocks numbered from `first`."""
+    ls_1, ls_2 = ({"ls_1.gamma": (width,)}, {"ls_2.gamma": (width,)}) if layer_scale else ({}, {})
     shapes = {
         "ln_1.weight": (width,), "ln_1.bias": (width,),
         "attn.in_proj_weight": (3 * width, width), "attn.in_proj_bias": (3 * width,),
-        "attn.out_proj.weight": (width, width), "attn.out_proj.bias": (width,),
+        "attn.out_proj.weight": (width, width), "attn.out_proj.bias": (width,), **ls_1,
         "ln_2.weight": (width,), "ln_2.bias": (width,),
         "mlp.c_fc.weight": (mlp, width), "mlp.c_fc.bias": (mlp,),
-        "mlp.c_proj.weight": (width, mlp), "mlp.c_proj.bias": (width,),
+        "mlp.c_proj.weight": (width, mlp), "mlp.c_proj.bias": (width,), **ls_2,
     }  # fmt: skip
     return [
         ParamShape(f"{prefix}.resblocks.{i}.{n}", s, first + i)
@@ -66,14 +69,16 @@ def clip_params(cfg: CLIPConfig) -> tuple[ParamShape, ...]:
     grid = v.image_size // v.patch_size
     vw, tw = v.width, t.width
     bias = [("logit_bias", ())] if cfg.init_logit_bias is not None else []
+    ln_pre = [] if v.no_ln_pre else [("visual.ln_pre.weight", (vw,)), ("visual.ln_pre.bias", (vw,))]
     return tuple(
         _root(("positional_embedding", (t.context_length, tw)), ("text_projection", (tw, d)), ("logit_scale", ()),
               *bias, ("visual.class_embedding", (vw,)), ("visual.positional_embedding", (grid * grid + 1, vw)),
-              ("visual.proj", (vw, d)), ("visual.conv1.weight", (vw, 3, v.patch_size, v.patch_size)),
-              ("visual.ln_pre.weight", (vw,)), ("visual.ln_pre.bias", (vw,)))
-        + _block_params("visual.transformer", width=vw, mlp=int(vw * v.mlp_ratio), layers=v.layers, first=0)
+              ("visual.proj", (vw, d)), ("visual.conv1.weight", (vw, 3, v.patch_size, v.patch_size)), *ln_pre)
+        + _block_params("visual.transformer", width=vw, mlp=int(vw * v.mlp_ratio), layers=v.layers, first=0,
+                        layer_scale=v.ls_init_value is not None)
         + _root(("visual.ln_post.weight", (vw,)), ("visual.ln_post.bias", (vw,)))
-        + _block_params("transformer", width=tw, mlp=int(tw * t.mlp_ratio), layers=t.layers, first=v.layers)
+        + _block_params("transformer", width=tw, mlp=int(tw * t.mlp_ratio), layers=t.layers, first=v.layers,
+                        layer_scale=t.ls_init_value is not None)
         + _root(("token_embedding.weight", (t.vocab_size, tw)), ("ln_final.weight", (tw,)), ("ln_final.bias", (tw,)))
     )  # fmt: skip
 
@@ -111,7 +116,15 @@ def open_clip_model_config(name: str, options: ModelOptions) -> dict[str, Any]:
     trained one), and the keys OpenCLIP leaves out when unset (None, False)."""
     out = dataclasses.asdict(clip_config(name, options))
     out.pop("init_logit_scale")
-    return {k: v for k, v in out.items() if v is not None and v is not False}
+
+    def set_only(d: dict[str, Any]) -> dict[str, Any]:
+        return {
+            k: set_only(v) if isinstance(v, dict) else v
+            for k, v in d.items()
+            if v is not None and v is not False
+        }
+
+    return set_only(out)
 
 
 CLIP_FAMILY = ModelFamily(

@@ -16,6 +16,11 @@ from importlib import resources
 from bigclip.errors import ConfigError
 from bigclip.models.hf_hub import hub_config, hub_repo, is_hub_model
 
+# The options of OpenCLIP's HFTokenizer its configs use (bigclip.data.hf_tokenizer applies them).
+TOKENIZER_KWARGS = {"clean": ("whitespace", "lower", "canonicalize"), "strip_sep_token": (True, False)}
+VISION_POOLS = ("tok", "avg")  # the class token; the mean of the patch tokens (CLIPA)
+TEXT_POOLS = ("argmax", "last", "first", "eos")  # the highest id (OpenAI's EOT); a position; eos_id
+
 
 @dataclass
 class VisionConfig:
@@ -25,6 +30,10 @@ class VisionConfig:
     head_width: int = 64
     mlp_ratio: float = 4.0
     patch_size: int = 16
+    ls_init_value: float | None = None  # LayerScale on each block's two branches
+    no_ln_pre: bool = False
+    pool_type: str = "tok"
+    final_ln_after_pool: bool = False  # ln_post on the pooled features rather than on every token
 
 
 @dataclass
@@ -35,6 +44,12 @@ class TextConfig:
     heads: int = 8
     layers: int = 12
     mlp_ratio: float = 4.0
+    ls_init_value: float | None = None
+    pool_type: str = "argmax"
+    eos_id: int = 2  # the token "eos" pooling reads the features at
+    no_causal_mask: bool = False  # bidirectional attention (CLIPA)
+    hf_tokenizer_name: str = ""  # the Hugging Face tokenizer the model reads ('': OpenCLIP's BPE)
+    tokenizer_kwargs: dict = field(default_factory=dict)  # its cleaning, strip_sep_token
 
 
 @dataclass
@@ -64,9 +79,36 @@ def _known(cls: type, values: dict, where: str) -> dict:
     unknown = set(values) - names
     if unknown:
         raise ConfigError(
-            f"model config {where}: unsupported keys {sorted(unknown)} (bigclip builds ViT CLIP only)"
+            f"model config {where}: OpenCLIP options bigclip does not build: {sorted(unknown)} (it builds "
+            "OpenCLIP's ViT and text transformers with the options of `bigclip models`' configs; "
+            "remove the keys or pick one of those models)"
         )
     return values
+
+
+def _check_tokenizer_kwargs(kwargs: dict, name: str) -> None:
+    for key, value in kwargs.items():
+        if key not in TOKENIZER_KWARGS:
+            raise ConfigError(
+                f"model {name!r}: text_cfg.tokenizer_kwargs {key!r} is not applied by bigclip; it applies "
+                f"{', '.join(TOKENIZER_KWARGS)}"
+            )
+        if value not in TOKENIZER_KWARGS[key]:
+            raise ConfigError(
+                f"model {name!r}: text_cfg.tokenizer_kwargs {key} {value!r}: use one of "
+                f"{', '.join(map(str, TOKENIZER_KWARGS[key]))}"
+            )
+
+
+def _check_pools(vision: VisionConfig, text: TextConfig, name: str) -> None:
+    for where, pool, pools in (
+        ("vision_cfg", vision.pool_type, VISION_POOLS),
+        ("text_cfg", text.pool_type, TEXT_POOLS),
+    ):
+        if pool not in pools:
+            raise ConfigError(
+                f"model {name!r}: {where}.pool_type {pool!r} is not one bigclip builds; use one of {', '.join(pools)}"
+            )
 
 
 def get_model_config(
@@ -91,6 +133,8 @@ def get_model_config(
         )
     vision = VisionConfig(**_known(VisionConfig, raw.pop("vision_cfg", {}), "vision_cfg"))
     text = TextConfig(**_known(TextConfig, raw.pop("text_cfg", {}), "text_cfg"))
+    _check_pools(vision, text, name)
+    _check_tokenizer_kwargs(text.tokenizer_kwargs, name)
     raw.setdefault("quick_gelu", name.endswith("-quickgelu"))
     raw["quick_gelu"] = raw["quick_gelu"] or force_quick_gelu  # OpenAI's weights were trained with it
     vision.image_size = force_image_size or vision.image_size

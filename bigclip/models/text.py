@@ -20,11 +20,14 @@ def build_text_modules(
     mlp_ratio: float,
     output_dim: int,
     act_layer: type[nn.Module] = nn.GELU,
+    layer_scale: bool = False,
     device: torch.device | str | None = None,
 ) -> dict[str, nn.Module | nn.Parameter]:
     return {
         # OpenCLIP's registration order, so state dicts list keys identically.
-        "transformer": Transformer(width, layers, heads, mlp_ratio, act_layer=act_layer, device=device),
+        "transformer": Transformer(
+            width, layers, heads, mlp_ratio, act_layer=act_layer, layer_scale=layer_scale, device=device
+        ),
         "token_embedding": nn.Embedding(vocab_size, width, device=device),
         "positional_embedding": nn.Parameter(torch.empty(context_length, width, device=device)),
         "ln_final": LayerNorm(width, device=device),
@@ -32,6 +35,12 @@ def build_text_modules(
     }
 
 
-def pool_end_of_text(x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """Features at the end-of-text token, which has the highest id in each sequence (OpenCLIP's 'argmax')."""
-    return x[torch.arange(x.shape[0], device=x.device), text.argmax(dim=-1)]
+def pool_text(x: torch.Tensor, text: torch.Tensor, pool_type: str, eos_id: int) -> torch.Tensor:
+    """Each sequence's features at one position, as OpenCLIP's `text_global_pool`: "argmax" the
+    highest id (OpenAI's end-of-text), "eos" the first `eos_id`, "first" and "last" by position."""
+    if pool_type == "first":
+        return x[:, 0]
+    if pool_type == "last":
+        return x[:, -1]
+    at = (text == eos_id).int().argmax(dim=-1) if pool_type == "eos" else text.argmax(dim=-1)
+    return x[torch.arange(x.shape[0], device=x.device), at]

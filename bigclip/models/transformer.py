@@ -35,6 +35,17 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
+class LayerScale(nn.Module):
+    """A learned per-channel gain on a residual branch (OpenCLIP's `ls_1`/`ls_2`, CaiT's LayerScale)."""
+
+    def __init__(self, width: int, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.empty(width, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma.to(x.dtype)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with nn.MultiheadAttention's parameter layout.
 
@@ -69,12 +80,15 @@ class ResidualAttentionBlock(nn.Module):
         mlp_ratio: float,
         *,
         act_layer: type[nn.Module] = nn.GELU,
+        layer_scale: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         mlp_width = int(width * mlp_ratio)
+        # OpenCLIP's registration order: ln_1, attn, ls_1, ln_2, mlp, ls_2.
         self.ln_1 = LayerNorm(width, device=device)
         self.attn = Attention(width, heads, device=device)
+        self.ls_1 = LayerScale(width, device=device) if layer_scale else nn.Identity()
         self.ln_2 = LayerNorm(width, device=device)
         self.mlp = nn.Sequential(
             OrderedDict(
@@ -83,6 +97,7 @@ class ResidualAttentionBlock(nn.Module):
                 c_proj=nn.Linear(mlp_width, width, device=device),
             )
         )
+        self.ls_2 = LayerScale(width, device=device) if layer_scale else nn.Identity()
         self.checkpointing: BlockCheckpointing | None = None  # see bigclip.models.activation_checkpointing
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
@@ -94,8 +109,8 @@ class ResidualAttentionBlock(nn.Module):
         return self._forward(x, causal)
 
     def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), causal=causal)
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.ls_1(self.attn(self.ln_1(x), causal=causal))
+        return x + self.ls_2(self.mlp(self.ln_2(x)))
 
 
 def block_linears(prefix: str, block: ResidualAttentionBlock) -> list[LinearSlot]:
@@ -121,13 +136,16 @@ class Transformer(nn.Module):
         mlp_ratio: float = 4.0,
         *,
         act_layer: type[nn.Module] = nn.GELU,
+        layer_scale: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.width = width
         self.layers = layers
         self.resblocks = nn.ModuleList(
-            ResidualAttentionBlock(width, heads, mlp_ratio, act_layer=act_layer, device=device)
+            ResidualAttentionBlock(
+                width, heads, mlp_ratio, act_layer=act_layer, layer_scale=layer_scale, device=device
+            )
             for _ in range(layers)
         )
 

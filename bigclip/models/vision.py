@@ -1,4 +1,4 @@
-"""The image tower: OpenCLIP's VisionTransformer (class token pooling), with patch dropout."""
+"""The image tower: OpenCLIP's VisionTransformer (class-token or average pooling), with patch dropout."""
 
 from __future__ import annotations
 
@@ -46,18 +46,27 @@ class VisionTransformer(nn.Module):
         output_dim: int,
         patch_dropout: float = 0.0,
         act_layer: type[nn.Module] = nn.GELU,
+        layer_scale: bool = False,
+        no_ln_pre: bool = False,
+        pool_type: str = "tok",
+        final_ln_after_pool: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.image_size = image_size
         self.patch_size = patch_size
+        self.pool_type = pool_type
+        # LayerNorm is per token: for the class token, pooling before ln_post is equivalent and cheaper.
+        self.ln_after_pool = final_ln_after_pool or pool_type == "tok"
         grid = image_size // patch_size
         self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False, device=device)
         self.class_embedding = nn.Parameter(torch.empty(width, device=device))
         self.positional_embedding = nn.Parameter(torch.empty(grid * grid + 1, width, device=device))
         self.patch_dropout = PatchDropout(patch_dropout)
-        self.ln_pre = LayerNorm(width, device=device)
-        self.transformer = Transformer(width, layers, heads, mlp_ratio, act_layer=act_layer, device=device)
+        self.ln_pre = nn.Identity() if no_ln_pre else LayerNorm(width, device=device)
+        self.transformer = Transformer(
+            width, layers, heads, mlp_ratio, act_layer=act_layer, layer_scale=layer_scale, device=device
+        )
         self.ln_post = LayerNorm(width, device=device)
         self.proj = nn.Parameter(torch.empty(width, output_dim, device=device))
 
@@ -69,5 +78,8 @@ class VisionTransformer(nn.Module):
         x = self.patch_dropout(x)
         x = self.ln_pre(x)
         x = self.transformer(x)
-        pooled = self.ln_post(x[:, 0])  # LayerNorm is per token: pooling first is equivalent
+        pooled = self.ln_post(self._pool(x)) if self.ln_after_pool else self._pool(self.ln_post(x))
         return pooled.to(self.proj.dtype) @ self.proj
+
+    def _pool(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, 1:].mean(dim=1) if self.pool_type == "avg" else x[:, 0]

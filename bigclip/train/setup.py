@@ -63,10 +63,12 @@ def requested_device(engine: EngineConfig) -> str:
 
 
 def build_tokenizer(cfg: TrainConfig) -> Any:
-    text_cfg = model_config(cfg).text_cfg
+    t = model_config(cfg).text_cfg
     return data.build_tokenizer(
-        cfg.data.tokenizer, context_length=text_cfg.context_length, vocab_size=text_cfg.vocab_size
-    )
+        cfg.data.tokenizer, context_length=t.context_length, vocab_size=t.vocab_size, text_pool=t.pool_type,
+        hf_name=t.hf_tokenizer_name, hf_kwargs=t.tokenizer_kwargs, cache_dir=cfg.model.cache_dir,
+        model=cfg.model.model,
+    )  # fmt: skip
 
 
 def build_weights(

@@ -1,6 +1,9 @@
-"""OpenCLIP's CLIP tokenizer as the Hugging Face tokenizer files `push_to_hf_hub` uploads beside
-the weights (it saves `HFTokenizer('openai/clip-vit-large-patch14')` for OpenCLIP's default
-tokenizer), written offline from bigclip's copy of the same vocabulary (`bigclip.data.bpe_tokenizer`).
+"""The Hugging Face tokenizer files OpenCLIP's `push_to_hf_hub` uploads beside the weights.
+
+For OpenCLIP's default tokenizer it saves `HFTokenizer('openai/clip-vit-large-patch14')`: bigclip
+writes those offline from its copy of the same vocabulary (`bigclip.data.bpe_tokenizer`). A model
+whose config names its own Hugging Face tokenizer (CLIPA, MetaCLIP 2) gets that tokenizer's files,
+as transformers saves them (`model_tokenizer_files`).
 
 The ids are OpenCLIP's: the 256 byte characters, the same with `</w>`, one token per merge,
 then the start and end of text, 49,408 in all. Hugging Face spells the two special tokens
@@ -11,6 +14,9 @@ then the start and end of text, 49,408 in all. Hugging Face spells the two speci
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
+from typing import Any
 
 from bigclip.data.bpe_tokenizer import ClipBpeTokenizer
 
@@ -32,3 +38,17 @@ def tokenizer_files(*, context_length: int) -> dict[str, bytes]:
         "special_tokens_map.json": json.dumps(special, indent=2).encode(),
         "tokenizer_config.json": json.dumps(config, indent=2).encode(),
     }
+
+
+def model_tokenizer_files(text_cfg: dict[str, Any], *, model: str) -> dict[str, bytes]:
+    """The tokenizer files for a model's OpenCLIP `text_cfg`: CLIP's, or those of the Hugging Face
+    tokenizer it names (from the Hugging Face cache or the Hub; a ConfigError, before anything is
+    written, when transformers cannot load it)."""
+    if not text_cfg.get("hf_tokenizer_name"):
+        return tokenizer_files(context_length=text_cfg["context_length"])
+    from bigclip.data.hf_tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(text_cfg["hf_tokenizer_name"], cache_dir="", model=f"model {model}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}

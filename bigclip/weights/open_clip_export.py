@@ -31,7 +31,7 @@ from bigclip.models.families import family_of
 from bigclip.models.shape import ModelOptions, ModelShape
 from bigclip.storage.locations import open_location
 from bigclip.weights.dcp_reader import TensorInfo
-from bigclip.weights.hf_tokenizer_files import tokenizer_files
+from bigclip.weights.hf_tokenizer_files import model_tokenizer_files
 from bigclip.weights.safetensors_writer import WriteResult, plan_output, write_safetensors
 from bigclip.weights.sources import WeightSource, weights_tokenizer
 
@@ -117,7 +117,7 @@ def export_open_clip(
     if not name:
         raise ConfigError(f"{source.uri} does not say which model it holds: pass --model NAME")
     model_cfg = model_config(name, run, {o.name: tuple(o.shape) for _, o in pairs})
-    files = tokenizer_files(context_length=model_cfg["text_cfg"]["context_length"])
+    files = model_tokenizer_files(model_cfg["text_cfg"], model=name)
     config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_config(run)}
     config["bigclip"] = {"source": source.uri, "step": source.step, "model": name, "tokenizer": tokenizer}
     location = open_location(folder)

@@ -203,6 +203,33 @@ class TransformersExport:
         return result
 
 
+# What CLIPModel computes: ln_pre, class-token pooling, a causal text tower pooled at the end of
+# text (the highest id), CLIP's tokenizer; no layer scale.
+CLIP_MODEL_HAS = {
+    "vision_cfg": {
+        "pool_type": "tok",
+        "no_ln_pre": False,
+        "final_ln_after_pool": False,
+        "ls_init_value": None,
+    },
+    "text_cfg": {
+        "pool_type": "argmax",
+        "no_causal_mask": False,
+        "hf_tokenizer_name": "",
+        "ls_init_value": None,
+    },
+}
+
+
+def options_clip_model_lacks(model_cfg: dict[str, Any]) -> list[str]:
+    return [
+        f"{tower}.{key} {model_cfg[tower][key]!r}"
+        for tower, defaults in CLIP_MODEL_HAS.items()
+        for key, value in defaults.items()
+        if model_cfg[tower].get(key, value) != value
+    ]
+
+
 def prepare(
     source: WeightSource, pairs: list[tuple[TensorInfo, TensorInfo]], folder: str, *, model: str = "",
     dtype: str, overwrite: bool = False, max_shard_bytes: int = 0,
@@ -226,6 +253,9 @@ def prepare(
               for s, o in pairs]  # fmt: skip
     weights = {o.name: tuple(o.shape) for _, o in pairs}
     model_cfg = model_config(name, run, weights)  # checks every weight's shape against the family's
+    if options := options_clip_model_lacks(model_cfg):
+        raise ConfigError(f"model {name} has OpenCLIP options transformers' CLIPModel does not: {', '.join(options)}; "
+                          "export it with --open-clip-dir or to a .safetensors file instead")  # fmt: skip
     config = hf_config(model_cfg, weights, dtype=dtype)
     config["bigclip"] = {"source": source.uri, "step": source.step, "model": name, "tokenizer": tokenizer}
     files = tokenizer_files(context_length=model_cfg["text_cfg"]["context_length"])

@@ -129,6 +129,13 @@ def open_clip_config(name: str) -> dict:
     return json.loads(path.read_text())
 
 
+def open_clip_config_names() -> list[str]:
+    """The names of every model config OpenCLIP's package ships."""
+    _register_open_clip_package()
+    folder = Path(sys.modules["open_clip"].__path__[0]) / "model_configs"
+    return sorted(p.stem for p in folder.glob("*.json"))
+
+
 def open_clip_clip(name: str, **overrides):
     """OpenCLIP's CLIP for a named config (or bigclip's tiny config, which uses the same schema)."""
     module = open_clip_model_module()

@@ -1,0 +1,190 @@
+"""The Hugging Face tokenizer a model config names (`text_cfg.hf_tokenizer_name`: CLIPA's BERT,
+MetaCLIP 2's XLM-V): bigclip's ids are OpenCLIP's `HFTokenizer`'s for the same files, and a run of
+such a model trains from the offline Hugging Face cache on both engines, its text tower pooled where
+that tokenizer writes the end of the sequence."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from support.hf_cache import populate_cache
+from support.openclip_ref import open_clip_tokenizer_module
+
+from bigclip.data.hf_tokenizer import HFTokenizer
+from bigclip.errors import ConfigError
+from bigclip.models.clip import CLIP, CLIPConfig, TextConfig, VisionConfig, init_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = [
+    "a",
+    "photo",
+    "of",
+    "the",
+    "cat",
+    "dog",
+    "small",
+    "large",
+    "red",
+    "blue",
+    "green",
+    "circle",
+    "square",
+    "triangle",
+    "on",
+    "at",
+    "top",
+    "left",
+    "right",
+    "background",
+]
+STRINGS = [
+    "a photo of a cat",
+    "A  Small RED circle, on a blue background &amp; at the top-left!",
+    "caf\u00e9 na\u00efve_word with_underscores",
+    " ".join(["large green square"] * 12),  # longer than the context: truncated, its end token kept
+    "",
+]
+
+
+def transformers_package():
+    try:
+        import transformers
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("CI: transformers is not installed (it is in the dev extra: pip install -e '.[dev]')")
+        pytest.skip("transformers is not installed (pip install -e '.[dev]')")
+    return transformers
+
+
+def saved(folder: Path, tokenizer, **special: str) -> Path:
+    """`tokenizers`' object saved as transformers saves a fast tokenizer (AutoTokenizer loads it)."""
+    transformers = transformers_package()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special).save_pretrained(folder)
+    (folder / "config.json").write_text("{}")  # a Hub repository's model config: AutoTokenizer reads it
+    return folder
+
+
+def bert_folder(folder: Path) -> Path:
+    """A WordPiece tokenizer in BERT's layout ([CLS] ... [SEP], padding 0), as CLIPA's bert-base-uncased."""
+    transformers_package()
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "##s", ",", "!", "&", "-", "_"]
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return saved(folder, tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]")
+
+
+def eos_folder(folder: Path) -> Path:
+    """A tokenizer in XLM-R's layout (<s>=0 ... </s>=2, padding 1), as MetaCLIP 2's XLM-V."""
+    transformers_package()
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    return saved(folder, tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+
+
+FOLDERS = {"bert": bert_folder, "eos": eos_folder}
+
+
+@pytest.mark.parametrize(
+    ("layout", "kwargs"),
+    [
+        ("bert", {"strip_sep_token": True}),
+        ("bert", {"clean": "canonicalize"}),
+        ("eos", {}),
+        ("eos", {"clean": "lower"}),
+    ],
+)
+def test_ids_are_openclips_hf_tokenizers(tmp_path, layout, kwargs):
+    folder = FOLDERS[layout](tmp_path / layout)
+    ours = HFTokenizer(str(folder), context_length=12, vocab_size=1000, **kwargs)
+    ref = open_clip_tokenizer_module().HFTokenizer(str(folder), context_length=12, **kwargs)
+    assert torch.equal(ours(STRINGS), ref(STRINGS))
+    assert len(set(ours(STRINGS).flatten().tolist())) > 10  # words, not unknowns: a real vocabulary read
+    assert torch.equal(pickle.loads(pickle.dumps(ours))(STRINGS), ref(STRINGS))  # as loader workers get it
+    if layout == "eos":  # where the model's 'eos' pooling reads: the first id 2 of each row
+        assert ((ours(STRINGS) == 2).sum(dim=1) == 1).all()
+
+
+def test_a_tokenizer_with_more_ids_than_the_text_tower_is_refused(tmp_path):
+    folder = bert_folder(tmp_path / "bert")
+    with pytest.raises(ConfigError, match=r"has \d+ ids but model tiny-clipa's text_cfg.vocab_size is 8"):
+        HFTokenizer(str(folder), context_length=12, vocab_size=8, model="tiny-clipa")
+
+
+ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs" / "zero3.json")]
+
+
+@pytest.mark.parametrize("engine", [[], ZERO3], ids=["fsdp", "deepspeed-zero3"])
+@pytest.mark.slow
+def test_a_model_reading_a_hugging_face_tokenizer_trains_from_the_offline_cache(demo_data, tmp_path, engine):
+    """A tiny model with CLIPA's image options and MetaCLIP 2's text pooling, its config and its
+    tokenizer both Hugging Face repositories in the --cache-dir cache, read with HF_HUB_OFFLINE=1."""
+    tiny = json.loads((ROOT / "bigclip" / "models" / "configs" / "tiny.json").read_text())
+    tiny["vision_cfg"] |= {
+        "no_ln_pre": True,
+        "pool_type": "avg",
+        "final_ln_after_pool": True,
+        "ls_init_value": 0.1,
+    }
+    tiny["text_cfg"] |= {"hf_tokenizer_name": "test-org/tiny-eos", "pool_type": "eos", "eos_id": 2,
+                         "no_causal_mask": True, "vocab_size": 64}  # fmt: skip
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "open_clip_config.json").write_text(json.dumps({"model_cfg": tiny, "preprocess_cfg": {}}))
+    v, t = VisionConfig(**tiny["vision_cfg"]), TextConfig(**tiny["text_cfg"])
+    weights = init_weights(CLIP(CLIPConfig(embed_dim=tiny["embed_dim"], vision_cfg=v, text_cfg=t)), seed=1)
+    save_file(weights.state_dict(), model / "open_clip_model.safetensors")
+    cache = tmp_path / "hf" / "hub"  # the default cache under HF_HOME=tmp_path/hf
+    populate_cache(cache, "test-org/tiny-clip-eos", model)
+    populate_cache(cache, "test-org/tiny-eos", eos_folder(tmp_path / "tokenizer"))
+    command = [
+        sys.executable, "-m", "bigclip.train", "--model", "hf-hub:test-org/tiny-clip-eos", "--cache-dir", str(cache),
+        *engine, "--train-data", demo_data.train_pattern, "--train-num-samples", "8", "--batch-size", "4",
+        "--workers", "1", "--epochs", "1", "--precision", "fp32", "--zeroshot-frequency", "0",
+        "--val-data", demo_data.val_pattern, "--logs", str(tmp_path / "logs"), "--name", "eos",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty"), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    log = (tmp_path / "logs" / "eos" / "out.log").read_text()
+    held = len(weights.state_dict())  # layer scale's gains in, ln_pre out
+    assert f"loaded {held} tensors from --pretrained hf-hub:test-org/tiny-clip-eos" in log
+    assert "clip_val_loss" in log and "done: {'step': 2" in log  # trained and evaluated its text tower
+    if engine:
+        return
+    # OpenCLIP's layout carries the model's own tokenizer files, read from the same cache.
+    consolidate = [sys.executable, "-m", "bigclip", "consolidate", str(tmp_path / "logs" / "eos" / "checkpoints"),
+                   "--open-clip-dir", str(tmp_path / "open_clip"), "--no-progress"]  # fmt: skip
+    out = subprocess.run(
+        consolidate, env={**env, "HF_HOME": str(tmp_path / "hf")}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    config = json.loads((tmp_path / "open_clip" / "open_clip_config.json").read_text())
+    assert config["model_cfg"]["text_cfg"]["hf_tokenizer_name"] == "test-org/tiny-eos"
+    written = HFTokenizer(str(tmp_path / "open_clip"), context_length=32, vocab_size=64)
+    trained = HFTokenizer(
+        str(tmp_path / "tokenizer"), context_length=32, vocab_size=64
+    )  # what the cache holds
+    assert (
+        torch.equal(written(STRINGS), trained(STRINGS))
+        and not (tmp_path / "open_clip" / "merges.txt").exists()
+    )
