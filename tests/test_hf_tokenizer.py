@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from support.hf_cache import populate_cache
-from support.openclip_ref import open_clip_tokenizer_module
+from support.openclip_ref import open_clip_tokenizer_module, transformers_package
 
 from bigclip.data.hf_tokenizer import HFTokenizer
 from bigclip.errors import ConfigError
@@ -52,16 +52,6 @@ STRINGS = [
     " ".join(["large green square"] * 12),  # longer than the context: truncated, its end token kept
     "",
 ]
-
-
-def transformers_package():
-    try:
-        import transformers
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("CI: transformers is not installed (it is in the dev extra: pip install -e '.[dev]')")
-        pytest.skip("transformers is not installed (pip install -e '.[dev]')")
-    return transformers
 
 
 def saved(folder: Path, tokenizer, **special: str) -> Path:

@@ -12,13 +12,13 @@ anything is written. transformers is in the dev extra: missing, these tests skip
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import numpy as np
 import pytest
 import torch
 from support.engine_harness import global_batch
+from support.openclip_ref import transformers_package
 from test_engine_deepspeed import config
 from test_open_clip_export import train_and_save
 
@@ -37,16 +37,6 @@ STRINGS = [
     "two small blue squares on a green background",
 ]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # attention kernels differ between torch and transformers releases
-
-
-def transformers_package():
-    try:
-        import transformers
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("CI: transformers is not installed (it is in the dev extra: pip install -e '.[dev]')")
-        pytest.skip("transformers is not installed (pip install -e '.[dev]')")
-    return transformers
 
 
 def features(hf_model, images: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

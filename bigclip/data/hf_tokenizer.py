@@ -79,7 +79,7 @@ def load_tokenizer(hf_name: str, *, cache_dir: str, model: str) -> Any:
     except ImportError as e:
         raise ConfigError(
             f"{model} reads Hugging Face's {hf_name} tokenizer, which needs the transformers package: "
-            "pip install transformers"
+            "pip install 'bigclip[hf]' (or transformers)"
         ) from e
     try:
         return AutoTokenizer.from_pretrained(hf_name, cache_dir=cache_dir or None)

@@ -46,6 +46,17 @@ def _placeholder_torchvision() -> None:
     sys.modules["torchvision.ops.misc"].FrozenBatchNorm2d = FrozenBatchNorm2d
 
 
+def transformers_package():
+    """Hugging Face's transformers (bigclip's `hf` extra, in `dev`): skipped without it, failed under CI."""
+    try:
+        import transformers
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("CI: transformers is not installed (bigclip's hf extra: pip install -e '.[dev]')")
+        pytest.skip("transformers is not installed (pip install -e '.[dev]')")
+    return transformers
+
+
 def missing_reference(what: str) -> None:
     """Skip a reference test whose reference is not installed; under CI (`CI` set) fail instead,
     so a reference test never passes by not running."""

@@ -76,8 +76,10 @@ LOW_STACK_TESTS = (
     "tests/test_pretrained_hub.py::test_hf_hub_model_loads_its_config_preprocessing_and_weights_offline",
     "tests/test_pretrained_hub.py::test_an_uncached_hf_hub_model_fails_offline_saying_how_to_get_it",
     "tests/test_pretrained_hub.py::test_tag_files_are_found_as_openclip_finds_them",
-    # transformers at its lower bound loads `consolidate --transformers-dir`'s folder (dev extra)
+    # transformers at its lower bound loads `consolidate --transformers-dir`'s folder (dev extra) and
+    # the Hugging Face tokenizers model configs name
     "tests/test_transformers_export.py",
+    "tests/test_hf_tokenizer.py",
     # checkpoints, local and S3 (boto3, moto, s3torchconnector)
     "tests/test_checkpoint_store.py",
     "tests/test_checkpoint_async.py",
