@@ -7,6 +7,7 @@ consolidates from both engines' checkpoints."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bigclip.checkpoint import CheckpointStore
+from bigclip.config.linear_kinds import linear_kind as kind_named
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import build_engine
 from bigclip.errors import ConfigError
@@ -65,14 +67,11 @@ def train(rank: int, world: int, engine: str, linear_kind: str = "none", save_to
 
     def make(device: torch.device | str) -> DualEncoder:
         model = DualEncoder(device=device)
-        if linear_kind.startswith("fp8"):
-            from bigclip.ops.fp8.float8 import apply_fp8
-
-            apply_fp8(model, linear_kind.removeprefix("fp8-"), emulate=True)
-        elif linear_kind != "none":
-            from bigclip.ops.int8.switchback import apply_int8
-
-            apply_int8(model, linear_kind)
+        kind = kind_named(linear_kind)
+        if kind.implementation:  # the registered kind's own swap, as the training loop's build calls it
+            importlib.import_module(kind.implementation).apply(
+                model, kind, include_attention=False, device_type="cpu"
+            )
         return model
 
     built.build(make("meta"), rebuild=make)

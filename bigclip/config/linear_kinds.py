@@ -1,9 +1,13 @@
 """The linear kinds a run can put in its residual blocks' linears, declared once.
 
 `--linear-kind` picks one; config validation, the model swap (`models/from_config.py`), the
-planner and the tests read this table, and the ops that implement a family (`ops/int8`,
-`ops/fp8`) take its `variant`. Which linears a kind swaps is the model contract's list
-(`blocks()`: each block's MLP linears, and its attention projections where `attention` says so).
+machine check (`train/preflight.py`), the planner and the tests read this table. Each kind names
+the module that implements it (`implementation`, e.g. `bigclip.ops.int8.linear_kind`), which
+provides `check_machine(kind, device_type)` (a ConfigError where the machine cannot run it) and
+`apply(model, kind, *, include_attention, device_type)` (swaps the model contract's linears:
+`swappable_linears()`, each block's MLP linears and, where `attention` says so, its attention
+projections; returns the line the run prints). A new kind is that module and one
+`register_linear_kind` (docs/extending.md).
 
   none            nn.Linear in the precision's compute dtype.
   switchback-*    SwitchBack int8 (Wortsman et al. 2023): forward and input-gradient matmuls in
@@ -26,23 +30,36 @@ from bigclip.openclip_flags import bnb_linear_to_int8
 @dataclass(frozen=True)
 class LinearKind:
     name: str
-    family: str  # "none", "switchback" or "fp8": the ops package that implements it
+    family: str  # "none", "switchback" or "fp8": kinds of one implementation
     variant: str  # SwitchBack's quantisation, or torchao's float8 recipe
     package: str  # the optional package it needs ("": none beyond torch)
     attention: str  # "optional": --int8-attention adds the attention projections; "always"; "never"
+    implementation: str = ""  # the module with check_machine and apply ("": plain nn.Linear)
+    int8_saved_inputs: bool = False  # saves its inputs for backward as int8 + absmax (the planner's term)
+
+    def includes_attention(self, int8_attention: bool) -> bool:
+        return self.attention == "always" or (self.attention == "optional" and int8_attention)
 
 
-LINEAR_KINDS: dict[str, LinearKind] = {
-    k.name: k
-    for k in (
-        LinearKind("none", "none", "", "", "never"),
-        LinearKind("switchback-global", "switchback", "global", "", "optional"),
-        LinearKind("switchback-vectorwise", "switchback", "vectorwise", "", "optional"),
-        LinearKind("switchback-memefficient", "switchback", "memefficient", "", "optional"),
-        LinearKind("fp8-tensorwise", "fp8", "tensorwise", "torchao", "always"),
-        LinearKind("fp8-rowwise", "fp8", "rowwise", "torchao", "always"),
-    )
-}
+LINEAR_KINDS: dict[str, LinearKind] = {}
+
+
+def register_linear_kind(kind: LinearKind) -> LinearKind:
+    """Make `kind` a --linear-kind value (before flags are parsed: its own module's import)."""
+    LINEAR_KINDS[kind.name] = kind
+    return kind
+
+
+_SWITCHBACK, _FP8 = "bigclip.ops.int8.linear_kind", "bigclip.ops.fp8.linear_kind"
+for _kind in (
+    LinearKind("none", "none", "", "", "never"),
+    LinearKind("switchback-global", "switchback", "global", "", "optional", _SWITCHBACK),
+    LinearKind("switchback-vectorwise", "switchback", "vectorwise", "", "optional", _SWITCHBACK),
+    LinearKind("switchback-memefficient", "switchback", "memefficient", "", "optional", _SWITCHBACK, True),
+    LinearKind("fp8-tensorwise", "fp8", "tensorwise", "torchao", "always", _FP8),
+    LinearKind("fp8-rowwise", "fp8", "rowwise", "torchao", "always", _FP8),
+):
+    register_linear_kind(_kind)
 INT8_KINDS = tuple(name for name, k in LINEAR_KINDS.items() if k.family == "switchback")
 
 

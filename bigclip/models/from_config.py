@@ -7,6 +7,7 @@ while `clip.py` and friends stay plain modules that know neither.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 
@@ -74,34 +75,17 @@ def run_device_type(cfg: TrainConfig) -> str:
 
 
 def apply_linear_kind(model: CLIP, cfg: TrainConfig) -> None:
-    """Swap the blocks' linears for the run's --linear-kind (config/linear_kinds.py), and say once
-    per process which kind runs and on which code path (`--use-bnb-linear` and `--int8` name a
-    kind through OpenCLIP's or bitsandbytes' words: the line says what they became)."""
+    """Swap the blocks' linears for the run's --linear-kind through the module that implements it
+    (config/linear_kinds.py), and say once per process which kind runs and on which code path
+    (`--use-bnb-linear` and `--int8` name a kind through OpenCLIP's or bitsandbytes' words: the
+    line says what they became)."""
     kind = linear_kind(cfg.model.linear_kind)
-    if kind.family == "switchback":
-        from bigclip.ops.int8.custom_ops import describe_path
-        from bigclip.ops.int8.switchback import apply_int8
-
-        apply_int8(model, kind.name, include_attention=cfg.model.int8_attention)
-        where = (
-            "MLP and attention linears"
-            if cfg.model.int8_attention
-            else "MLP linears (attention stays 16-bit)"
+    if kind.implementation:
+        implementation = importlib.import_module(kind.implementation)
+        include = kind.includes_attention(cfg.model.int8_attention)
+        _say_once(
+            implementation.apply(model, kind, include_attention=include, device_type=run_device_type(cfg))
         )
-        _say_once(f"linear kind {kind.name}: SwitchBack int8 ({kind.variant} quantisation) in every block's "
-                  f"{where}; int8 matmuls on {describe_path(run_device_type(cfg))}")  # fmt: skip
-    elif kind.family == "fp8":
-        from bigclip.ops.fp8.float8 import apply_fp8, needs_emulation
-
-        emulate = needs_emulation(run_device_type(cfg))
-        apply_fp8(model, kind.variant, emulate=emulate)
-        path = (
-            "emulated on the CPU (torchao's casts, high-precision matmuls)"
-            if emulate
-            else "fp8 GEMMs on the GPU"
-        )
-        _say_once(f"linear kind {kind.name}: torchao float8 ({kind.variant} scales) in every block's MLP and "
-                  f"attention linears; {path}")  # fmt: skip
 
 
 _said: set[str] = set()
@@ -119,12 +103,14 @@ def synthetic_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random images and token ids shaped as the run's model takes them (benchmarks, dry runs).
 
-    Each text ends with the highest id, OpenCLIP's end-of-text token, where the text tower pools."""
+    Each text ends with the highest id, OpenCLIP's end-of-text token, where the text tower pools
+    (or the config's eos_id, for a tower pooled there)."""
     model_cfg = model_config(cfg)
     b = batch_size or cfg.data.batch_size
     size, context = model_cfg.vision_cfg.image_size, model_cfg.text_cfg.context_length
     vocab = model_cfg.text_cfg.vocab_size
     images = torch.randn(b, 3, size, size, device=device)
     texts = torch.randint(1, vocab - 1, (b, context), device=device)
-    texts[:, -1] = vocab - 1
+    text_cfg = model_cfg.text_cfg
+    texts[:, -1] = text_cfg.eos_id if text_cfg.pool_type == "eos" else vocab - 1
     return images, texts

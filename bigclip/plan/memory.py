@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bigclip.config.linear_kinds import linear_kind
 from bigclip.models.flops import block_flops_per_token
 from bigclip.models.shape import ParamShape, TowerShape
 from bigclip.plan.model_state import StateBytes, model_state
@@ -77,7 +78,7 @@ def block_saved_per_token(tower: TowerShape, spec: PlanSpec) -> int:
     """Bytes one residual block saves for backward per token (see the module docstring)."""
     a = dtype_bytes(spec.dtypes.compute_dtype)
     w, m = tower.width, tower.mlp
-    memefficient = spec.linear_kind == "switchback-memefficient"
+    memefficient = linear_kind(spec.linear_kind).int8_saved_inputs
     saved = a * (2 * w + 2 * m) + 2 * 4  # the MLP half: ln_2's input and output, c_fc's and GELU's outputs
     if memefficient:
         saved -= (a - 1) * (w + m) - 2 * 4  # c_fc and c_proj inputs as int8 + absmax

@@ -185,12 +185,14 @@ def _check_global_batch(cfg: TrainConfig, *, world_size: int) -> None:
 
 
 def _check_linear_kind(cfg: TrainConfig) -> None:
-    """fp8 kinds need an fp8 GPU where the run computes on a GPU (a CPU emulates them)."""
-    if linear_kind(cfg.model.linear_kind).family == "fp8":
-        from bigclip.models.from_config import run_device_type
-        from bigclip.ops.fp8.float8 import needs_emulation
+    """The kind's own machine check (fp8: an fp8 GPU where the run computes on a GPU)."""
+    kind = linear_kind(cfg.model.linear_kind)
+    if kind.implementation:
+        import importlib
 
-        needs_emulation(run_device_type(cfg))  # one line on a GPU without fp8
+        from bigclip.models.from_config import run_device_type
+
+        importlib.import_module(kind.implementation).check_machine(kind, run_device_type(cfg))
 
 
 def _check_deepspeed(cfg: TrainConfig, *, world_size: int) -> None:
