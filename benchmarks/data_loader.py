@@ -2,7 +2,7 @@
 
   PYTHONPATH=$PWD python benchmarks/data_loader.py [--passes 3] [--cache /tmp/bigclip-photos]
 
-Two sets of generated photo-like JPEGs (bigclip/demo/photos.py: gradients, blurred shapes,
+Two sets of generated photo-like JPEGs (tests/support/photos.py: gradients, blurred shapes,
 grain, quality 90), long side 400-800 px (3,072 images, ~90 KB) and 1024-1600 px (1,536 images,
 ~430 KB), in 8 plain LAION-style shards each (jpg + txt + json). On the same shards, both
 loaders run one epoch with 2 workers, batch 64, 224 px, the same tokenizer:
@@ -41,6 +41,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from support.photos import write_photo_shards  # noqa: E402
 
 from benchmarks.common import print_table, write_results  # noqa: E402
 from benchmarks.openclip_wds_peer import get_wds_loader  # noqa: E402
@@ -50,7 +53,6 @@ from bigclip.data.decode import decode_image  # noqa: E402
 from bigclip.data.resume.position import DataPosition  # noqa: E402
 from bigclip.data.tar_samples import Cursor, ShardSamples  # noqa: E402
 from bigclip.data.transforms import train_transform  # noqa: E402
-from bigclip.demo.photos import write_photo_shards  # noqa: E402
 from bigclip.distributed import cpu_group, spawn  # noqa: E402
 
 SETS = {"400-800 px": ((400, 800), 3072, 2.0), "1024-1600 px": ((1024, 1600), 1536, 2.5)}

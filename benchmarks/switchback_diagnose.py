@@ -11,7 +11,7 @@ dequantising epilogue (forward y / backward grad_x, global / vectorwise scaling)
 tile the GPU may autotune to (kernels.GEMM_CONFIGS, forced one at a time) and once as
 launched by default. The layer: global, vectorwise and memefficient in pure bf16 and in
 amp_bf16 (fp32 weights, bf16 autocast, a transposed output gradient), each backend on its own
-copy of the nn.Linear. Everything must be bit-identical (see bigclip.ops.int8.selfcheck).
+copy of the nn.Linear. Everything must be bit-identical (see tests/support/switchback_selfcheck.py).
 
 On a GPU: ViT-H-14 sizes (4112 tokens, 1280 <-> 5120; kernels at 4133 x 1288 x 1304, multiples
 of no tile), results/switchback_diagnose_gpu.json. On CPU it needs TRITON_INTERPRET=1 in the
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # runs as `python benchmarks/...`
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]  # runs as `python benchmarks/...`
 
 from common import RESULTS_DIR, device_description, git_commit, gpu_info, print_table  # noqa: E402
 
@@ -42,7 +42,9 @@ SMALL = {"lead": (3, 50), "features": (80, 48), "kernels": (150, 48, 80)}
 
 
 def kernel_rows(sizes: dict, device: torch.device) -> list[dict]:
-    from bigclip.ops.int8 import kernels, selfcheck
+    from support import switchback_selfcheck as selfcheck
+
+    from bigclip.ops.int8 import kernels
 
     m, n, k = sizes["kernels"]
     rows = selfcheck.check_quantizers(m, n, k, device)
@@ -57,7 +59,7 @@ def kernel_rows(sizes: dict, device: torch.device) -> list[dict]:
 
 
 def layer_rows(sizes: dict, device: torch.device) -> list[dict]:
-    from bigclip.ops.int8.selfcheck import LayerCase, check_layer
+    from support.switchback_selfcheck import LayerCase, check_layer
 
     calls = [{}, {"param_dtype": torch.float32, "autocast": torch.bfloat16, "grad_layout": "transposed"}]
     rows = []
@@ -70,8 +72,7 @@ def layer_rows(sizes: dict, device: torch.device) -> list[dict]:
 
 def _write(rows: list[dict], out: Path, *, device: torch.device, small: bool) -> None:
     import triton
-
-    from bigclip.ops.int8.selfcheck import failures
+    from support.switchback_selfcheck import failures
 
     payload = {
         "benchmark": out.stem,
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMALL if small else FULL
     rows = kernel_rows(sizes, device) + layer_rows(sizes, device)
     print_table(rows, COLUMNS)
-    from bigclip.ops.int8.selfcheck import failures
+    from support.switchback_selfcheck import failures
 
     bad = failures(rows)
     print(

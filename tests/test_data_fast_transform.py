@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.photos import photo, photo_jpeg
 
 from bigclip.config import DataConfig
 from bigclip.data import Augmentation, ImageNormalizer, image_normalizer
@@ -20,7 +21,6 @@ from bigclip.data.transforms import (
     reduced_decode,
     train_transform,
 )
-from bigclip.demo.photos import photo, photo_jpeg
 from bigclip.errors import ConfigError
 
 # The quality bound of the fast path (transforms.py): PSNR against OpenCLIP's exact crop.

@@ -7,7 +7,7 @@ products are exact in fp32 and accumulate in fp32, so the loss agrees to 1e-4, a
 gradients, returned in bf16 (8 bits of mantissa), to 1e-2 of their largest value.
 SwitchBack: the compiled Triton kernels against the torch._int_mm path, on the same int8
 operands: int32 products bit-identical; whole layers (forward and backward) bit-identical too,
-each backend on its own copy of the layer (bigclip.ops.int8.selfcheck).
+each backend on its own copy of the layer (tests/support/switchback_selfcheck.py).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_switchback_layer_on_triton_matches_the_int_mm_path(quantization, call):
     would add the first run's weight and bias gradients to the second's). Same int8 operands,
     same int32 sums, same fp32 epilogue order: y and all three gradients bit for bit; a failure
     names the tensor and the size of the difference."""
-    from bigclip.ops.int8.selfcheck import LayerCase, check_layer, failures
+    from support.switchback_selfcheck import LayerCase, check_layer, failures
 
     dtypes = {"param_dtype": torch.float32, "autocast": torch.bfloat16} if call == "amp_bf16" else {}
     layout = "transposed" if call == "amp_bf16" else "contiguous"

@@ -1,5 +1,5 @@
 """SwitchBack's Triton path as a GPU runs it, on CPU under TRITON_INTERPRET=1, against the
-PyTorch path (bit for bit, via bigclip.ops.int8.selfcheck):
+PyTorch path (bit for bit, via tests/support/switchback_selfcheck.py):
 
 - every tile the GPU's autotuner may pick (kernels.GEMM_CONFIGS, forced one at a time with the
   GPU's EVEN_K rule and weight tiles), not only the interpreter's own 32x32x32 tile;
@@ -29,9 +29,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from support.switchback_selfcheck import LayerCase, failures  # noqa: E402
+
 from bigclip.ops.int8 import torch_path  # noqa: E402
 from bigclip.ops.int8.interpreter_compat import bf16_round_to_nearest_even  # noqa: E402
-from bigclip.ops.int8.selfcheck import LayerCase, failures  # noqa: E402
 
 # The Triton interpreter takes minutes on CPU: make test runs it, test-fast does not.
 pytestmark = pytest.mark.slow
@@ -104,7 +105,9 @@ def _shared_parameters_report(selfcheck) -> dict[str, list[dict]]:
 
 def run_all(out_path: str) -> None:
     """In the subprocess (TRITON_INTERPRET=1): every report, pickled to `out_path`."""
-    from bigclip.ops.int8 import interpreter_compat, kernels, selfcheck
+    from support import switchback_selfcheck as selfcheck
+
+    from bigclip.ops.int8 import interpreter_compat, kernels
 
     assert kernels.interpreting()
     report = _gemm_report(kernels, selfcheck) | _layer_report(kernels, selfcheck)

@@ -11,7 +11,7 @@ no FMA contraction and IEEE division (see `kernels`), and under TRITON_INTERPRET
 interpreter rounds to bf16 as GPUs do (`interpreter_compat`).
 
 Used by the GPU diagnostic (benchmarks/switchback_diagnose.py), the GPU tests, and the
-interpreter tests (CPU, TRITON_INTERPRET=1).
+interpreter tests (CPU, TRITON_INTERPRET=1): test code, so it lives beside the tests.
 """
 
 from __future__ import annotations
