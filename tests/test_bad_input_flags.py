@@ -226,20 +226,36 @@ HUB_MODELS = [
           says=(f"model 'hf-hub:openclip/{name}' needs {tower}", "bigclip models", "docs/extending.md"))
     for name, tower in OTHER_TOWERS.items()
 ]  # fmt: skip
+# OpenCLIP options of its own towers with values bigclip does not build (tiny's config, one key changed).
+ODD_OPTIONS = {
+    "vision-pool-none": ("vision_cfg", {"pool_type": "none"}, ("vision_cfg.pool_type 'none' is not one bigclip builds",
+                                                               "use one of tok, avg")),
+    "text-pool-mean": ("text_cfg", {"pool_type": "mean"}, ("text_cfg.pool_type 'mean'", "argmax, last, first, eos")),
+    "tokenizer-language": ("text_cfg", {"hf_tokenizer_name": "x/y", "tokenizer_kwargs": {"language": "en"}},
+                           ("text_cfg.tokenizer_kwargs 'language' is not applied by bigclip", "clean, strip_sep_token")),
+}  # fmt: skip
+HUB_MODELS += [
+    train(f"hub-{name}", "--model", f"hf-hub:openclip/{name}", "--batch-size", "4", env=HUB_ENV, says=says)
+    for name, (_, _, says) in ODD_OPTIONS.items()
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def hub_home(home: Path, tmp_path_factory) -> Path:
-    for name in OTHER_TOWERS:
+    tiny = json.loads((ROOT / "bigclip" / "models" / "configs" / "tiny.json").read_text())
+    configs = {name: open_clip_config(name) for name in OTHER_TOWERS}
+    configs |= {name: tiny | {tower: tiny[tower] | keys} for name, (tower, keys, _) in ODD_OPTIONS.items()}
+    for name, model_cfg in configs.items():
         folder = tmp_path_factory.mktemp(name)
-        config = {"model_cfg": open_clip_config(name), "preprocess_cfg": {}}
-        (folder / "open_clip_config.json").write_text(json.dumps(config))
+        (folder / "open_clip_config.json").write_text(
+            json.dumps({"model_cfg": model_cfg, "preprocess_cfg": {}})
+        )
         populate_cache(home / "hf" / "hub", f"openclip/{name}", folder)
     return home
 
 
 @pytest.mark.parametrize("case", HUB_MODELS, ids=[c.name for c in HUB_MODELS])
-def test_a_model_of_towers_bigclip_does_not_build_is_refused_by_its_tower(case: Case, hub_home: Path) -> None:
+def test_a_model_bigclip_does_not_build_is_refused_by_its_tower_or_option(case: Case, hub_home: Path) -> None:
     check(case, cwd=hub_home, protect=[hub_home])
 
 
