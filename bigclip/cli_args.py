@@ -126,12 +126,12 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type
         choices = _choices(f)
         group.add_argument(*names, dest=f.name, type=kind, default=None, choices=choices,
                            metavar=None if choices else metavar(kind), help=meta.get("help"))  # fmt: skip
-    for alias in meta.get("aliases", ()):
+    for alias in openclip_flags.FLAG_ALIASES.get(f.name, ((), str))[0]:
         # Aliases take their own spelling of the value and convert it (OpenCLIP compatibility).
         group.add_argument(
             alias, dest=f"_alias_{f.name}", default=None, metavar="VALUE", help=f"alias of {names[0]}"
         )
-    for switch, value in meta.get("switches", {}).items():
+    for switch, value in openclip_flags.SWITCHES.get(f.name, {}).items():
         # OpenCLIP flags without a value that mean one value of this field (e.g. --fsdp).
         group.add_argument(switch, dest=f"_switch_{f.name}", action="store_const", const=value, default=None,
                            help=f"OpenCLIP's spelling of {spelled(names[0], value)}")  # fmt: skip
@@ -140,7 +140,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, owner: type
 def _apply_switch(section: Any, f: dataclasses.Field, switched: Any, given: Any) -> None:
     """An OpenCLIP switch sets its value; the field's own flag may agree but not contradict it."""
     if given is not None and given != switched:
-        (switch,) = [s for s, v in f.metadata["switches"].items() if v == switched][:1]
+        (switch,) = [s for s, v in openclip_flags.SWITCHES[f.name].items() if v == switched][:1]
         raise ConfigError(f"{switch} means {spelled(flag_of(f.name), switched)}, which contradicts "
                           f"{spelled(flag_of(f.name), given)}: give one of them")  # fmt: skip
     setattr(section, f.name, switched)
@@ -272,7 +272,7 @@ def parse_train_args(argv: list[str] | None = None, *, prog: str = "bigclip trai
         for f in dataclasses.fields(section):
             alias_value = getattr(args, f"_alias_{f.name}", None)
             if alias_value is not None:
-                setattr(section, f.name, f.metadata["convert"](alias_value))
+                setattr(section, f.name, openclip_flags.FLAG_ALIASES[f.name][1](alias_value))
             value = getattr(args, f.name)
             switched = getattr(args, f"_switch_{f.name}", None)
             if switched is not None:

@@ -102,7 +102,7 @@ def _entry(f: dataclasses.Field, owner: type) -> str:
         usage, text = f"{flag} CHOICE", f"{text} CHOICE: {', '.join(choices)}."
     else:
         usage = f"{flag} {metavar(kind)}"
-    others = [*meta.get("aliases", ()), *meta.get("switches", {})]
+    others = [*openclip_flags.FLAG_ALIASES.get(f.name, ((),))[0], *openclip_flags.SWITCHES.get(f.name, {})]
     also = f" Also {', '.join(others)}." if others else ""
     return f"{usage}  {text}{also}{default_note(f)}"
 
@@ -160,9 +160,13 @@ def _spellings(width: int) -> list[str]:
 
 def _others(f: dataclasses.Field) -> list[str]:
     """A field's aliases (each taking the value in its own spelling), switches and value aliases."""
-    flag, meta = flag_of(f.name), f.metadata
-    said = [f"{alias} VALUE  = {flag} (the value in its own spelling)" for alias in meta.get("aliases", ())]
-    said += [f"{switch}  = {spelled(flag, value)}" for switch, value in meta.get("switches", {}).items()]
+    flag = flag_of(f.name)
+    aliases, switches = (
+        openclip_flags.FLAG_ALIASES.get(f.name, ((),))[0],
+        openclip_flags.SWITCHES.get(f.name, {}),
+    )
+    said = [f"{alias} VALUE  = {flag} (the value in its own spelling)" for alias in aliases]
+    said += [f"{switch}  = {spelled(flag, value)}" for switch, value in switches.items()]
     said += [
         f"{flag} {theirs}  = {flag} {ours}"
         for theirs, ours in openclip_flags.VALUE_ALIASES.get(f.name, {}).items()

@@ -15,19 +15,21 @@ before anything is built), when ignoring it would silently change the results: o
 models, NaFlex, custom text), other data (CSV, JSON captions, --max-image-pixels), another
 optimization (layer decay, --wd-exclude) or a memory plan the run relies on (--fsdp-offload-cpu).
 
-Four kinds of entry:
+Six kinds of entry:
   IGNORED         flags that do not apply to bigclip's runs: warned about once, then ignored
   REFUSED         flags whose ignoring would change results (DDP/Horovod launch, distillation...)
   REFUSED_VALUES  values of accepted flags that bigclip does not implement (--precision bf16)
   VALUE_ALIASES   OpenCLIP's other spelling of a bigclip value (--precision amp_bfloat16)
-plus converters for flags that are aliases of a bigclip field with their own values
-(`--use-bnb-linear`, `--opt`, `--loss-dist-impl`), named in the fields' metadata.
+  FLAG_ALIASES    other flag names of a bigclip field, each with its converter (`--use-bnb-linear`,
+                  `--opt`, `--loss-dist-impl`; DeepSpeed's `--deepspeed_config`, `--local_rank`)
+  SWITCHES        OpenCLIP flags without a value that set one value of a field (`--fsdp`)
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from bigclip.errors import ConfigError
@@ -312,3 +314,26 @@ def loss_dist_impl_to_exchange(value: str) -> str:
             "between neighbours: bigclip's --loss-exchange ring; gather/reduce: --loss-exchange allgather)"
         )
     return _LOSS_DIST_IMPL[value]
+
+
+def int8_or_bnb_to_kind(value: str) -> str:
+    """`--int8 MODE` (a SwitchBack kind, checked against --linear-kind's choices) or OpenCLIP's
+    `--use-bnb-linear CLASS` (a bitsandbytes class name, converted or refused)."""
+    return value if value.startswith("switchback-") else bnb_linear_to_int8(value)
+
+
+# Every other spelling of a bigclip flag, by field: flags that take the value in their own
+# spelling (converted by the function; the field's own checks then apply), and switches without a
+# value that set one value of the field. cli_args declares them beside the field's flag and
+# cli_help lists them.
+FLAG_ALIASES: dict[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
+    "linear_kind": (("--int8", "--use-bnb-linear"), int8_or_bnb_to_kind),
+    "optimizer": (("--opt",), opt_to_optimizer),
+    "loss_exchange": (("--loss-dist-impl",), loss_dist_impl_to_exchange),  # bidir/shift, gather/reduce
+    "deepspeed_config": (("--deepspeed_config",), str),  # DeepSpeed's own (deepspeed.add_config_arguments)
+    "local_rank": (("--local_rank",), int),  # what the deepspeed launcher passes (--local_rank=N)
+}
+SWITCHES: dict[str, dict[str, Any]] = {
+    "engine": {"--fsdp": "fsdp"},  # OpenCLIP main's FSDP2 is bigclip's default engine
+    "reshard_after_forward": {"--fsdp-no-reshard-after-forward": False},
+}

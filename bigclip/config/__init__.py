@@ -9,11 +9,8 @@ command lines keep working. A YAML file (`--config run.yaml`) may set any field,
 Field metadata understood by `bigclip.cli_args`:
   help     the flag's help text
   choices  allowed values
-  aliases  extra flag names (e.g. `--int8` and OpenCLIP's `--use-bnb-linear` for `--linear-kind`)
-  convert  callable applied to a value given through an alias
-  switches OpenCLIP flags without a value that set one value of the field: {flag: value}
-OpenCLIP options bigclip refuses, and OpenCLIP's other spellings of values, are in
-`bigclip.openclip_flags` (one table).
+OpenCLIP's (and DeepSpeed's) other spellings of flags and values, and the OpenCLIP options bigclip
+ignores or refuses, are in `bigclip.openclip_flags`, one table each.
 
 May import errors and openclip_flags; models only lazily (ModelConfig checks --model).
 """

@@ -17,7 +17,6 @@ class EngineConfig:
         "fsdp",
         "Sharding engine: torch FSDP2 or DeepSpeed ZeRO.",
         choices=ENGINES,
-        switches={"--fsdp": "fsdp"},
     )
     precision: str = opt(
         "amp_bf16", "Numerics: bf16/fp16 mixed, fp32, or bf16 everywhere.", choices=PRECISIONS
@@ -26,13 +25,8 @@ class EngineConfig:
         "",
         "DeepSpeed JSON config: a path, or the name of one bigclip ships (zero1, zero2, zero3, "
         "zero3_offload, zero3_vit_bigg: ds_configs/); needed with --engine deepspeed.",
-        aliases=("--deepspeed_config",),  # DeepSpeed's own spelling (deepspeed.add_config_arguments)
-        convert=str,
     )
-    reshard_after_forward: bool = opt(
-        True, "FSDP2: free gathered parameters after forward (ZeRO-3-like).",
-        switches={"--fsdp-no-reshard-after-forward": False},
-    )  # fmt: skip
+    reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (ZeRO-3-like).")
     dist_backend: str = opt("", "torch.distributed backend (default: nccl on GPU, gloo on CPU).")
     dist_timeout: int = opt(
         1800,
@@ -49,8 +43,6 @@ class EngineConfig:
     local_rank: int = opt(
         -1,
         "Set by the deepspeed launcher (as --local_rank=N); the environment's LOCAL_RANK wins.",
-        aliases=("--local_rank",),
-        convert=int,
     )
     dist_url: str = opt("env://", "Rendezvous: env:// only (MASTER_ADDR/PORT, set by torchrun and srun).")
     set_device_rank: bool = opt(True, "cuda:LOCAL_RANK; --no-set-device-rank: cuda:0 (one GPU per process).")

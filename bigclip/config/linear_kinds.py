@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigclip.errors import ConfigError
-from bigclip.openclip_flags import bnb_linear_to_int8
 
 
 @dataclass(frozen=True)
@@ -61,12 +60,6 @@ for _kind in (
 ):
     register_linear_kind(_kind)
 INT8_KINDS = tuple(name for name, k in LINEAR_KINDS.items() if k.family == "switchback")
-
-
-def int8_alias_to_kind(value: str) -> str:
-    """A value given through --int8 (a SwitchBack kind) or OpenCLIP's --use-bnb-linear (a
-    bitsandbytes class name, converted or refused by `openclip_flags`), as a --linear-kind."""
-    return value if value in INT8_KINDS else bnb_linear_to_int8(value)
 
 
 def linear_kind(name: str) -> LinearKind:

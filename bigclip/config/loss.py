@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from bigclip.config.fields import LOSS_EXCHANGES, LOSSES, opt
 from bigclip.errors import ConfigError
-from bigclip.openclip_flags import loss_dist_impl_to_exchange
 
 
 @dataclass
@@ -25,8 +24,6 @@ class LossConfig:
         "How the chunked loss sees other ranks' features: 'ring' (chunks passed to the neighbour, "
         "flat memory) or 'allgather' (all features gathered, memory grows with the global batch).",
         choices=LOSS_EXCHANGES,
-        aliases=("--loss-dist-impl",),  # OpenCLIP's names for the same choice (bidir/shift, gather/reduce)
-        convert=loss_dist_impl_to_exchange,
     )
 
     def validate(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigclip.config.fields import installed, opt
-from bigclip.config.linear_kinds import LINEAR_KINDS, int8_alias_to_kind, linear_kind
+from bigclip.config.linear_kinds import LINEAR_KINDS, linear_kind
 from bigclip.errors import ConfigError
 
 
@@ -44,8 +44,6 @@ class ModelConfig:
         "The residual blocks' linears: 16-bit (none), SwitchBack int8 (switchback-*: MLP linears), or"
         " torchao float8 (fp8-*: MLP and attention linears; an fp8 GPU, emulated on CPU).",
         choices=tuple(LINEAR_KINDS),
-        aliases=("--int8", "--use-bnb-linear"),
-        convert=int8_alias_to_kind,
     )
     int8_attention: bool = opt(False, "With a SwitchBack --linear-kind, also swap the attention projections.")
     force_quick_gelu: bool = opt(

@@ -6,15 +6,11 @@ from dataclasses import dataclass
 
 from bigclip.config.fields import LR_SCHEDULERS, OPTIMIZERS, opt
 from bigclip.errors import ConfigError
-from bigclip.openclip_flags import opt_to_optimizer
 
 
 @dataclass
 class OptimConfig:
-    optimizer: str = opt(
-        "adamw", "Optimizer: torch AdamW or bitsandbytes' 8-bit AdamW.", choices=OPTIMIZERS,
-        aliases=("--opt",), convert=opt_to_optimizer,
-    )  # fmt: skip
+    optimizer: str = opt("adamw", "Optimizer: torch AdamW or bitsandbytes' 8-bit AdamW.", choices=OPTIMIZERS)
     opt_kwargs: dict = opt(
         {},
         "Extra optimizer keyword arguments, KEY=VALUE words (OpenCLIP main's --opt-kwargs), e.g. "
