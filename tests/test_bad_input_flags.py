@@ -37,6 +37,8 @@ def train(name: str, *flags: str, says: tuple[str, ...], base: tuple[str, ...] =
 
 
 CASES = [
+    train("openclip-model-of-timm-tower", "--model", "EVA02-L-14",
+          says=("model 'EVA02-L-14' needs timm's eva02_large_patch14_clip_224 image tower", "bigclip models")),
     train("unknown-flag", "--bogus-flag", says=("unrecognized arguments: --bogus-flag", "bigclip train --help")),
     train("misspelt-flag", "--batch-sise", "8", says=("--batch-sise", "did you mean --batch-size?")),
     train("help-unknown-section", "--help", "dta", says=("--help dta: no such section", "did you mean data?",

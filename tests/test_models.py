@@ -17,6 +17,7 @@ from bigclip.errors import ConfigError
 from bigclip.models import count_parameters, create_model, init_weights, list_models
 from bigclip.models.clip import CLIP
 from bigclip.models.named_configs import (
+    OTHER_TOWERS_PATH,
     CLIPConfig,
     TextConfig,
     VisionConfig,
@@ -61,6 +62,10 @@ def test_every_openclip_config_of_its_own_towers_is_bundled_and_the_others_name_
             {"quick_gelu": True} if name != base else {}
         )
     assert len(own) >= 45 and not [n for n in other if n in list_models()]
+    shipped = json.loads(OTHER_TOWERS_PATH.read_text())  # refused by name: `--model EVA02-L-14`
+    assert shipped == {
+        n: other_towers(open_clip_config(n)) or ["OpenCLIP's custom text tower layout"] for n in other
+    }
 
 
 def shrunk(name: str) -> dict:

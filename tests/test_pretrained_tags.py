@@ -67,9 +67,13 @@ def test_tag_table_is_openclips_for_every_bundled_model():
         ),
         (["--model", "ViT-B-32", "--pretrained", "no_such_tag"], ["there is no such file or folder"]),
         (
-            ["--model", "convnext_base", "--pretrained", "laion400m_e32"],
+            ["--model", "RN50", "--pretrained", "yfcc15m"],
+            ["model 'RN50' needs a ResNet image tower", "bigclip models"],
+        ),
+        (
+            ["--model", "ViT-Q-99", "--pretrained", "laion400m_e32"],
             [
-                "unknown model 'convnext_base'",
+                "unknown model 'ViT-Q-99'",
                 "'laion400m_e32' is known for ViT-B-16, ViT-B-16-plus-240, ViT-B-32, ViT-B-32-quickgelu, ViT-L-14",
             ],
         ),
@@ -78,9 +82,9 @@ def test_tag_table_is_openclips_for_every_bundled_model():
             ["OpenCLIP tags name weights of bigclip's bundled models", "brings its own weights"],
         ),
         (
-            ["--model", "RN50", "--pretrained", "yfcc15m"],
+            ["--model", "ViT-Q-99", "--pretrained", "yfcc15m"],
             [
-                "unknown model 'RN50'; available: tiny, ViT-B-16, ViT-B-16-plus,",
+                "unknown model 'ViT-Q-99'; available: tiny, ViT-B-16, ViT-B-16-plus,",
                 "hf-hub:ORG/REPO",
                 "the OpenCLIP tag 'yfcc15m' is known for none of them",
             ],

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, fields
 from functools import cache
 from importlib import resources
+from pathlib import Path
 
 from bigclip.errors import ConfigError
 from bigclip.models.hf_hub import hub_config, hub_repo, is_hub_model
@@ -62,6 +63,16 @@ class CLIPConfig:
     quick_gelu: bool = False
     init_logit_scale: float = math.log(1 / 0.07)
     init_logit_bias: float | None = None
+
+
+# OpenCLIP's configs whose towers bigclip does not build, with those towers (written by
+# benchmarks/openclip_pretrained_tags.py from the installed OpenCLIP): refused by name, saying why.
+OTHER_TOWERS_PATH = Path(__file__).with_name("openclip_other_towers.json")  # for the generator
+
+
+@cache
+def _other_tower_configs() -> dict[str, list[str]]:
+    return json.loads((resources.files("bigclip.models") / OTHER_TOWERS_PATH.name).read_text())
 
 
 @cache
@@ -124,13 +135,9 @@ def get_model_config(
 
     A changed image size or context length changes the positional embeddings' shapes, as in
     OpenCLIP; weights of the original size then no longer fit (`--pretrained` says which)."""
+    refuse_other_towers(name)
     raw = _raw_config(name, cache_dir=cache_dir)
-    if towers := other_towers(raw):
-        raise ConfigError(
-            f"model {name!r} needs {' and '.join(towers)}: bigclip builds CLIP models from OpenCLIP's own "
-            "ViT image and text transformers (`bigclip models` lists them; a new tower is a model family, "
-            "docs/extending.md)"
-        )
+    refuse_other_towers(name, raw)
     vision = VisionConfig(**_known(VisionConfig, raw.pop("vision_cfg", {}), "vision_cfg"))
     text = TextConfig(**_known(TextConfig, raw.pop("text_cfg", {}), "text_cfg"))
     _check_pools(vision, text, name)
@@ -140,6 +147,20 @@ def get_model_config(
     vision.image_size = force_image_size or vision.image_size
     text.context_length = force_context_length or text.context_length
     return CLIPConfig(vision_cfg=vision, text_cfg=text, **_known(CLIPConfig, raw, "top level"))
+
+
+def refuse_other_towers(name: str, raw: dict | None = None) -> None:
+    """A ConfigError naming the towers bigclip does not build, for one of OpenCLIP's configs of such
+    towers (by name) or a config (`raw`, e.g. an hf-hub model's) with them."""
+    towers = (
+        other_towers(raw) if raw is not None else _other_tower_configs().get(name.removesuffix("-quickgelu"))
+    )
+    if towers:
+        raise ConfigError(
+            f"model {name!r} needs {' and '.join(towers)}: bigclip builds CLIP models from OpenCLIP's own "
+            "ViT image and text transformers (`bigclip models` lists them; a new tower is a model family, "
+            "docs/extending.md)"
+        )
 
 
 def other_towers(raw: dict) -> list[str]:

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from bigclip.errors import ConfigError
-from bigclip.models.named_configs import list_models
+from bigclip.models.named_configs import list_models, refuse_other_towers
 
 TABLE_PATH = Path(__file__).with_name("pretrained_tags.json")  # for the generator; read through resources
 QUICKGELU = "-quickgelu"
@@ -81,6 +81,7 @@ def check_pretrained(model: str, pretrained: str) -> None:
             f"--pretrained {pretrained!r}: OpenCLIP tags name weights of bigclip's bundled models; --model "
             f"{model} brings its own weights (drop --pretrained to use them, or give a path or URI)"
         )
+    refuse_other_towers(model)
     if model.removesuffix(QUICKGELU) not in list_models():
         elsewhere = ", ".join(models_with(pretrained)) or "none of them"
         raise ConfigError(
