@@ -116,9 +116,8 @@ class CLIP(nn.Module):
         x = self.token_embedding(text) + self.positional_embedding[: text.shape[1]]
         t = self.cfg.text_cfg
         x = self.transformer(x, causal=not t.no_causal_mask)
-        pooled = self.ln_final(
-            pool_text(x, text, t.pool_type, t.eos_id)
-        )  # per token: pooling first is equivalent
+        # LayerNorm is per token: pooling before ln_final is equivalent to OpenCLIP's order, and cheaper.
+        pooled = self.ln_final(pool_text(x, text, t.pool_type, t.eos_id))
         features = pooled.to(self.text_projection.dtype) @ self.text_projection
         return F.normalize(features, dim=-1) if normalize else features
 
