@@ -52,13 +52,12 @@ class HFTokenizer:
         self.hf_name, self.context_length = hf_name, context_length  # kwargs: checked with the model config
         self.clean = CLEANERS[kwargs.get("clean", "whitespace")]
         self.strip_sep_token = bool(kwargs.get("strip_sep_token", False))
-        self.tokenizer = load_tokenizer(
-            hf_name, cache_dir=cache_dir, model=f"model {model}" if model else "the model"
-        )
+        who = f"model {model}" if model else "the model"
+        self.tokenizer = load_tokenizer(hf_name, cache_dir=cache_dir, model=who)
         if len(self.tokenizer) > vocab_size:
             raise ConfigError(
-                f"tokenizer {hf_name} has {len(self.tokenizer)} ids but {f'model {model}' if model else 'the model'}'s text_cfg.vocab_size is "
-                f"{vocab_size}: its text tower cannot read them; is --cache-dir holding another tokenizer?"
+                f"tokenizer {hf_name} has {len(self.tokenizer)} ids but {who}'s text_cfg.vocab_size is {vocab_size}: "
+                "its text tower cannot read them; is --cache-dir holding another tokenizer?"
             )
 
     def __call__(self, texts: str | list[str]) -> torch.Tensor:
