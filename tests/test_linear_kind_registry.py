@@ -57,7 +57,9 @@ def test_a_registered_kind_checks_the_machine_before_the_run(toy):
         ConfigError, match="--linear-kind toy-bf16-weights runs on CPUs only; this run computes on cuda"
     ):
         toy_linear_kind.check_machine(toy, "cuda")
-    check_machine(run_config(toy.name, device="cpu"))  # the run's check calls the kind's own
+    toy_linear_kind.CHECKED.clear()
+    check_machine(run_config(toy.name, device="cpu"))
+    assert toy_linear_kind.CHECKED == ["cpu"]  # the run's machine check asked the kind's own
 
 
 def test_an_unregistered_kind_is_refused_naming_the_registered_ones():

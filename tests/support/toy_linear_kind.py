@@ -14,6 +14,7 @@ from bigclip.errors import ConfigError
 from bigclip.models.contract import TrainableModel
 
 KIND = LinearKind("toy-bf16-weights", "toy", "bf16", "", "never", implementation=__name__)
+CHECKED: list[str] = []  # the device types check_machine was asked about, in order
 
 
 class RoundedLinear(nn.Linear):
@@ -24,6 +25,7 @@ class RoundedLinear(nn.Linear):
 
 
 def check_machine(kind: LinearKind, device_type: str) -> None:
+    CHECKED.append(device_type)
     if device_type != "cpu":
         raise ConfigError(f"--linear-kind {kind.name} runs on CPUs only; this run computes on {device_type}")
 
