@@ -66,7 +66,7 @@ class CLIPConfig:
 
 
 # OpenCLIP's configs whose towers bigclip does not build, with those towers (written by
-# benchmarks/openclip_pretrained_tags.py from the installed OpenCLIP): refused by name, saying why.
+# benchmarks/openclip_tables.py from the installed OpenCLIP): refused by name, saying why.
 OTHER_TOWERS_PATH = Path(__file__).with_name("openclip_other_towers.json")  # for the generator
 
 

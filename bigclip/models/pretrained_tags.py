@@ -5,7 +5,7 @@ bigclip's models and their `-quickgelu` variants, unchanged: for each tag the Hu
 (`hf_hub`: "org/repo/" for the repository's default weights file, or "org/repo/file") and/or a
 URL, the image mean/std, interpolation and resize mode its weights were trained with, and
 `quick_gelu` where the weights need QuickGELU. It is data, written by
-benchmarks/openclip_pretrained_tags.py; tests/test_pretrained_tags.py compares it with OpenCLIP's.
+benchmarks/openclip_tables.py; tests/test_pretrained_tags.py compares it with OpenCLIP's.
 Tags are matched as OpenCLIP matches them: case-insensitively, '-' read as '_'.
 """
 

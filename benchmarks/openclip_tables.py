@@ -1,7 +1,7 @@
 """Write OpenCLIP's tables bigclip ships: its `--pretrained` tags for bigclip's models
 (bigclip/models/pretrained_tags.json) and its configs of other towers (openclip_other_towers.json).
 
-  PYTHONPATH=$PWD python benchmarks/openclip_pretrained_tags.py [--check]
+  PYTHONPATH=$PWD python benchmarks/openclip_tables.py [--check]
 
 Reads the table (`_PRETRAINED`) of the installed OpenCLIP's `open_clip/pretrained.py` without
 importing the package `open_clip` (its __init__ imports torchvision), keeps the entries of the
