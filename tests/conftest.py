@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,27 @@ def recorded_costs(stack: str, path: Path = TEST_TIMES) -> Counter[str]:
     for m in filter(None, map(DURATION.match, lines)):
         costs[m.group(2)] += float(m.group(1))
     return costs
+
+
+@pytest.fixture(scope="module")
+def module_tmp(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], Path]]:
+    """`tmp_path_factory.mktemp` for one test file's shared runs, whose folders are removed once the
+    file's tests are done unless one of them failed. pytest removes a passed test's own `tmp_path`
+    but keeps every `mktemp` folder to the end of the run: the checkpoints and clusters of a whole
+    run came to 6-9 GB there, more than a CI machine's disk sometimes has free."""
+    made: list[Path] = []
+    failed = request.session.testsfailed
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

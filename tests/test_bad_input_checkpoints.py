@@ -49,9 +49,9 @@ MANIFEST_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def run(demo_data, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run(demo_data, module_tmp) -> Path:
     """A checkpoint root with commits at steps 4 and 8."""
-    tmp = tmp_path_factory.mktemp("bad-ckpt")
+    tmp = module_tmp("bad-ckpt")
     root = tmp / "checkpoints"
     argv = demo_argv(demo_data, tmp, "--max-steps", "8", "--save-every-n-steps", "4", "--checkpoint-dir",
                      str(root), name="source")  # fmt: skip
@@ -298,8 +298,8 @@ def test_resume_from_a_missing_bucket_says_so(demo_data, run, s3, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def registry(run, tmp_path_factory: pytest.TempPathFactory) -> Registry:
-    registry = Registry(str(tmp_path_factory.mktemp("registry") / "reg"))
+def registry(run, module_tmp) -> Registry:
+    registry = Registry(str(module_tmp("registry") / "reg"))
     registry.publish(str(run / "step_00000008"), "tiny-v1")
     return registry
 
@@ -373,18 +373,18 @@ def test_the_damage_helpers_hit_tensor_bytes(run):
 
 
 @pytest.fixture(scope="module")
-def consolidated(run, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def consolidated(run, module_tmp) -> Path:
     """The step-8 weights as a consolidated safetensors file, with its checksum manifest beside it."""
     from bigclip.weights.consolidate import consolidate
 
-    out = tmp_path_factory.mktemp("consolidated") / "tiny.safetensors"
+    out = module_tmp("consolidated") / "tiny.safetensors"
     consolidate(str(run / "step_00000008"), str(out), progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def st_registry(consolidated, tmp_path_factory: pytest.TempPathFactory) -> Registry:
-    registry = Registry(str(tmp_path_factory.mktemp("st-registry") / "reg"))
+def st_registry(consolidated, module_tmp) -> Registry:
+    registry = Registry(str(module_tmp("st-registry") / "reg"))
     assert registry.publish(str(consolidated), "tiny-st").kind == "safetensors"
     return registry
 

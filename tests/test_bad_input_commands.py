@@ -98,10 +98,10 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
+def home(module_tmp) -> Path:
     import torch
 
-    home = tmp_path_factory.mktemp("commands")
+    home = module_tmp("commands")
     (home / "notes.txt").write_text("not a folder\n")
     # A SigLIP model's weights (a learned logit bias), which transformers' CLIPModel cannot hold.
     torch.save({"logit_scale": torch.zeros(()), "logit_bias": torch.zeros(())}, home / "siglip.pt")

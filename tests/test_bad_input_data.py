@@ -83,8 +83,8 @@ def _truncate(path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("bad_data")
+def workdir(module_tmp) -> Path:
+    root = module_tmp("bad_data")
     data = root / "data"
     write_dataset(str(data / "good"), [98, 97, 0, 99, 6])
     write_dataset(str(data / "empty"), [0, 0])

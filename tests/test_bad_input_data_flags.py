@@ -61,8 +61,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
-    home = tmp_path_factory.mktemp("data_flags")
+def home(module_tmp) -> Path:
+    home = module_tmp("data_flags")
     write_demo_data(
         str(home / "data"), samples=16, shards=2, val_samples=4, classify_samples=0, image_size=16
     )

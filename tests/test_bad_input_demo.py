@@ -36,8 +36,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
-    home = tmp_path_factory.mktemp("demo")
+def home(module_tmp) -> Path:
+    home = module_tmp("demo")
     write_demo_data(str(home / "made"), samples=8, shards=1, val_samples=2, classify_samples=0, image_size=16)
     (home / "notes.txt").write_text("not a folder\n")
     return home

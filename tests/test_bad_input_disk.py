@@ -32,9 +32,9 @@ STALE = 120  # seconds a killed writer's file is made older than (local_location
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(module_tmp) -> Path:
     """A committed checkpoint holding 8 MiB of model weights."""
-    root = tmp_path_factory.mktemp("disk") / "checkpoints"
+    root = module_tmp("disk") / "checkpoints"
     store = CheckpointStore(str(root))
     store.save({"model": {"visual.proj": torch.randn(1024, 2048)}}, step=1, meta={"model": "tiny"})
     store.close()

@@ -186,9 +186,9 @@ NO_GPU = [
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
+def home(module_tmp) -> Path:
     """Shards, an earlier run's folder (what must survive), and a few config files."""
-    home = tmp_path_factory.mktemp("flags")
+    home = module_tmp("flags")
     write_demo_data(
         str(home / "data"), samples=16, shards=2, val_samples=4, classify_samples=0, image_size=16
     )
@@ -243,12 +243,12 @@ HUB_MODELS += [
 
 
 @pytest.fixture(scope="module")
-def hub_home(home: Path, tmp_path_factory) -> Path:
+def hub_home(home: Path, module_tmp) -> Path:
     tiny = json.loads((ROOT / "bigclip" / "models" / "configs" / "tiny.json").read_text())
     configs = {name: open_clip_config(name) for name in OTHER_TOWERS}
     configs |= {name: tiny | {tower: tiny[tower] | keys} for name, (tower, keys, _) in ODD_OPTIONS.items()}
     for name, model_cfg in configs.items():
-        folder = tmp_path_factory.mktemp(name)
+        folder = module_tmp(name)
         (folder / "open_clip_config.json").write_text(
             json.dumps({"model_cfg": model_cfg, "preprocess_cfg": {}})
         )

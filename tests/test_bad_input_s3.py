@@ -124,8 +124,8 @@ def strict_endpoint():
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory, strict_endpoint) -> dict[str, tuple[Case, Path]]:
-    home = tmp_path_factory.mktemp("s3")
+def table(module_tmp, strict_endpoint) -> dict[str, tuple[Case, Path]]:
+    home = module_tmp("s3")
     write_demo_data(
         str(home / "data"), samples=16, shards=2, val_samples=4, classify_samples=0, image_size=16
     )

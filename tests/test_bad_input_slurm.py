@@ -69,8 +69,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
-    home = tmp_path_factory.mktemp("slurm")
+def home(module_tmp) -> Path:
+    home = module_tmp("slurm")
     (home / "job.sbatch").write_text("#!/bin/bash\n# an earlier job script\n")
     (home / "scripts").mkdir()
     (home / "notes.txt").write_text("not a folder\n")

@@ -58,8 +58,8 @@ def save_checkpoints(rank: int, world: int, cfg_dicts: dict[str, dict], root: st
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("sharded")
+def saved(module_tmp) -> tuple[Path, dict]:
+    root = module_tmp("sharded")
     weights = spawn(save_checkpoints, 2, ENGINES_AT_2, str(root))[0]
     weights |= spawn(save_checkpoints, 3, {"fsdp-3": config("fsdp")}, str(root))[0]
     return root, weights

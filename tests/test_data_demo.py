@@ -26,8 +26,8 @@ LARGE_FROM = (SIZES["small"][1] + SIZES["large"][0]) * IMAGE_SIZE
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("demo"))
+def demo(module_tmp):
+    out = str(module_tmp("demo"))
     return out, write_demo_data(out, samples=90, shards=4, val_samples=60, image_size=IMAGE_SIZE, seed=1)
 
 

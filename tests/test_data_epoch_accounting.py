@@ -57,8 +57,8 @@ def on_ranks(world_size, pattern, **opts):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_dataset(str(tmp_path_factory.mktemp("img2dataset_like")), SIZES)
+def shards(module_tmp):
+    return write_dataset(str(module_tmp("img2dataset_like")), SIZES)
 
 
 @pytest.mark.dist

@@ -31,8 +31,8 @@ SEED = 10
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("exact"))
+def dataset(module_tmp):
+    root = str(module_tmp("exact"))
     return write_dataset(root, SIZES, compressed=(3,), bad_every=6, textured=True)
 
 

@@ -77,8 +77,8 @@ def test_a_ranks_own_state_does_not_grow_with_the_world():
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_dataset(str(tmp_path_factory.mktemp("own")), [9, 7, 12])
+def dataset(module_tmp):
+    return write_dataset(str(module_tmp("own")), [9, 7, 12])
 
 
 def loader_for(pattern, *, workers, position=None):

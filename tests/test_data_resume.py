@@ -82,8 +82,8 @@ def run_ranks(world_size, pattern, **options):
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("resume"))
+def dataset(module_tmp):
+    root = str(module_tmp("resume"))
     return write_dataset(root, SIZES, compressed=(3,), bad_every=BAD_EVERY)
 
 

@@ -26,9 +26,9 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def shards(s3, tmp_path_factory):
+def shards(s3, module_tmp):
     """The same shards on disk and in the bucket: (local pattern, s3 pattern)."""
-    root = str(tmp_path_factory.mktemp("local"))
+    root = str(module_tmp("local"))
     write_dataset(root, SIZES)
     client = s3.client()
     for path in glob.glob(f"{root}/*"):

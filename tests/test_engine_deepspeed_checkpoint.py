@@ -96,9 +96,9 @@ RESUMES = EXACT + EIGHT_BIT_RESUMES
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(module_tmp) -> dict:
     """Save at 2 ranks, resume at 3 ranks, once for all the tests below."""
-    root = tmp_path_factory.mktemp("ckpt")
+    root = module_tmp("ckpt")
     names = list(SAVED)
     original = spawn(save_and_continue, 2, list(SAVED.values()), str(root), True)[0]
     plan = [(SAVED[engine], names.index(source)) for engine, source in RESUMES]

@@ -37,9 +37,9 @@ def eval_flags(demo_data, logs: Path, name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(demo_data, tmp_path_factory) -> dict:
+def trained(demo_data, module_tmp) -> dict:
     """A short training run (its checkpoint committed at the end) and its weights consolidated."""
-    logs = tmp_path_factory.mktemp("eval_only")
+    logs = module_tmp("eval_only")
     argv = demo_argv(demo_data, logs, "--max-steps", "6", "--val-frequency", "0", name="trained")
     summary = spawn(train_worker, 1, argv)[0]
     weights = logs / "trained.safetensors"

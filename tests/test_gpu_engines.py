@@ -22,8 +22,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def cpu_fp32(tmp_path_factory) -> dict:
-    return run_in_process({"device": "cpu", "engine": "fsdp"}, tmp_path_factory.mktemp("cpu"))
+def cpu_fp32(module_tmp) -> dict:
+    return run_in_process({"device": "cpu", "engine": "fsdp"}, module_tmp("cpu"))
 
 
 def assert_close_runs(got: dict, want: dict) -> None:

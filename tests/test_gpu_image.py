@@ -53,10 +53,10 @@ def gpu_image_lacks() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def image_python(tmp_path_factory) -> str:
+def image_python(module_tmp) -> str:
     if not sysconfig.get_platform().startswith("linux-x86_64"):
         pytest.skip("downloads manylinux x86_64 wheels")
-    tmp = tmp_path_factory.mktemp("gpu-image")
+    tmp = module_tmp("gpu-image")
     wheels, lacks = tmp / "gpu-wheels", gpu_image_lacks()
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     download_only(lacks, python_version=python, platform="manylinux_2_28_x86_64", out=wheels)

@@ -85,8 +85,8 @@ def train(rank: int, world: int, engine: str, linear_kind: str = "none", save_to
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
-    root = tmp_path_factory.mktemp("dual_encoder")
+def trained(module_tmp) -> tuple[Path, dict[str, dict]]:
+    root = module_tmp("dual_encoder")
     return root, {
         engine: spawn(train, 2, engine, "none", str(root / engine))[0] for engine in ("fsdp", "zero3")
     }

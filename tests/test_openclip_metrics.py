@@ -54,7 +54,7 @@ def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 @pytest.fixture(scope="module")
-def openclip(demo_data, tmp_path_factory) -> Path:
+def openclip(demo_data, module_tmp) -> Path:
     """OpenCLIP's trainer: STEPS steps of BATCH, then its evaluation on the held-out shards."""
     from importlib import resources
 
@@ -64,7 +64,7 @@ def openclip(demo_data, tmp_path_factory) -> Path:
         message = ("the reference environment lacks tensorboard or webdataset<=0.2.86 (OpenCLIP's pin); "
                    "`make ref-venv` installs them")  # fmt: skip
         pytest.fail(f"CI: {message}") if os.environ.get("CI") else pytest.skip(message)
-    logs = tmp_path_factory.mktemp("openclip-metrics")
+    logs = module_tmp("openclip-metrics")
     tiny = resources.files("bigclip.models") / "configs" / "tiny.json"
     run_reference(TRAINER, str(tiny), "--model", "tiny", "--train-data", demo_data.train_pattern,
                   "--train-num-samples", str(STEPS * BATCH), "--val-data", demo_data.val_pattern,
@@ -76,9 +76,9 @@ def openclip(demo_data, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def evaluated(openclip, demo_data, tmp_path_factory) -> dict:
+def evaluated(openclip, demo_data, module_tmp) -> dict:
     """bigclip, evaluation only: OpenCLIP's epoch_1.pt on the same held-out shards."""
-    logs = tmp_path_factory.mktemp("bigclip-eval")
+    logs = module_tmp("bigclip-eval")
     argv = ["--model", "tiny", "--precision", "fp32", "--batch-size", str(BATCH), "--workers", "1",
             "--val-data", demo_data.val_pattern, "--resume", str(openclip / "checkpoints" / "epoch_1.pt"),
             "--logs", str(logs), "--name", "ev"]  # fmt: skip
@@ -86,9 +86,9 @@ def evaluated(openclip, demo_data, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(demo_data, tmp_path_factory) -> dict:
+def trained(demo_data, module_tmp) -> dict:
     """bigclip training on 2 ranks, its scalars to TensorBoard and to wandb (offline)."""
-    logs = tmp_path_factory.mktemp("bigclip-train")
+    logs = module_tmp("bigclip-train")
     argv = demo_argv(demo_data, logs, "--max-steps", str(STEPS), "--val-frequency", "0", "--log-every-n-steps",
                      "1", "--log-metric-every-n-steps", "1", "--report-to", "tensorboard,wandb", name="tr")  # fmt: skip
     with pytest.MonkeyPatch.context() as env:

@@ -141,10 +141,10 @@ OPENCLIP_BATCH, SAMPLES, LR, WARMUP, EPOCHS = 4, 32, 1e-3, 2, 3
 
 
 @pytest.fixture(scope="module")
-def trainer_checkpoint(tmp_path_factory) -> Path:
+def trainer_checkpoint(module_tmp) -> Path:
     from importlib import resources
 
-    logs = tmp_path_factory.mktemp("openclip-trainer")
+    logs = module_tmp("openclip-trainer")
     tiny = resources.files("bigclip.models") / "configs" / "tiny.json"
     needs = "import braceexpand, pandas, webdataset"  # open_clip_train.data's imports
     try:

@@ -44,9 +44,9 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory, weights) -> Path:
+def checkpoint(module_tmp, weights) -> Path:
     """A committed bigclip checkpoint: ROOT/step_00000005."""
-    root = tmp_path_factory.mktemp("run") / "checkpoints"
+    root = module_tmp("run") / "checkpoints"
     store = CheckpointStore(str(root))
     store.save({"model": weights, "train": {"step": 5}}, step=5, meta={"model": "tiny", "engine": "fsdp"})
     store.close()

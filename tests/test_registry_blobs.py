@@ -27,8 +27,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("run") / "checkpoints"
+def checkpoint(module_tmp) -> Path:
+    root = module_tmp("run") / "checkpoints"
     g = torch.Generator().manual_seed(0)
     weights = {f"model.layer{i}": torch.randn(256, 256, generator=g) for i in range(4)}
     store = CheckpointStore(str(root))

@@ -139,8 +139,8 @@ def _final(cluster: SlurmCluster, s: Scenario) -> bool:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, demo_data):
-    root = tmp_path_factory.mktemp("slurm")
+def finished(module_tmp, demo_data):
+    root = module_tmp("slurm")
     cluster = start_for_tests(
         lambda: SlurmCluster.start(root / "cluster"), reason=missing_reason(), what="the Slurm tests"
     )

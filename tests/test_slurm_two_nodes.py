@@ -77,8 +77,8 @@ def _run_all(cluster, root, ids: dict[str, int], patience: Patience) -> dict[str
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, demo_data):
-    root = tmp_path_factory.mktemp("two_nodes")
+def finished(module_tmp, demo_data):
+    root = module_tmp("two_nodes")
     with two_node_cluster(root) as cluster:
         patience = Patience(stall_limit_s(rank_start_up_s()))
         ids = {}

@@ -118,8 +118,8 @@ class Limits:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, demo_data):
-    root = tmp_path_factory.mktemp("two_node_faults")
+def finished(module_tmp, demo_data):
+    root = module_tmp("two_node_faults")
     data, train = demo_data.train_pattern, ["--workers", "2", "--save-every-n-steps", str(SAVE_EVERY)]
 
     def job(name: str, job: list[str], *extra: str, steps: int = STEPS, run: str = "") -> object:

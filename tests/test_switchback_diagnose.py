@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def diagnosis(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path_factory.mktemp("diagnose") / "report.json"
+def diagnosis(module_tmp) -> tuple[subprocess.CompletedProcess, dict]:
+    out = module_tmp("diagnose") / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "benchmarks/switchback.py", "--diagnose", "--out", str(out)],

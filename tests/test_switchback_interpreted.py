@@ -117,8 +117,8 @@ def run_all(out_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("interpreted") / "report.pkl"
+def report(module_tmp) -> dict:
+    out = module_tmp("interpreted") / "report.pkl"
     tests_dir, repo = Path(__file__).parent, Path(__file__).parents[1]
     code = (
         f"import sys; sys.path[:0] = [{str(tests_dir)!r}, {str(repo)!r}]; "

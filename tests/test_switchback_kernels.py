@@ -133,8 +133,8 @@ def run_all_cases(out_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    out = tmp_path_factory.mktemp("kernels") / "results.pkl"
+def results(module_tmp) -> dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    out = module_tmp("kernels") / "results.pkl"
     tests_dir, repo = Path(__file__).parent, Path(__file__).parents[1]
     code = f"import sys; sys.path[:0] = [{str(tests_dir)!r}, {str(repo)!r}]; import {Path(__file__).stem} as t; t.run_all_cases({str(out)!r})"
     env = dict(os.environ, TRITON_INTERPRET="1")

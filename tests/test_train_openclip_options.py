@@ -28,8 +28,8 @@ STEPS_PER_EPOCH = 8  # 256 samples per epoch / batch 32
 
 
 @pytest.fixture(scope="module")
-def trained(demo_data, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("openclip_options")
+def trained(demo_data, module_tmp):
+    tmp = module_tmp("openclip_options")
     argv = demo_argv(
         demo_data, tmp, "--train-num-samples", "256", "--epochs", "3", "--val-frequency", "2",
         "--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1", "--warmup", "2",
