@@ -74,12 +74,21 @@ test: install slurm-deps ref-venv
 # cluster, no reference venv, no second stack), none marked slow, and not the bad-input suite.
 FAST_MARKERS := not dist and not slow and not gpu and not bad_input
 test-fast: install
-	$(VPY) -m pytest -q --durations=10 -m "$(FAST_MARKERS)" tests
+	TORCH_EXTENSIONS_DIR=$(MAIN_EXT) $(VPY) -m pytest -q --durations=10 -m "$(FAST_MARKERS)" tests
+
+# DeepSpeed builds its shared-memory collective op (ninja, gcc) on its first CPU run, under a lock
+# file in TORCH_EXTENSIONS_DIR. A run killed mid-build (the preemption tests kill DeepSpeed jobs)
+# leaves the lock behind, and every later DeepSpeed start waits on it for ever ("building the model:
+# still running after ..."). So each stack builds it before its tests, in a folder of its own (the
+# op is per torch build; the default ~/.cache/torch_extensions/py311_cpu is every venv's).
+DS_OPS = TORCH_EXTENSIONS_DIR=$(2) $(1) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
+MAIN_EXT := $(abspath $(VENV))/torch_extensions
 
 # Two pytest-xdist workers, one test file a unit of work (tests/conftest.py says how and why).
 XDIST := -n 2
 test-main: install slurm-deps ref-venv
-	BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q $(XDIST) --durations=30 tests
+	$(call DS_OPS,$(VPY),$(MAIN_EXT))
+	TORCH_EXTENSIONS_DIR=$(MAIN_EXT) BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q $(XDIST) --durations=30 tests
 
 # The low stack (.venv-low): torch 2.11.0 with the Triton it pins (3.6.0), the GPU machines' stack,
 # and every other direct dependency at the lower bound pyproject.toml declares, so the bounds are
@@ -103,8 +112,7 @@ $(LOW_STAMP): pyproject.toml $(STACKS)
 	@touch $(LOW_STAMP)
 
 test-low: $(LOW_STAMP) ref-venv
-	@# Its own torch extensions folder: DeepSpeed's JIT-built ops (shm_comm) are per torch build, and
-	@# the default folder (~/.cache/torch_extensions/py311_cpu) is shared with the main stack's.
+	$(call DS_OPS,$(LOW_PY),$(abspath $(LOW_VENV))/torch_extensions)
 	TORCH_EXTENSIONS_DIR=$(abspath $(LOW_VENV))/torch_extensions BIGCLIP_STACK=low \
 	    BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(LOW_PY) -m pytest -q $(XDIST) --durations=30 $$($(PYTHON) $(STACKS) tests)
 
