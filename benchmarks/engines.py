@@ -38,7 +38,7 @@ from bigclip.engines.optimizer import LocalShardOptimizer, local_tensor  # noqa:
 from bigclip.models import count_parameters, create_model  # noqa: E402
 from bigclip.models.from_config import build_model, model_factory, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
-from bigclip.train.step import contrastive_loss  # noqa: E402
+from bigclip.train.trainer import contrastive_loss  # noqa: E402
 
 _ZERO = [("deepspeed", "zero1"), ("deepspeed", "zero2"), ("deepspeed", "zero3")]
 CPU_RUNS = [  # (engine, ds_config, optimizer, precision); the first row of each precision is the baseline

@@ -38,7 +38,7 @@ from bigclip.models.families import model_shape  # noqa: E402
 from bigclip.models.flops import forward_flops  # noqa: E402
 from bigclip.models.from_config import build_model, model_factory, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
-from bigclip.train.step import train_step  # noqa: E402
+from bigclip.train.trainer import train_step  # noqa: E402
 
 MODEL = "ViT-bigG-14"
 HEADROOM = 0.97  # of total GPU memory: the allocator's fragmentation and cuBLAS workspaces

@@ -54,7 +54,7 @@ from bigclip.models.from_config import build_model, model_factory, synthetic_bat
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
 from bigclip.plan.planner import Hardware, Plan, build_plan  # noqa: E402
 from bigclip.plan.spec import from_train_config  # noqa: E402
-from bigclip.train.step import train_step  # noqa: E402
+from bigclip.train.trainer import train_step  # noqa: E402
 
 COMMON = ["--precision", "amp_bf16", "--grad-checkpointing", "--loss-chunk-size", "1024", "--lr", "1e-4"]
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs/zero3_vit_bigg.json")]

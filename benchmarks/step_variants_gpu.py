@@ -63,7 +63,7 @@ def bigclip_step(model_name: str, batch: int, side: str, ckpt: str, every: int, 
     from bigclip.engines import build_engine
     from bigclip.models.from_config import build_model, model_factory, synthetic_batch
     from bigclip.ops.loss.contrastive import build_loss
-    from bigclip.train.step import train_step
+    from bigclip.train.trainer import train_step
 
     cfg = config(engine, compiled=True, model=model_name)
     cfg.model.grad_checkpointing = ckpt != "none"

@@ -88,7 +88,7 @@ def bigclip_step(model_name: str, batch: int) -> Callable[[], None]:
 
     from bigclip.models.from_config import synthetic_batch
     from bigclip.ops.loss.contrastive import build_loss
-    from bigclip.train.step import train_step
+    from bigclip.train.trainer import train_step
 
     cfg = config("fsdp", compiled=True, model=model_name)
     engine, loss_fn = build(cfg), build_loss(cfg.loss)

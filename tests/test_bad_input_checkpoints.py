@@ -267,8 +267,7 @@ def test_a_missing_openclip_checkpoint_is_not_found_and_leaves_no_folder(demo_da
 def second_start_while_running(rank: int, world: int, argv: list[str], case: Case, cwd: str) -> str:
     """Worker: set a run up (it now holds its folder), start another with the same name, then end.
     (The lock file is not digested: a process that opens and closes it drops its own POSIX lock.)"""
-    from bigclip.train.loop import close_run
-    from bigclip.train.setup import setup
+    from bigclip.train.trainer import close_run, setup
 
     run = setup(parse_train_args(argv))
     try:

@@ -17,7 +17,7 @@ from bigclip.engines import build_engine
 from bigclip.engines.optimizer import param_groups
 from bigclip.models import create_model
 from bigclip.ops.loss.contrastive import build_loss
-from bigclip.train.step import contrastive_loss, train_step
+from bigclip.train.trainer import contrastive_loss, train_step
 
 pytestmark = pytest.mark.dist
 

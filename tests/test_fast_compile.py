@@ -29,7 +29,7 @@ from bigclip.models import create_model
 from bigclip.models.vision import kept_patches
 from bigclip.ops.int8.switchback import INT8_MODES, apply_int8
 from bigclip.ops.loss.contrastive import build_loss
-from bigclip.train.step import train_step
+from bigclip.train.trainer import train_step
 
 VARIANTS = ["none", *INT8_MODES]
 

@@ -22,7 +22,7 @@ from support.engine_harness import global_batch, make_engine, tiny_config
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
 from bigclip.ops.loss.contrastive import build_loss
-from bigclip.train.step import train_step
+from bigclip.train.trainer import train_step
 
 ENGINES = {
     "fsdp": {},

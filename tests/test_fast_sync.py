@@ -2,7 +2,7 @@
 
 A sync stalls the host until the device drains its queue: the next kernels are launched late
 and the device idles (and FSDP2's prefetch is serialised). Reads belong to the logging
-interval (step_log.py) and checkpoints. Counted here over several steps of the real training
+interval (trainer.log_step) and checkpoints. Counted here over several steps of the real training
 step (train_step: forward, loss, backward, clip, optimizer step) of each engine at world 1,
 under amp_bf16 with gradient clipping and the chunked loss (see support/sync_probe.py for what
 counts). The first two steps are excluded: the loss checks its inputs in full once (a run with
@@ -25,7 +25,7 @@ from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
 from bigclip.errors import NonFiniteLossError
 from bigclip.ops.loss.contrastive import ChunkedContrastiveLoss, ClipLoss, build_loss
-from bigclip.train.step import train_step, verify_inputs
+from bigclip.train.trainer import train_step, verify_inputs
 
 STEPS = 3
 WARMUP = 2  # the loss's first full check; ZeRO-3 records its parameter-fetch trace (reads ids)

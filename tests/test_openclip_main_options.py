@@ -73,7 +73,7 @@ def compiled_training(rank: int, world: int, argv: list[str], record: str) -> di
     """Worker: register a torch.compile backend that records how it was called, then train."""
     from torch._dynamo import register_backend
 
-    from bigclip.train.loop import run_training
+    from bigclip.train.trainer import train
 
     @register_backend(name=RECORDER)
     def recorder(gm, example_inputs, **kwargs):  # noqa: ANN001, ANN003
@@ -81,7 +81,7 @@ def compiled_training(rank: int, world: int, argv: list[str], record: str) -> di
             f.write(json.dumps(kwargs) + "\n")
         return gm.forward
 
-    return run_training(parse_train_args(argv))
+    return train(parse_train_args(argv))
 
 
 @pytest.mark.slow

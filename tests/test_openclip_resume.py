@@ -75,8 +75,7 @@ def openclip_run(path: Path, *, lock_image_groups: int | None, ddp_prefix: bool,
 def resume_and_save(rank: int, world: int, argv: list[str]) -> dict:
     """Worker: the training set-up with --resume, then a checkpoint of what it restored."""
     from bigclip.cli_args import parse_train_args
-    from bigclip.train.loop import close_run
-    from bigclip.train.setup import setup
+    from bigclip.train.trainer import close_run, setup
 
     run = setup(parse_train_args(argv))
     run.checkpointer.save(run.progress.state, data_position=None)

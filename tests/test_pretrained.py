@@ -96,8 +96,7 @@ def leases_on(registry: str, name: str) -> int:
 def start_trainer(rank: int, world: int, cases: list[tuple[list[str], str]]) -> list[dict]:
     """Worker: for each case, set up a run (the real trainer's setup), report its weights and
     whether rank 0 held a lease while it lived, then end it."""
-    from bigclip.train.loop import close_run
-    from bigclip.train.setup import setup
+    from bigclip.train.trainer import close_run, setup
 
     out = []
     for argv, registry in cases:

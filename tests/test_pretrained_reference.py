@@ -34,8 +34,7 @@ with torch.no_grad():
 
 def features_after_setup(rank: int, world: int, argv: list[str], inputs: str) -> dict[str, torch.Tensor]:
     """Worker: the trainer's set-up (which loads --pretrained), then the features of `inputs`."""
-    from bigclip.train.loop import close_run
-    from bigclip.train.setup import setup
+    from bigclip.train.trainer import close_run, setup
 
     run = setup(parse_train_args(argv))
     data = torch.load(inputs)

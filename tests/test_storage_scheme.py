@@ -25,7 +25,7 @@ from bigclip.storage.locations import open_location
 from bigclip.storage.s3 import S3Settings
 from bigclip.storage.schemes import register_scheme, unregister_scheme
 from bigclip.storage.settings import StorageState, storage_configured
-from bigclip.train.loop import run_training
+from bigclip.train.trainer import train
 from bigclip.weights.sources import open_weights
 
 pytestmark = pytest.mark.dist
@@ -58,11 +58,11 @@ def _train_checkpoint_resume_publish(rank: int, world: int, logs: str) -> dict[s
     refused = _refused_before_registering()
     register_scheme("memory", FsspecLocation)  # the registration: nothing else changes
     write_demo_data(DATA, samples=192, shards=2, val_samples=0, classify_samples=0, image_size=64)
-    first = run_training(parse_train_args(_argv(logs, "--max-steps", "6")))
+    first = train(parse_train_args(_argv(logs, "--max-steps", "6")))
     store = CheckpointStore(CHECKPOINTS)
     committed = [step for step, _ in store.committed()]
     store.verify("latest")  # every object re-read and checked against the manifest's SHA-256
-    resumed = run_training(parse_train_args(_argv(logs, "--max-steps", "9", "--resume", "latest")))
+    resumed = train(parse_train_args(_argv(logs, "--max-steps", "9", "--resume", "latest")))
     registry = Registry(REGISTRY)
     published = registry.publish(f"{CHECKPOINTS}/step_00000009/", "tiny-from-memory")
     registry.verify("tiny-from-memory")

@@ -7,7 +7,7 @@ fails here, while the engine is built, naming the flag and what torch accepts.
 torch.compile compiles lazily: the blocks' graphs (forward, then backward) are built during the
 first step, which can take minutes on a large model with inductor. So each compilation is said
 in the log as it starts and ends (dynamo's compile callbacks), and `compile_activity()` counts
-them for the first step's heartbeat and end line (train/loop.py).
+them for the first step's heartbeat and end line (train/trainer.py).
 """
 
 from __future__ import annotations

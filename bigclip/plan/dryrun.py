@@ -67,7 +67,7 @@ def fsdp_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
     from bigclip.engines.fsdp import FSDPEngine
     from bigclip.engines.optimizer import Precision, make_optimizer, param_groups
     from bigclip.models.from_config import build_model, synthetic_batch
-    from bigclip.train.step import contrastive_loss
+    from bigclip.train.trainer import contrastive_loss
 
     phase(0)
     engine = FSDPEngine(cfg, runtime)

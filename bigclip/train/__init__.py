@@ -1,5 +1,6 @@
-"""The training loop and what it does around the steps: set-up, one step, checkpoint policy,
-preemption, evaluation, metrics, and the remote backup (remote sync, backup set-up and checks). `python -m bigclip.train` runs it.
+"""The trainer (trainer.py: set-up, the loop, one step, saving and stopping, top to bottom), its
+door (entry.py: the flags and the machine checked once) and what the loop calls: the checkpoint
+policy, preemption, evaluation, metrics, and the remote backup. `python -m bigclip.train` runs it.
 May import engines, data, checkpoint, weights, storage, ops, models, config, distributed, errors;
 never registry, plan, launch or demo (tests/test_layout.py checks it).
 """

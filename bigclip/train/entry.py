@@ -79,6 +79,18 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 
 def _train(argv: list[str], *, prog: str) -> int:
+    cfg = checked_config(argv, prog=prog)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from bigclip.train.trainer import main as train
+
+    with _nothing_left_if_refused(cfg):
+        return record(train)(cfg)
+
+
+def checked_config(argv: list[str], *, prog: str = "bigclip train") -> TrainConfig:
+    """The flags parsed and checked (no torch), then what the machine settles (torch, no process
+    group): every check the trainer leaves to its door, once."""
     from bigclip.cli_args import parse_train_args
     from bigclip.rank_env import check_rendezvous
     from bigclip.train.preflight import check_flags, check_machine
@@ -91,13 +103,8 @@ def _train(argv: list[str], *, prog: str) -> int:
     check_flags(cfg)
     say("start-up: started (loading torch, then the process group and the checks of data, storage and "
         "the resume target)")  # fmt: skip
-    check_machine(cfg)  # torch: only now, and only torch (the loop's imports take seconds more)
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from bigclip.train.loop import main as train
-
-    with _nothing_left_if_refused(cfg):
-        return record(train)(cfg)
+    check_machine(cfg)  # torch: only now, and only torch (the trainer's imports take seconds more)
+    return cfg
 
 
 def _check_eval_command(cfg: TrainConfig) -> None:

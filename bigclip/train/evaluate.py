@@ -3,9 +3,9 @@
 
 Held-out retrieval on --val-data gives OpenCLIP's `get_clip_metrics` (R@1/5/10, mean and median
 rank, image->text and text->image) and its `clip_val_loss`; zero-shot classification is zeroshot.py.
-The results go to the log (OpenCLIP's `Eval Epoch:` line), the metric sinks under `val/` and one
-JSON line per evaluation in LOGS/NAME/results.jsonl, under OpenCLIP's names, plus bigclip's
-`step` and `chance`.
+The trainer (trainer.py `evaluate`) runs them and reports the results: the log (OpenCLIP's `Eval
+Epoch:` line), the metric sinks under `val/` and one JSON line per evaluation in
+LOGS/NAME/results.jsonl, under OpenCLIP's names, plus bigclip's `step` and `chance`.
 
 Sample i's image matches caption i. Every rank embeds the samples with index = rank (mod world
 size); ranks pad to the same number of samples because a sharded model needs every rank in
@@ -14,9 +14,7 @@ every forward. Features are gathered and scored on all ranks (identical results)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,12 +27,6 @@ from bigclip.data import EvalSample, ImageNormalizer, Tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
-from bigclip.train.metrics import get_logger
-from bigclip.train.phases import QUIET_S, phase
-from bigclip.train.run import between_steps
-
-if TYPE_CHECKING:
-    from bigclip.train.run import Run
 
 RECALL_AT = (1, 5, 10)  # OpenCLIP's get_clip_metrics
 
@@ -197,44 +189,3 @@ def _padded_share(mine: list[EvalSample], runtime: Runtime) -> tuple[list[EvalSa
         )
     per_rank, total = int(counts.max()), int(counts.sum())
     return mine + [mine[0]] * (per_rank - len(mine)), total
-
-
-@between_steps
-def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[str, float] | None:
-    """Collective: zero-shot classification (when due) and held-out retrieval (with `retrieval`,
-    given --val-data and --val-frequency), reported as OpenCLIP reports them; None if neither ran."""
-    cfg = run.cfg.data
-    retrieval = retrieval and bool(cfg.val_data) and bool(cfg.val_frequency)
-    zeroshot = run.zeroshot.due(run.progress.state.epoch, final=final)
-    if not retrieval and not zeroshot:
-        return None
-    normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
-    metrics: dict[str, float] = {}
-    what = " and ".join(["zero-shot classification"] * zeroshot + ["retrieval on --val-data"] * retrieval)
-    with phase("evaluation", detail=what):
-        if zeroshot:
-            # Its loader forks workers, and s3torchconnector tears its clients down before a fork.
-            with phase("waiting for the checkpoint upload to commit", announce=False, quiet_s=QUIET_S):
-                run.checkpointer.wait()
-            metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
-                                             batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
-        if retrieval:
-            metrics |= held_out_retrieval(run.engine, cfg, run.tokenizer, run.runtime, normalize=normalize)
-    if not metrics:
-        return None
-    state = run.progress.state
-    metrics["epoch"], metrics["step"] = state.epoch, state.step
-    if run.runtime.is_main:
-        report(run, metrics)
-    return metrics
-
-
-def report(run: Run, metrics: dict[str, float]) -> None:
-    """Rank 0: OpenCLIP's `Eval Epoch:` line, the `val/` scalars (at the step: bigclip evaluates
-    mid-epoch too, at a --max-steps end) and one line of results.jsonl."""
-    get_logger().info(
-        f"Eval Epoch: {metrics['epoch']} " + "\t".join(f"{k}: {round(v, 4):.4f}" for k, v in metrics.items())
-    )
-    run.scalars.scalars({f"val/{k}": v for k, v in metrics.items()}, step=int(metrics["step"]))
-    with open(run.run_dir / "results.jsonl", "a") as f:
-        f.write(json.dumps(metrics) + "\n")

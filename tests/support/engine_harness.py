@@ -15,7 +15,7 @@ from bigclip.distributed import Runtime
 from bigclip.engines import Engine, build_engine
 from bigclip.models.from_config import build_model, model_factory
 from bigclip.ops.loss.contrastive import build_loss
-from bigclip.train.step import train_step
+from bigclip.train.trainer import train_step
 
 
 def tiny_config(**overrides: object) -> TrainConfig:

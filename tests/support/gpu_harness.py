@@ -51,7 +51,7 @@ def main(out: str, spec: dict) -> None:
     from bigclip.engines import build_engine
     from bigclip.models import create_model
     from bigclip.ops.loss.contrastive import build_loss
-    from bigclip.train.step import train_step
+    from bigclip.train.trainer import train_step
     from support.engine_harness import global_batch
 
     cfg = _config(spec)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from bigclip.cli_args import parse_train_args
-from bigclip.train.loop import run_training
+from bigclip.train.entry import checked_config
+from bigclip.train.trainer import train
 
 
 def train_worker(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """Worker for spawn: the same code path as `torchrun -m bigclip.train -- ARGV`."""
-    return run_training(parse_train_args(argv))
+    return train(checked_config(argv))
 
 
 def demo_argv(demo_data, tmp_path, *extra: str, name: str = "run") -> list[str]:
@@ -24,8 +25,7 @@ def demo_argv(demo_data, tmp_path, *extra: str, name: str = "run") -> list[str]:
 
 def train_and_weights(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """Worker: train, then return the summary with the full weights (rank 0)."""
-    from bigclip.train.loop import fit
-    from bigclip.train.setup import setup
+    from bigclip.train.trainer import fit, setup
 
     run = setup(parse_train_args(argv))
     summary = fit(run)
@@ -35,8 +35,7 @@ def train_and_weights(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
 
 def resume_and_inspect(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """Worker: set up with --resume and report what was restored, before any step."""
-    from bigclip.train.loop import close_run
-    from bigclip.train.setup import setup
+    from bigclip.train.trainer import close_run, setup
 
     run = setup(parse_train_args(argv))
     weights = run.engine.full_state_dict()
