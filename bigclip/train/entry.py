@@ -1,6 +1,6 @@
 """The training entry that both doors share: `python -m bigclip.train` (__main__.py, also under
 torchrun and the deepspeed launcher's `--module`) and the console script's `bigclip train` (cli.py);
-`bigclip eval` is the same entry for a run with no --train-data (it evaluates, loop.evaluate_only).
+`bigclip eval` is the same entry for a run with no --train-data (it evaluates, trainer.evaluate_only).
 
 One function, so the two behave the same. In order:
 1. the stop-signal handlers, before torch is imported (seconds), so a SIGUSR1/SIGTERM/SIGINT during

@@ -29,7 +29,7 @@ STALL_FLOOR_S = 180.0  # the least a wait allows without movement (a requeue's r
 def rank_start_up_s() -> float:
     """Seconds a fresh interpreter takes, on this box now, to import torch and the training loop."""
     start = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch, bigclip.train.loop"], check=True, timeout=900,
+    subprocess.run([sys.executable, "-c", "import torch, bigclip.train.trainer"], check=True, timeout=900,
                    env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)  # fmt: skip
     return time.monotonic() - start
 
