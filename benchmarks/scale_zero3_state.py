@@ -2,7 +2,7 @@
 
 For each world size W, one fresh process is rank 0 of W under torch's fake process group
 (collectives return without moving data) and builds the real DeepSpeed ZeRO-3 engine for
-ViT-bigG-14 (`bigclip.plan.dryrun.zero3_engine`: zero.Init partitions every parameter as it is
+ViT-bigG-14 (`bigclip.plan.zero_plan.zero3_engine`: zero.Init partitions every parameter as it is
 built, rank 0's partitions are real tensors; the weights' values are not initialised, which no
 timing here depends on). Then, timed with `time.process_time` (rank 0's CPU):
 
@@ -103,7 +103,8 @@ def _child(world: int, old: str) -> dict[str, Any]:
     from bigclip.engines import deepspeed_state
     from bigclip.engines.deepspeed_layout import ZeroLayout
     from bigclip.engines.local_shards import LocalShards
-    from bigclip.plan.dryrun import init_fake_group, zero3_engine
+    from bigclip.plan.dryrun import init_fake_group
+    from bigclip.plan.zero_plan import zero3_engine
 
     torch.set_num_threads(1)
     runtime = init_fake_group(world)

@@ -189,9 +189,13 @@ STATIC_CONTRACT = {
     "bigclip.models.families": "the family a --model name belongs to, and its shape: the lookup",
     "bigclip.models.flops": "the one FLOP count, derived from a shape (the training log's MFU uses it too)",
 }
+DRY_RUN = (
+    "an engine kind's dry run builds the model the training loop builds, through the same entry "
+    "(build_model, model_factory), and shards it with the real engine"
+)
 MODEL_BUILDERS = {  # (importer, imported): why it builds the real model
-    ("bigclip.plan.dryrun", "bigclip.models.from_config"): "the dry run builds the model the training loop "
-    "builds, through the same entry (build_model, model_factory), and shards it with the real engines",
+    ("bigclip.plan.fsdp_plan", "bigclip.models.from_config"): DRY_RUN,
+    ("bigclip.plan.zero_plan", "bigclip.models.from_config"): DRY_RUN,
 }
 SEES_MODELS_STATICALLY = (
     "bigclip.plan", "bigclip.weights.consolidate", "bigclip.weights.open_clip_export",

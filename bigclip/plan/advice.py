@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from bigclip.plan.engine_plan import engine_plan
 from bigclip.plan.options import Hardware
 from bigclip.plan.spec import PlanSpec
 
@@ -80,14 +81,6 @@ def _state_remedies(gpus_word: str) -> list[Remedy]:
     ]
 
 
-def _communication_remedies() -> list[Remedy]:
-    return [
-        ("--reshard-after-forward",
-         lambda s: replace(s, reshard_after_forward=True) if s.engine == "fsdp" and not s.reshard_after_forward
-         else None),
-    ]  # fmt: skip
-
-
 def terms(plan: Any) -> list[tuple[str, int]]:
     """The peak phase's terms, largest first (model state as one: the GPUs share it)."""
     m, s = plan.memory, plan.memory.state
@@ -105,7 +98,7 @@ def advise(plan: Any, replan: Callable[[PlanSpec, Hardware], Any], *, gpus_word:
     `plan` is a `planner.Plan` and `replan` its `build_plan` (planner imports this module)."""
     gpus_word = gpus_word or f"twice the GPUs (--gpus {2 * plan.spec.gpus})"
     by_term = {"loss buffers": _loss_remedies(), "activations": _activation_remedies(),
-               "model state": _state_remedies(gpus_word), "communication buffers": _communication_remedies()}  # fmt: skip
+               "model state": _state_remedies(gpus_word), "communication buffers": engine_plan(plan.spec.engine).communication_remedies()}  # fmt: skip
     ranked = terms(plan)
     for term, size in ranked:
         found = []

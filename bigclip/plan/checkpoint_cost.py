@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from bigclip.checkpoint import metadata_stream
 from bigclip.plan import checkpoint_sim
+from bigclip.plan.engine_plan import engine_plan
 from bigclip.plan.spec import PlanSpec
 from bigclip.storage.save_requests import upload_requests
 
@@ -28,7 +29,6 @@ RECORD_TRAIN_BYTES = 32 << 10  # a rank's training state in its record (RNG, dat
 NODE_UPLOAD_BYTES_PER_S = 500e6  # one node's S3 upload rate, as the recipes plan it
 PREEMPTION_WINDOW_S = 120  # the shipped recipes' grace: SIGTERM to kill, at its shortest
 STEP_FOLDER_REQUESTS = 1 + 3  # rank 0's listing of the step folder, and the manifest
-SIMULATED_ENGINES = {"fsdp": "fsdp", "zero3": "zero3"}
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ def checkpoint_cost(
     spec: PlanSpec, *, rank_bytes: int, part_bytes: int, objects_per_rank: int, step_s: float
 ) -> CheckpointCost | None:
     """The cost at `spec`'s world size (None for an engine checkpoint_sim does not lay out)."""
-    engine = SIMULATED_ENGINES.get(spec.engine)
-    if engine is None:
+    engine = spec.engine
+    if not engine_plan(engine).lays_out_checkpoints:
         return None
     shapes = {p.name: p.shape for p in spec.model_shape().params}
     rank0 = checkpoint_sim.rank_metadata(shapes, engine=engine, world=spec.gpus, rank=0)

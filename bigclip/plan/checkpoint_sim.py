@@ -2,9 +2,8 @@
 
 The planner prices checkpoint coordination (the `.metadata` rank 0 assembles, each rank's
 record, what a resuming rank reads) and benchmarks/scale_sim.py measures it at 64-1024 ranks,
-without 1024 processes: rank r's chunks follow from how its engine splits a tensor (FSDP2:
-DTensor's own Shard(0) split of whole rows; ZeRO-3: DeepSpeed's ceil(numel / world) flat slices,
-as the row-major boxes the engine saves them as), and the rest of its metadata is what DCP's own
+without 1024 processes: rank r's chunks follow from how its engine splits a tensor (its plan's
+`rank_chunks`: FSDP2's Shard(0) rows, ZeRO-3's flat slices as row-major boxes), and the rest of its metadata is what DCP's own
 planner makes of them (`create_default_global_save_plan` over the rank's write items, which is
 what the rank-local save runs). Storage records (file, offset, length) stand in for the bytes a
 real save writes: each chunk's tensor bytes plus torch.save's per-record overhead, measured once.
@@ -31,11 +30,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor.placement_types import Shard
 
-from bigclip.engines.deepspeed_layout import flat_boxes
+from bigclip.plan.engine_plan import Boxes, engine_plan
 
-ENGINES = ("fsdp", "zero3")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 PARAM_GROUPS = 2  # bigclip's: with and without weight decay (engines/optimizer.py)
 
@@ -59,23 +56,12 @@ def checkpoint_keys(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, 
     return keys
 
 
-def rank_chunks(
-    shape: tuple[int, ...], *, engine: str, world: int, rank: int
-) -> list[tuple[list[int], list[int]]]:
-    """This rank's boxes (offsets, sizes) of a sharded tensor of `shape`."""
-    if engine == "fsdp":
-        rows, start = _row_split(shape[0], world, rank)
-        return [([start] + [0] * (len(shape) - 1), [rows, *shape[1:]])] if rows else []
-    per_rank = math.ceil(math.prod(shape) / world)
-    first = rank * per_rank
-    return flat_boxes(shape, first, min(first + per_rank, math.prod(shape)))
-
-
-@functools.cache
-def _row_split(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """(rows, first row) of a rank's Shard(0) slice, by DTensor's own split (cached: it is slow)."""
-    size, start = Shard.local_shard_size_and_offset(rows, world, rank)
-    return int(size), int(start if start is not None else rows)
+def rank_chunks(shape: tuple[int, ...], *, engine: str, world: int, rank: int) -> Boxes:
+    """This rank's boxes (offsets, sizes) of a sharded tensor of `shape`, as its engine splits it."""
+    boxes = engine_plan(engine).rank_chunks(shape, world=world, rank=rank)
+    if boxes is None:
+        raise ValueError(f"engine {engine!r} lays out no checkpoint chunks here")
+    return boxes
 
 
 def _write_items(

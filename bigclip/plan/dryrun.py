@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from bigclip.cli_args import parse_train_args
-from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.errors import ConfigError
-from bigclip.plan.spec import PlanSpec, from_train_config
+from bigclip.plan.engine_plan import engine_plan
+from bigclip.plan.spec import from_train_config
 from bigclip.storage.progress import progress_bar
 
 CPU = torch.device("cpu")
@@ -49,7 +49,7 @@ def init_fake_group(world: int) -> Runtime:
     return Runtime(rank=0, world_size=world, local_rank=0, device=CPU)
 
 
-def _bytes(tensors: Any) -> int:
+def tensor_bytes(tensors: Any) -> int:
     """Bytes of these tensors (a DTensor counts its local shard); each one is a distinct storage."""
     from torch.distributed.tensor import DTensor
 
@@ -60,93 +60,16 @@ def _bytes(tensors: Any) -> int:
     return total
 
 
-def fsdp_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.tensor import DTensor
-
-    from bigclip.engines.fsdp import FSDPEngine
-    from bigclip.engines.optimizer import Precision, make_optimizer, param_groups
-    from bigclip.models.from_config import build_model, synthetic_batch
-    from bigclip.train.trainer import contrastive_loss
-
-    phase(0)
-    engine = FSDPEngine(cfg, runtime)
-    engine.precision = Precision.from_name(cfg.engine.precision)
-    model = build_model(cfg)
-    if engine.precision.param_dtype != torch.float32:
-        model.to(engine.precision.param_dtype)
-    engine._shard(model)  # outside FakeTensorMode: the device mesh reads its rank map
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        # FSDPEngine.build from here on (its weight init needs values, which fake tensors lack).
-        model.to_empty(device=CPU)
-        engine.module = model
-        engine.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-        engine.optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
-        engine.scaler = None
-        phase(1)
-        loss = contrastive_loss(_dot_loss, engine.forward(*synthetic_batch(cfg)))
-        engine.backward(loss)
-        grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
-        engine.step(lr=cfg.optim.lr)
-        phase(2)
-        return {
-            "parameters": _bytes(model.parameters()),
-            "gradients": grads,
-            "optimizer": _optimizer_state_bytes(engine.optimizer),
-        }
-
-
-def _dot_loss(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: Any = None) -> torch.Tensor:
+def dot_loss(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: Any = None) -> torch.Tensor:
     """A loss with the real one's inputs and gradients' shapes (its own buffers are planned apart)."""
     return -(scale * (image * text).sum(-1)).mean()
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     # `step` counters are 0-dim CPU tensors in torch's AdamW (no device memory): not counted.
-    return _bytes(
+    return tensor_bytes(
         v for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"
     )
-
-
-def zero3_dry_run(cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
-    from bigclip.engines.deepspeed_state import ensure_optimizer_state
-
-    ds_engine = zero3_engine(cfg, runtime)
-    zero = ds_engine.optimizer
-    flats = list(zero.fp32_partitioned_groups_flat)
-    ensure_optimizer_state(zero.optimizer, flats, [zero.sub_group_to_group_id[i] for i in range(len(flats))])
-    phase(2)
-    return {
-        "parameters": _bytes(p.ds_tensor for p in ds_engine.module.parameters()),
-        "gradients": _bytes([zero.grad_partitions_flat_buffer]),
-        "optimizer": _bytes(flats) + _optimizer_state_bytes(zero.optimizer),
-    }
-
-
-def zero3_engine(cfg: TrainConfig, runtime: Runtime) -> Any:
-    """Rank `runtime.rank`'s DeepSpeed ZeRO-3 engine (`deepspeed.initialize`'s), built as
-    `DeepSpeedEngine.build` builds it but for the initial weights' values (the partitions hold
-    whatever memory held): what a dry run, or a benchmark of the checkpoint state, needs."""
-    from bigclip.engines.deepspeed import DeepSpeedEngine, scalar_parameter_fixes
-    from bigclip.engines.optimizer import make_optimizer, param_groups
-    from bigclip.models.from_config import build_model, model_factory
-
-    phase(0)
-    os.environ.update(RANK=str(runtime.rank), WORLD_SIZE=str(runtime.world_size), LOCAL_RANK="0")
-    engine = DeepSpeedEngine(cfg, runtime)
-    plan = engine.resolve_plan(build_model(cfg))
-    if plan.stage != 3 or plan.offload_optimizer or plan.offload_param:
-        raise ConfigError("the DeepSpeed dry run covers ZeRO-3 without offload (e.g. ds_configs/zero3.json)")
-    engine.deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    with scalar_parameter_fixes():
-        model = engine._materialise(build_model(cfg), rebuild=model_factory(cfg))
-        engine._prepare_blocks(model)
-        optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
-        phase(1)
-        ds_engine, *_ = engine.deepspeed.initialize(
-            model=model, optimizer=optimizer, config=engine.plan.config, dist_init_required=False
-        )
-    return ds_engine
 
 
 def dry_run(argv: list[str]) -> dict[str, Any]:
@@ -156,14 +79,8 @@ def dry_run(argv: list[str]) -> dict[str, Any]:
     spec = from_train_config(cfg, gpus=gpus)
     runtime = init_fake_group(gpus)
     torch.set_num_threads(1)
-    result = fsdp_dry_run(cfg, runtime) if spec.engine == "fsdp" else _zero_dry_run(spec, cfg, runtime)
+    result = engine_plan(spec.engine).dry_run(cfg, runtime)
     return {"engine": spec.engine, "gpus": gpus, "model": spec.model, **result}
-
-
-def _zero_dry_run(spec: PlanSpec, cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
-    if spec.engine != "zero3":
-        raise ConfigError(f"no dry run for {spec.engine}: it holds the whole model on every rank")
-    return zero3_dry_run(cfg, runtime)
 
 
 def split_gpus(argv: list[str]) -> tuple[int, list[str]]:

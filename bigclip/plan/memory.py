@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.models.flops import block_flops_per_token
 from bigclip.models.shape import ParamShape, TowerShape
-from bigclip.plan.model_state import StateBytes, model_state
+from bigclip.plan.engine_plan import engine_plan
+from bigclip.plan.model_state import StateBytes
 from bigclip.plan.spec import PlanSpec, dtype_bytes
 
 
@@ -161,56 +162,15 @@ def loss_buffer_bytes(spec: PlanSpec) -> int:
     return 4 * floats
 
 
-def communication_bytes(spec: PlanSpec, params: Sequence[ParamShape]) -> int:
-    """Gathered parameters and unsharded gradients in flight (engine buffers), per rank."""
-    a = dtype_bytes(spec.dtypes.compute_dtype)
-    blocks: dict[int, int] = {}
-    for p in params:
-        blocks[p.block] = blocks.get(p.block, 0) + p.numel
-    root = blocks.pop(-1, 0)
-    largest = max(blocks.values())
-    if spec.engine == "fsdp":
-        return _fsdp_communication(spec, blocks, root, largest)
-    if spec.engine == "zero3":
-        persistent = sum(p.numel for p in params if p.numel <= spec.zero.persistence_threshold)
-        biggest_root = max(p.numel for p in params if p.block == -1)
-        return a * (2 * max(largest, biggest_root) + persistent + spec.zero.reduce_bucket_size + largest)
-    return a * 2 * spec.zero.reduce_bucket_size  # ZeRO-1/2: the reduce buckets (overlap_comm: two)
-
-
-def _fsdp_communication(spec: PlanSpec, blocks: dict[int, int], root: int, largest: int) -> int:
-    p = spec.dtypes
-    a, reduce_b = dtype_bytes(p.compute_dtype), dtype_bytes(p.reduce_dtype)
-    gathered = sum(blocks.values()) if not spec.reshard_after_forward else 2 * largest
-    # The unsharded gradients of the block in backward, and their copy in the reduce dtype.
-    reduce_scatter = largest * (a + (reduce_b if reduce_b != a else 0))
-    return a * (gathered + root) + reduce_scatter  # the root stays gathered, in the compute dtype
-
-
-def persistent_gradient_bytes(spec: PlanSpec, state: StateBytes, params: Sequence[ParamShape]) -> int:
-    if spec.engine == "fsdp":
-        # Under no_sync, FSDP2 accumulates unsharded gradients (reduce dtype) across passes.
-        reduce_b = dtype_bytes(spec.dtypes.reduce_dtype)
-        return reduce_b * sum(p.numel for p in params) if spec.accum_freq > 1 else 0
-    return state.gradients  # DeepSpeed's gradient accumulators live across steps
-
-
-def step_temporary_bytes(spec: PlanSpec, state: StateBytes) -> int:
-    if spec.optimizer == "adamw8bit" or state.optimizer == 0:
-        return 0  # blockwise 8-bit kernels update in place; offloaded optimizers step on the CPU
-    if spec.engine == "fsdp":
-        return 0  # fused AdamW updates in place (foreach would allocate a moment-sized buffer)
-    return state.optimizer // 3  # ZeRO's fp32 gradient partition (optimizer: fp32 master + 2 moments)
-
-
 def plan_memory(spec: PlanSpec, params: Sequence[ParamShape]) -> MemoryPlan:
-    state = model_state(spec, params)
+    engine = engine_plan(spec.engine)
+    state = engine.model_state(spec, params)
     return MemoryPlan(
         state=state,
         activations=activation_bytes(spec),
         backward_workspace=backward_workspace(spec),
         loss_buffers=loss_buffer_bytes(spec),
-        communication=communication_bytes(spec, params),
-        step_temporaries=step_temporary_bytes(spec, state),
-        persistent_gradients=persistent_gradient_bytes(spec, state, params),
+        communication=engine.communication(spec, params),
+        step_temporaries=engine.step_temporaries(spec, state),
+        persistent_gradients=engine.persistent_gradients(spec, state, params),
     )

@@ -29,18 +29,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bigclip.config import TrainConfig
 from bigclip.models.flops import forward_flops as model_forward_flops
-from bigclip.models.shape import ParamShape
 from bigclip.plan.advice import advise
 from bigclip.plan.checkpoint_cost import PREEMPTION_WINDOW_S, CheckpointCost, checkpoint_cost
 from bigclip.plan.comm import loss_exchange_bytes, transfer_seconds
+from bigclip.plan.engine_plan import engine_plan
 from bigclip.plan.memory import MemoryPlan, plan_memory, recomputed_flops
-from bigclip.plan.model_state import fsdp_shard_numel, zero3_partition_numel
 from bigclip.plan.options import Hardware, PlanOptions
 from bigclip.plan.spec import PlanSpec, dtype_bytes, from_train_config
 from bigclip.storage.save_requests import files_for, upload_requests
@@ -124,15 +122,6 @@ def forward_flops(spec: PlanSpec) -> float:
     return model_forward_flops(spec.model_shape())
 
 
-def rank0_numel(spec: PlanSpec, params: Sequence[ParamShape]) -> int:
-    """Elements of model state rank 0 owns (and so checkpoints)."""
-    if spec.engine == "fsdp":
-        return sum(fsdp_shard_numel(p, spec.gpus) for p in params)
-    if spec.engine == "zero3":
-        return sum(zero3_partition_numel(p, spec.gpus) for p in params)
-    return math.ceil(sum(p.numel for p in params) / spec.gpus)
-
-
 def s3_requests(object_sizes: list[int], *, part_size: int) -> int:
     """Requests of one rank's multipart uploads (create, parts, complete)."""
     return sum(upload_requests(size, part_bytes=part_size) for size in object_sizes)
@@ -141,7 +130,7 @@ def s3_requests(object_sizes: list[int], *, part_size: int) -> int:
 def build_plan(spec: PlanSpec, hardware: Hardware) -> Plan:
     params = spec.model_shape().params
     per_element = 3 * dtype_bytes(spec.dtypes.param_dtype)  # master weight + two moments
-    rank0 = rank0_numel(spec, params) * per_element
+    rank0 = engine_plan(spec.engine).rank0_numel(spec, params) * per_element
     objects = spec.io_threads or files_for(rank0)
     files = [math.ceil(rank0 / objects)] * objects
     part = int(hardware.part_size_mib * 2**20)

@@ -1,5 +1,5 @@
 """What rank 0 of a W-rank ZeRO-3 run builds for its checkpoint state, counted under torch's fake
-process group (a real DeepSpeed engine for rank 0, `bigclip.plan.dryrun.zero3_engine`).
+process group (a real DeepSpeed engine for rank 0, `bigclip.plan.zero_plan.zero3_engine`).
 
     python tests/support/zero3_state_scale.py WORLD     # prints one line of JSON
 
@@ -34,7 +34,8 @@ def count(world: int) -> dict[str, int]:
     from bigclip.engines.deepspeed_layout import ZeroLayout
     from bigclip.engines.deepspeed_state import DeepSpeedModelState, DeepSpeedOptimState
     from bigclip.engines.local_shards import LocalShards
-    from bigclip.plan.dryrun import init_fake_group, zero3_engine
+    from bigclip.plan.dryrun import init_fake_group
+    from bigclip.plan.zero_plan import zero3_engine
     from support.engine_harness import tiny_config
     from support.zero3_state_reference import old_builder, zero3_owners
 

@@ -1,0 +1,131 @@
+"""FSDP2's plan (kind `fsdp`): fully_shard per block, then the root.
+
+Each parameter is cut along dim 0 with torch.chunk semantics, so rank 0 holds ceil(rows / N) rows
+(all of them when rows < N); 0-dim parameters (logit scale/bias) stay replicated. Sharded
+parameters, their gradients and AdamW's two moments are all in the precision's parameter dtype
+(fp32, or bf16 for pure_bf16). AdamW's `step` counters are 0-dim CPU tensors and are not counted.
+In a checkpoint a rank's chunk of a tensor is DTensor's own Shard(0) slice of whole rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor.placement_types import Shard
+
+from bigclip.models.shape import ParamShape
+from bigclip.plan.dryrun import CPU, dot_loss, optimizer_state_bytes, phase, tensor_bytes
+from bigclip.plan.engine_plan import Boxes, EnginePlan, register_engine_plan
+from bigclip.plan.model_state import StateBytes, adam_state_bytes
+from bigclip.plan.spec import PlanSpec, dtype_bytes
+
+if TYPE_CHECKING:
+    from bigclip.config import TrainConfig
+    from bigclip.distributed import Runtime
+
+
+def fsdp_shard_numel(param: ParamShape, world: int) -> int:
+    """Elements of `param` on rank 0 under FSDP2 (dim-0 chunks; 0-dim parameters replicated)."""
+    if not param.shape:
+        return 1
+    rows = param.shape[0]
+    return min(math.ceil(rows / world), rows) * (param.numel // rows)
+
+
+@functools.cache
+def _row_split(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """(rows, first row) of a rank's Shard(0) slice, by DTensor's own split (cached: it is slow)."""
+    size, start = Shard.local_shard_size_and_offset(rows, world, rank)
+    return int(size), int(start if start is not None else rows)
+
+
+class FSDPPlan(EnginePlan):
+    name = "fsdp"
+    lays_out_checkpoints = True
+
+    def model_state(self, spec: PlanSpec, params: Sequence[ParamShape]) -> StateBytes:
+        shards = [fsdp_shard_numel(p, spec.gpus) for p in params]
+        b = dtype_bytes(spec.dtypes.param_dtype)
+        return StateBytes(
+            parameters=b * sum(shards),
+            gradients=b * sum(shards),
+            optimizer=adam_state_bytes(shards, optimizer=spec.optimizer, state_bytes=b),
+        )
+
+    def communication(self, spec: PlanSpec, params: Sequence[ParamShape]) -> int:
+        p = spec.dtypes
+        a, reduce_b = dtype_bytes(p.compute_dtype), dtype_bytes(p.reduce_dtype)
+        blocks: dict[int, int] = {}
+        for param in params:
+            blocks[param.block] = blocks.get(param.block, 0) + param.numel
+        root = blocks.pop(-1, 0)
+        largest = max(blocks.values())
+        gathered = sum(blocks.values()) if not spec.reshard_after_forward else 2 * largest
+        # The unsharded gradients of the block in backward, and their copy in the reduce dtype.
+        reduce_scatter = largest * (a + (reduce_b if reduce_b != a else 0))
+        return a * (gathered + root) + reduce_scatter  # the root stays gathered, in the compute dtype
+
+    def persistent_gradients(self, spec: PlanSpec, state: StateBytes, params: Sequence[ParamShape]) -> int:
+        # Under no_sync, FSDP2 accumulates unsharded gradients (reduce dtype) across passes.
+        reduce_b = dtype_bytes(spec.dtypes.reduce_dtype)
+        return reduce_b * sum(p.numel for p in params) if spec.accum_freq > 1 else 0
+
+    def step_temporaries(self, spec: PlanSpec, state: StateBytes) -> int:
+        return 0  # fused AdamW updates in place (foreach would allocate a moment-sized buffer)
+
+    def rank0_numel(self, spec: PlanSpec, params: Sequence[ParamShape]) -> int:
+        return sum(fsdp_shard_numel(p, spec.gpus) for p in params)
+
+    def rank_chunks(self, shape: tuple[int, ...], *, world: int, rank: int) -> Boxes | None:
+        rows, start = _row_split(shape[0], world, rank)
+        return [([start] + [0] * (len(shape) - 1), [rows, *shape[1:]])] if rows else []
+
+    def dry_run(self, cfg: TrainConfig, runtime: Runtime) -> dict[str, Any]:
+        """FSDPEngine's `_shard` on the meta-device model; then, under FakeTensorMode (shapes and
+        dtypes, no storage), the rest of its `build`, one forward and backward on a synthetic
+        batch and its real `step`; gradients are counted after backward."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.distributed.tensor import DTensor
+
+        from bigclip.engines.fsdp import FSDPEngine
+        from bigclip.engines.optimizer import Precision, make_optimizer, param_groups
+        from bigclip.models.from_config import build_model, synthetic_batch
+        from bigclip.train.trainer import contrastive_loss
+
+        phase(0)
+        engine = FSDPEngine(cfg, runtime)
+        engine.precision = Precision.from_name(cfg.engine.precision)
+        model = build_model(cfg)
+        if engine.precision.param_dtype != torch.float32:
+            model.to(engine.precision.param_dtype)
+        engine._shard(model)  # outside FakeTensorMode: the device mesh reads its rank map
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            # FSDPEngine.build from here on (its weight init needs values, which fake tensors lack).
+            model.to_empty(device=CPU)
+            engine.module = model
+            engine.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+            engine.optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
+            engine.scaler = None
+            phase(1)
+            loss = contrastive_loss(dot_loss, engine.forward(*synthetic_batch(cfg)))
+            engine.backward(loss)
+            grads = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+            engine.step(lr=cfg.optim.lr)
+            phase(2)
+            return {
+                "parameters": tensor_bytes(model.parameters()),
+                "gradients": grads,
+                "optimizer": optimizer_state_bytes(engine.optimizer),
+            }
+
+    def communication_remedies(self) -> list:
+        return [("--reshard-after-forward",
+                 lambda s: None if s.reshard_after_forward else replace(s, reshard_after_forward=True))]  # fmt: skip
+
+
+register_engine_plan(FSDPPlan())
