@@ -11,9 +11,10 @@ checked as they are loaded (verified_reader.py).
 from __future__ import annotations
 
 from bigclip.checkpoint import catalog
-from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
+from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
 from bigclip.errors import StorageError
 from bigclip.storage.locations import Location, open_location, open_parent
+from bigclip.storage.records import Inventory
 
 LATEST = "latest"
 
@@ -60,7 +61,7 @@ def inspect(location: Location, folder: str) -> Manifest | str:
         manifest = catalog.read_manifest(location, folder)
     except StorageError as e:
         return f"{location.child_uri(folder)}/{MANIFEST_NAME} is damaged: {e}"
-    problems = size_problems(manifest, location.list_files(folder))
+    problems = manifest.objects.size_problems(location.list_files(folder))
     if problems:
         return f"checkpoint {manifest.uri} is damaged: " + "; ".join(problems)
     return manifest
@@ -71,5 +72,5 @@ def summary(found: Manifest | str) -> Manifest | str:
     with the world size; `.metadata`'s record stays, for checkpoints read through it."""
     if isinstance(found, str):
         return found
-    kept = {name: rec for name, rec in found.objects.items() if name == ".metadata"}
+    kept = Inventory((name, rec) for name, rec in found.objects.items() if name == ".metadata")
     return Manifest(**{**found.__dict__, "objects": kept})

@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bigclip.errors import StorageError
-from bigclip.storage.locations import Location
-from bigclip.storage.records import CHECKSUM_ALGORITHM, ObjectRecord, sha256_of_stream
+from bigclip.storage.records import CHECKSUM_ALGORITHM, Inventory, ObjectRecord
 from bigclip.storage.redact import redact
 
 MANIFEST_NAME = "manifest.json"
@@ -30,7 +29,7 @@ VERSION = 1
 class Manifest:
     step: int
     world_size: int
-    objects: dict[str, ObjectRecord]
+    objects: Inventory
     engine: str = ""
     model: str = ""
     created: str = ""
@@ -41,7 +40,7 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(o.size for o in self.objects.values())
+        return self.objects.total_bytes
 
     @classmethod
     def build(
@@ -58,7 +57,7 @@ class Manifest:
         return cls(
             step=step,
             world_size=world_size,
-            objects=dict(sorted(objects.items())),
+            objects=Inventory(sorted(objects.items())),
             engine=str(meta.get("engine", "")),
             model=str(meta.get("model", "")),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -80,38 +79,10 @@ class Manifest:
                 raise ValueError(f"format {body.get('format')!r}")
             if body.get("version", 0) > VERSION:
                 raise ValueError(f"version {body['version']} is newer than this bigclip ({VERSION})")
-            objects = {name: ObjectRecord(**rec) for name, rec in body["objects"].items()}
+            objects = Inventory.from_json(body["objects"])
             fields = {k: body[k] for k in ("step", "world_size", "engine", "model", "created", "meta")}
             fields["layout"] = str(body.get("layout", ""))  # absent before rank records
             fields["prefixes"] = str(body.get("prefixes", ""))
         except (ValueError, KeyError, TypeError) as e:
             raise StorageError(f"{uri or 'manifest'}: not a bigclip checkpoint manifest ({e})") from e
         return cls(objects=objects, uri=uri, **fields)
-
-
-def size_problems(manifest: Manifest, files: dict[str, int]) -> list[str]:
-    """Objects the manifest lists that are missing or have another size in `files`."""
-    problems = []
-    for name, record in manifest.objects.items():
-        if name not in files:
-            problems.append(f"{name}: missing")
-        elif files[name] != record.size:
-            problems.append(f"{name}: {files[name]} bytes, manifest says {record.size}")
-    return problems
-
-
-def checksum_problems(location: Location, folder: str, manifest: Manifest) -> list[str]:
-    """Re-read every object and compare its SHA-256 with the manifest's."""
-    problems = []
-    for name, record in manifest.objects.items():
-        try:
-            with location.open_read(f"{folder}/{name}") as stream:
-                actual = sha256_of_stream(stream)
-        except Exception as e:  # missing or unreadable: report it with the rest
-            problems.append(f"{name}: cannot read ({e})")
-            continue
-        if actual != record:
-            problems.append(
-                f"{name}: content differs from the manifest (size {actual.size}, sha256 mismatch)"
-            )
-    return problems

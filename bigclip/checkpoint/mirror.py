@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bigclip.checkpoint import catalog
-from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest, size_problems
+from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
 from bigclip.errors import StorageError
 from bigclip.storage.locations import LocalLocation, Location
 
@@ -186,7 +186,7 @@ class CheckpointMirror:
         self.remote.delete_folder(entry.folder)
 
     def _commit(self, entry: catalog.Entry, manifest: Manifest, raw: bytes) -> None:
-        problems = size_problems(manifest, self.remote.list_files(entry.folder))
+        problems = manifest.objects.size_problems(self.remote.list_files(entry.folder))
         if problems:
             raise StorageError(f"{self.remote.child_uri(entry.folder)} is incomplete: {'; '.join(problems)}")
         if self._local_manifest(entry.folder) != raw:

@@ -35,7 +35,7 @@ from bigclip.checkpoint.coordination import CheckpointGroup
 from bigclip.checkpoint.dcp_errors import dcp_errors
 from bigclip.checkpoint.finite import NonFiniteState, first_non_finite, plain_state
 from bigclip.checkpoint.integrity import CheckpointDamaged
-from bigclip.checkpoint.manifest import RANK_RECORDS, Manifest, checksum_problems
+from bigclip.checkpoint.manifest import RANK_RECORDS, Manifest
 from bigclip.checkpoint.rank_local_load import load_sharded
 from bigclip.checkpoint.rank_local_save import write_rank
 from bigclip.checkpoint.safe_load import SafeLoadPlanner
@@ -318,7 +318,7 @@ class CheckpointStore:
         manifest = lookup.inspect(location, folder)
         if isinstance(manifest, str):
             raise CheckpointDamaged(manifest)
-        problems = checksum_problems(location, folder, manifest)
+        problems = manifest.objects.checksum_problems(lambda name: location.open_read(f"{folder}/{name}"))
         if problems:
             raise StorageError(f"checkpoint {manifest.uri} failed verification:\n  " + "\n  ".join(problems))
         return manifest

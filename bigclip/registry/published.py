@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from bigclip.config.checkpoint import REGISTRY_SCHEME
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.records import ObjectRecord
+from bigclip.storage.records import Inventory
 
 PUBLISHED = "published.json"
 FORMAT = "bigclip-published"
@@ -22,7 +22,7 @@ class Published:
     name: str
     kind: str  # dcp | safetensors | torch | files
     entry: str  # the file a loader opens ('' for kind files)
-    objects: dict[str, ObjectRecord]
+    objects: Inventory
     source: str = ""
     model: str = ""
     step: int | None = None
@@ -32,7 +32,7 @@ class Published:
 
     @property
     def total_bytes(self) -> int:
-        return sum(r.size for r in self.objects.values())
+        return self.objects.total_bytes
 
     @property
     def stored_bytes(self) -> int:
@@ -62,7 +62,7 @@ class Published:
             body.setdefault("version", 1)
             if body["version"] > 2:
                 raise ValueError(f"version {body['version']} is newer than this bigclip's (2)")
-            body["objects"] = {p: ObjectRecord(**r) for p, r in body["objects"].items()}
+            body["objects"] = Inventory.from_json(body["objects"])
             return cls(**body, uri=uri)
         except (ValueError, KeyError, TypeError) as e:
             raise StorageError(f"{uri}: unreadable publication manifest ({e})") from e

@@ -38,7 +38,7 @@ from bigclip.registry.published import (
 from bigclip.storage.locations import open_location
 from bigclip.storage.progress import human_bytes, progress_bar
 from bigclip.storage.ranged_reads import BlobFolder
-from bigclip.storage.records import ObjectRecord, sha256_of_stream
+from bigclip.storage.records import Inventory, ObjectRecord
 from bigclip.weights.safetensors_format import Checked
 
 log = logging.getLogger("bigclip.registry")
@@ -128,33 +128,21 @@ class Registry:
             stored = {sha: listing[sha] for sha in published.blobs() if sha in listing}
         else:
             stored = self.blobs.sizes(published.blobs())
-        problems = []
-        for path, record in published.objects.items():
-            size = stored.get(record.sha256)
-            if size != record.size:
-                state = "missing" if size is None else f"{size} bytes, manifest says {record.size}"
-                problems.append(f"{path} ({self.blob_key(published, record.sha256)}): {state}")
-        return problems
+        sizes = {path: stored.get(record.sha256) for path, record in published.objects.items()}
+        return published.objects.size_problems(sizes, label=lambda path: self._labelled(published, path))
+
+    def _labelled(self, published: Published, path: str) -> str:
+        return f"{path} ({self.blob_key(published, published.objects[path].sha256)})"
 
     def verify(self, name: str, *, progress: bool = False) -> Published:
         """Re-hash every object; StorageError naming each damaged one."""
         published = self.get(name)
         bar = progress_bar(published.stored_bytes, label=f"verify {name}", enabled=progress)
-        problems, seen = [], set()
-        for path, record in published.objects.items():
-            if record.sha256 in seen:
-                continue
-            seen.add(record.sha256)
-            key = self.blob_key(published, record.sha256)
-            try:
-                with self.location.open_read(key) as stream:
-                    actual = sha256_of_stream(stream)
-            except Exception as e:  # missing or unreadable: reported with the rest
-                problems.append(f"{path} ({key}): cannot read ({e})")
-                continue
-            bar.update(actual.size)
-            if actual != record:
-                problems.append(f"{path} ({key}): size {actual.size}, sha256 {actual.sha256} differs")
+        blob = {path: self.blob_key(published, record.sha256) for path, record in published.objects.items()}
+        problems = published.objects.checksum_problems(
+            lambda path: self.location.open_read(blob[path]), label=lambda path: self._labelled(published, path),
+            stored_as=blob.__getitem__, read_bytes=bar.update,
+        )  # fmt: skip
         bar.close()
         if problems:
             raise StorageError(f"{name} failed verification:\n  " + "\n  ".join(problems))
@@ -218,7 +206,7 @@ class Registry:
         self, name: str, info: SourceInfo, objects: dict[str, ObjectRecord], *, model: str
     ) -> Published:
         kind, entry = detect_kind(list(objects))
-        published = Published(name=name, kind=kind, entry=entry, objects=objects, source=info.uri,
+        published = Published(name=name, kind=kind, entry=entry, objects=Inventory(objects), source=info.uri,
                               model=model or info.model, step=info.step, created=now())  # fmt: skip
         checkpoint_manifest = f"{published.root}/{MANIFEST_NAME}".lstrip("/")
         if (

@@ -14,7 +14,7 @@ import re
 
 from bigclip.checkpoint.integrity import size_differs
 from bigclip.storage.locations import Location
-from bigclip.storage.records import ObjectRecord
+from bigclip.storage.records import Inventory
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, Checked
 from bigclip.weights.safetensors_writer import FORMAT, MANIFEST_SUFFIX
 
@@ -45,19 +45,15 @@ def checked_files(location: Location, file_name: str) -> dict[str, Checked]:
     manifest = manifest_beside(location, file_name)
     if manifest is None:
         return {}
-    files = json.loads(location.read_bytes(manifest))["files"]
+    files = Inventory.from_json(json.loads(location.read_bytes(manifest))["files"])
     advice = (
         f"copy it again, or run `bigclip consolidate` again (its checksum manifest {manifest} records "
         "what was written)"
     )
     folder = file_name.rpartition("/")[0]
     sizes = location.list_files(folder)
-    checked = {}
+    relative = {name: f"{folder}/{name}" if folder else name for name in files}
     for name, record in files.items():
-        relative = f"{folder}/{name}" if folder else name
-        record = ObjectRecord(**record)
-        where = location.child_uri(relative)
-        if sizes.get(name) != record.size:
-            raise size_differs(where, sizes.get(name), record, advice=advice)
-        checked[relative] = Checked(record, where, advice)
-    return checked
+        if sizes.get(name) != record.size:  # a truncated or grown file fails before any read
+            raise size_differs(location.child_uri(relative[name]), sizes.get(name), record, advice=advice)
+    return {relative[n]: Checked(r, location.child_uri(relative[n]), advice) for n, r in files.items()}
