@@ -71,10 +71,11 @@ test: install slurm-deps ref-venv
 	$(MAKE) --no-print-directory test-low || status=1; exit $$status
 
 # The inner loop's tier, under 5 minutes on 2 cores: one process per test (no gloo ranks, no
-# cluster, no reference venv, no second stack), none marked slow, and not the bad-input suite.
+# cluster, no reference venv, no second stack), none marked slow, and not the bad-input suite; in
+# two workers as `make test` (one took 8 minutes for its 1,100 tests).
 FAST_MARKERS := not dist and not slow and not gpu and not bad_input
 test-fast: install
-	TORCH_EXTENSIONS_DIR=$(MAIN_EXT) $(VPY) -m pytest -q --durations=10 -m "$(FAST_MARKERS)" tests
+	TORCH_EXTENSIONS_DIR=$(MAIN_EXT) $(VPY) -m pytest -q $(XDIST) --durations=10 -m "$(FAST_MARKERS)" tests
 
 # DeepSpeed builds its shared-memory collective op (ninja, gcc) on its first CPU run, under a lock
 # file in TORCH_EXTENSIONS_DIR. A run killed mid-build (the preemption tests kill DeepSpeed jobs)
