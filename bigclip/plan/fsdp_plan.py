@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Shard
 from bigclip.models.shape import ParamShape
 from bigclip.plan.dryrun import CPU, dot_loss, optimizer_state_bytes, phase, tensor_bytes
 from bigclip.plan.engine_plan import Boxes, EnginePlan, register_engine_plan
-from bigclip.plan.model_state import StateBytes, adam_state_bytes
+from bigclip.plan.model_state import StateBytes, adam_state_bytes, block_numels
 from bigclip.plan.spec import PlanSpec, dtype_bytes
 
 if TYPE_CHECKING:
@@ -60,9 +60,7 @@ class FSDPPlan(EnginePlan):
     def communication(self, spec: PlanSpec, params: Sequence[ParamShape]) -> int:
         p = spec.dtypes
         a, reduce_b = dtype_bytes(p.compute_dtype), dtype_bytes(p.reduce_dtype)
-        blocks: dict[int, int] = {}
-        for param in params:
-            blocks[param.block] = blocks.get(param.block, 0) + param.numel
+        blocks = block_numels(params)
         root = blocks.pop(-1, 0)
         largest = max(blocks.values())
         gathered = sum(blocks.values()) if not spec.reshard_after_forward else 2 * largest

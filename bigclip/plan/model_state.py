@@ -54,6 +54,14 @@ def adam_state_bytes(numels: Iterable[int], *, optimizer: str, state_bytes: int)
     return total
 
 
+def block_numels(params: Sequence[ParamShape]) -> dict[int, int]:
+    """Elements per block (-1: the root's parameters, outside every block), the unit engines gather."""
+    blocks: dict[int, int] = {}
+    for p in params:
+        blocks[p.block] = blocks.get(p.block, 0) + p.numel
+    return blocks
+
+
 def weight_decay_groups(params: Sequence[ParamShape]) -> list[list[ParamShape]]:
     """bigclip's two optimizer groups (no decay, decay), in `param_groups` order."""
     no_decay, decay = [], []

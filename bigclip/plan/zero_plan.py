@@ -26,7 +26,7 @@ from bigclip.errors import ConfigError
 from bigclip.models.shape import ParamShape
 from bigclip.plan.dryrun import optimizer_state_bytes, phase, tensor_bytes
 from bigclip.plan.engine_plan import Boxes, EnginePlan, register_engine_plan
-from bigclip.plan.model_state import StateBytes, adam_state_bytes, weight_decay_groups
+from bigclip.plan.model_state import StateBytes, adam_state_bytes, block_numels, weight_decay_groups
 from bigclip.plan.spec import PlanSpec, dtype_bytes
 
 if TYPE_CHECKING:
@@ -77,9 +77,7 @@ class ZeroPlan(EnginePlan):
         a = dtype_bytes(spec.dtypes.compute_dtype)
         if self.stage < 3:
             return a * 2 * spec.zero.reduce_bucket_size  # the reduce buckets (overlap_comm: two)
-        blocks: dict[int, int] = {}
-        for p in params:
-            blocks[p.block] = blocks.get(p.block, 0) + p.numel
+        blocks = block_numels(params)
         blocks.pop(-1, 0)
         largest = max(blocks.values())
         persistent = sum(p.numel for p in params if p.numel <= spec.zero.persistence_threshold)
