@@ -17,9 +17,8 @@ May import errors and openclip_flags; models only lazily (ModelConfig checks --m
 
 from bigclip.config.checkpoint import CheckpointConfig
 from bigclip.config.data import DataConfig
-from bigclip.config.engine import EngineConfig
+from bigclip.config.engine import ENGINES, EngineConfig
 from bigclip.config.fields import (
-    ENGINES,
     LOSS_EXCHANGES,
     LOSSES,
     LR_SCHEDULERS,

@@ -5,9 +5,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from bigclip.config.fields import ENGINES, opt
+from bigclip.config.fields import opt
 from bigclip.config.precisions import PRECISIONS
 from bigclip.errors import ConfigError
+
+# --engine's values, each naming its Engine subclass ("module:Class", bigclip/engines/base.py),
+# imported only when a run builds or checks it: DeepSpeed is heavy and optional. A new engine is
+# that class and one `register_engine` (docs/extending.md); the flag's choices read this table when
+# the parser is built, so a registration made before then is a choice.
+ENGINES: dict[str, str] = {
+    "fsdp": "bigclip.engines.fsdp:FSDPEngine",
+    "deepspeed": "bigclip.engines.deepspeed:DeepSpeedEngine",
+}
+
+
+def register_engine(name: str, implementation: str) -> None:
+    """Make `name` an --engine value built by `implementation` ("package.module:EngineClass")."""
+    ENGINES[name] = implementation
 
 
 @dataclass
@@ -48,6 +62,8 @@ class EngineConfig:
     set_device_rank: bool = opt(True, "cuda:LOCAL_RANK; --no-set-device-rank: cuda:0 (one GPU per process).")
 
     def validate(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r} is unknown; choose from {', '.join(ENGINES)}")
         if self.engine == "deepspeed" and not self.deepspeed_config:
             raise ConfigError("--engine deepspeed needs --deepspeed-config, e.g. --deepspeed-config zero3")
         if self.dist_timeout < 1:

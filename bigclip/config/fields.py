@@ -6,7 +6,6 @@ import importlib.util
 from dataclasses import field
 from typing import Any
 
-ENGINES = ("fsdp", "deepspeed")
 LOSSES = ("clip", "siglip")
 LOSS_EXCHANGES = ("ring", "allgather")
 OPTIMIZERS = ("adamw", "adamw8bit")

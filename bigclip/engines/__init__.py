@@ -5,21 +5,25 @@ May import models, ops, config, distributed and errors; DeepSpeed and bitsandbyt
 
 from __future__ import annotations
 
+import importlib
+
 from bigclip.config import TrainConfig
+from bigclip.config.engine import ENGINES
 from bigclip.distributed import Runtime
 from bigclip.engines.base import Engine, StepStats
+from bigclip.errors import ConfigError
 
-__all__ = ["Engine", "StepStats", "build_engine"]
+__all__ = ["Engine", "StepStats", "build_engine", "engine_class"]
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The Engine subclass registered as --engine `name` (config/engine.py), imported now."""
+    if name not in ENGINES:
+        raise ConfigError(f"--engine {name!r} is unknown; choose from {', '.join(ENGINES)}")
+    module, _, attribute = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def build_engine(cfg: TrainConfig, runtime: Runtime) -> Engine:
-    """The engine named by --engine (imported lazily: DeepSpeed is heavy and optional)."""
-    if cfg.engine.engine == "fsdp":
-        from bigclip.engines.fsdp import FSDPEngine
-
-        return FSDPEngine(cfg, runtime)
-    if cfg.engine.engine == "deepspeed":
-        from bigclip.engines.deepspeed import DeepSpeedEngine
-
-        return DeepSpeedEngine(cfg, runtime)
-    raise ValueError(f"unknown engine {cfg.engine.engine!r}")
+    """The engine named by --engine, constructed (it shards nothing until `build`)."""
+    return engine_class(cfg.engine.engine)(cfg, runtime)

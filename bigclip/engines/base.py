@@ -11,6 +11,10 @@ branches on which engine it has:
     engine.checkpoint_state()                   # DCP Stateful model + optimizer state
     engine.load_full_weights(values, names)     # --pretrained: whole values in, shards kept
     engine.load_full_moments(values, names, step=s)   # OpenCLIP's AdamW state, the same way
+
+Two class methods serve before any engine exists: `check_machine` (train/preflight.py, before the
+process group) and `plan_kind` (the planner: which registered plan, plan/engine_plan.py, prices a
+run of it). A new engine is a subclass and one `register_engine` (config/engine.py).
 """
 
 from __future__ import annotations
@@ -40,6 +44,19 @@ class StepStats:
 
 class Engine(ABC):
     name: str = "engine"
+
+    @classmethod
+    def check_machine(cls, cfg: TrainConfig, *, world_size: int, model_width: int) -> None:
+        """Refuse (ConfigError) settings of this engine that this machine or these flags cannot
+        run, before a process group is formed. `model_width`: the model's widest residual stream.
+        By default there are none beyond the run's own (train/preflight.py)."""
+        return
+
+    @classmethod
+    def plan_kind(cls, cfg: TrainConfig, *, gpus: int, model_width: int) -> tuple[str, dict[str, Any]]:
+        """The plan kind (plan/engine_plan.py) a run of `cfg` on `gpus` GPUs is, and the plan
+        fields (plan/spec.py's PlanSpec) its own settings decide. By default the kind of its name."""
+        return cls.name, {}
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime) -> None:
         self.cfg = cfg

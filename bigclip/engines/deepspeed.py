@@ -37,6 +37,7 @@ from bigclip.engines.base import Engine, StepStats
 from bigclip.engines.compile import compile_blocks
 from bigclip.engines.deepspeed_config import (
     DeepSpeedPlan,
+    ZeroSettings,
     import_deepspeed,
     load_ds_config,
     resolve_ds_config,
@@ -70,6 +71,24 @@ def _check_torch_linear() -> None:
 
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
+
+    @classmethod
+    def check_machine(cls, cfg: TrainConfig, *, world_size: int, model_width: int) -> None:
+        """The DeepSpeed config against the flags, and the precision against DeepSpeed's accelerator."""
+        _resolved(cfg, world_size=world_size, model_width=model_width)
+        device = cfg.engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cpu"):
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as __init__ does on a CPU device
+        import_deepspeed()  # a missing DeepSpeed: one line naming the package
+        from deepspeed.accelerator import get_accelerator
+
+        check_supported(cfg, accelerator=get_accelerator())
+
+    @classmethod
+    def plan_kind(cls, cfg: TrainConfig, *, gpus: int, model_width: int) -> tuple[str, dict[str, Any]]:
+        """zero1, zero2 or zero3, as its JSON asks, and the buckets and offloads it sets."""
+        plan = _resolved(cfg, world_size=gpus, model_width=model_width)
+        return f"zero{plan.stage}", {"zero": ZeroSettings.of(plan)}
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
@@ -264,6 +283,14 @@ class DeepSpeedEngine(Engine):
             "model": DeepSpeedModelState(self.layout, device=device),
             "optim": DeepSpeedOptimState(self.layout, inner, device=device, fp16=self.precision.loss_scaling),
         }
+
+
+def _resolved(cfg: TrainConfig, *, world_size: int, model_width: int) -> DeepSpeedPlan:
+    """--deepspeed-config read and resolved against the flags (before any engine exists)."""
+    path = cfg.engine.deepspeed_config
+    return resolve_ds_config(
+        load_ds_config(path), cfg, world_size=world_size, model_width=model_width, path=path
+    )
 
 
 def check_supported(cfg: TrainConfig, *, accelerator: Any) -> None:

@@ -68,6 +68,29 @@ class DeepSpeedPlan:
     path: str
 
 
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The DeepSpeed knobs that change memory (element counts, as DeepSpeed reads them): what the
+    planner prices a ZeRO run by."""
+
+    reduce_bucket_size: int = 0
+    prefetch_bucket_size: int = 0
+    persistence_threshold: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+    @classmethod
+    def of(cls, plan: DeepSpeedPlan) -> ZeroSettings:
+        z = plan.config["zero_optimization"]
+        return cls(
+            reduce_bucket_size=int(z.get("reduce_bucket_size", 5e8)),
+            prefetch_bucket_size=int(z.get("stage3_prefetch_bucket_size", 5e7)),
+            persistence_threshold=int(z.get("stage3_param_persistence_threshold", 1e5)),
+            offload_optimizer=plan.offload_optimizer,
+            offload_param=plan.offload_param,
+        )
+
+
 def import_deepspeed() -> ModuleType:
     try:
         import deepspeed

@@ -1,9 +1,9 @@
 """What the planner plans: a run's shape (`PlanSpec`) and its model's static shape.
 
 A PlanSpec is built from the same flags as training (`from_train_config`), so `bigclip plan`
-describes exactly the run a training command would start: the engine and ZeRO stage come from
---engine and the DeepSpeed JSON (resolved by the engine's own `resolve_ds_config`, which fills
-bucket sizes and checks the file), sizes from the model's `ModelShape`, which its family derives
+describes exactly the run a training command would start: the engine's plan kind comes from the
+engine itself (`Engine.plan_kind`: DeepSpeed's stage and buckets from its JSON, resolved by its own
+`resolve_ds_config`, which fills bucket sizes and checks the file), sizes from the model's `ModelShape`, which its family derives
 from the config without building the model (the model contract's static half, models/shape.py).
 """
 
@@ -14,23 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from bigclip.config import TrainConfig
+from bigclip.engines import engine_class
+from bigclip.engines.deepspeed_config import ZeroSettings
 from bigclip.engines.optimizer import Precision
 from bigclip.errors import ConfigError
 from bigclip.models.families import model_options, model_shape
 from bigclip.models.shape import ModelOptions, ModelShape
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-
-
-@dataclass(frozen=True)
-class ZeroSettings:
-    """The DeepSpeed knobs that change memory (element counts, as DeepSpeed reads them)."""
-
-    reduce_bucket_size: int = 0
-    prefetch_bucket_size: int = 0
-    persistence_threshold: int = 0
-    offload_optimizer: bool = False
-    offload_param: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,7 +47,7 @@ class PlanSpec:
     local_loss: bool = False
     gather_with_grad: bool = False
     reshard_after_forward: bool = True
-    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    zero: ZeroSettings = field(default_factory=ZeroSettings)  # DeepSpeed's buckets (its engine's plan_kind)
     io_threads: int | None = None  # checkpoint objects per rank (None: the store's choice, by shard size)
     dist_backend: str = "nccl"  # prices the collectives (comm.py); --dist-backend, nccl on GPUs
 
@@ -84,39 +75,23 @@ class PlanSpec:
 
 
 def from_train_config(cfg: TrainConfig, *, gpus: int) -> PlanSpec:
-    """The plan of a training command's configuration on `gpus` GPUs (one rank per GPU)."""
-    engine, zero = "fsdp", ZeroSettings()
-    if cfg.engine.engine == "deepspeed":
-        engine, zero = _deepspeed_settings(cfg, gpus)
+    """The plan of a training command's configuration on `gpus` GPUs (one rank per GPU): the
+    engine says which plan kind its run is (Engine.plan_kind: DeepSpeed's stage from its JSON)."""
+    options = model_options(cfg)
+    width = model_shape(cfg.model.model, options).hidden_width
+    engine, engine_fields = engine_class(cfg.engine.engine).plan_kind(cfg, gpus=gpus, model_width=width)
     return PlanSpec(
         model=cfg.model.model, gpus=gpus, batch_size=cfg.data.batch_size, engine=engine,
         precision=cfg.engine.precision, optimizer=cfg.optim.optimizer, accum_freq=cfg.optim.accum_freq,
         grad_checkpointing=cfg.model.grad_checkpointing, checkpoint_every=cfg.model.grad_checkpointing_every,
         checkpoint_policy=cfg.model.grad_checkpointing_policy, patch_dropout=cfg.model.force_patch_dropout,
-        image_size=model_options(cfg).image_size, context_length=cfg.model.force_context_length,
+        image_size=options.image_size, context_length=cfg.model.force_context_length,
         linear_kind=cfg.model.linear_kind, int8_attention=cfg.model.int8_attention, loss=cfg.loss.loss,
         loss_chunk_size=cfg.loss.loss_chunk_size, loss_exchange=cfg.loss.loss_exchange,
         local_loss=cfg.loss.local_loss, gather_with_grad=cfg.loss.gather_with_grad,
-        reshard_after_forward=cfg.engine.reshard_after_forward, zero=zero,
-        dist_backend=cfg.engine.dist_backend or "nccl",
+        reshard_after_forward=cfg.engine.reshard_after_forward,
+        dist_backend=cfg.engine.dist_backend or "nccl", **engine_fields,
     ).validate()  # fmt: skip
-
-
-def _deepspeed_settings(cfg: TrainConfig, gpus: int) -> tuple[str, ZeroSettings]:
-    from bigclip.engines.deepspeed_config import load_ds_config, resolve_ds_config
-
-    path = cfg.engine.deepspeed_config
-    width = model_shape(cfg.model.model, model_options(cfg)).hidden_width
-    plan = resolve_ds_config(load_ds_config(path), cfg, world_size=gpus, model_width=width, path=path)
-    z = plan.config["zero_optimization"]
-    settings = ZeroSettings(
-        reduce_bucket_size=int(z.get("reduce_bucket_size", 5e8)),
-        prefetch_bucket_size=int(z.get("stage3_prefetch_bucket_size", 5e7)),
-        persistence_threshold=int(z.get("stage3_param_persistence_threshold", 1e5)),
-        offload_optimizer=plan.offload_optimizer,
-        offload_param=plan.offload_param,
-    )
-    return f"zero{plan.stage}", settings
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

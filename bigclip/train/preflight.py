@@ -86,8 +86,16 @@ def check_machine(cfg: TrainConfig) -> None:
     check_device(cfg.engine)
     check_open_files(cfg.engine, world_size=launch_world_size())
     _check_linear_kind(cfg)
-    if cfg.engine.engine == "deepspeed":
-        _check_deepspeed(cfg, world_size=launch_world_size())
+    _check_engine(cfg)
+
+
+def _check_engine(cfg: TrainConfig) -> None:
+    """The engine's own checks (Engine.check_machine: DeepSpeed's JSON against the flags)."""
+    from bigclip.engines import engine_class
+    from bigclip.models.families import model_options, model_shape
+
+    width = model_shape(cfg.model.model, model_options(cfg)).hidden_width
+    engine_class(cfg.engine.engine).check_machine(cfg, world_size=launch_world_size(), model_width=width)
 
 
 def check_device(engine: EngineConfig) -> None:
@@ -193,28 +201,6 @@ def _check_linear_kind(cfg: TrainConfig) -> None:
         from bigclip.models.from_config import run_device_type
 
         importlib.import_module(kind.implementation).check_machine(kind, run_device_type(cfg))
-
-
-def _check_deepspeed(cfg: TrainConfig, *, world_size: int) -> None:
-    """The DeepSpeed config against the flags, and the precision against DeepSpeed's accelerator."""
-    import torch
-
-    from bigclip.engines.deepspeed_config import import_deepspeed, load_ds_config, resolve_ds_config
-    from bigclip.models.named_configs import get_model_config
-
-    model = get_model_config(cfg.model.model, cache_dir=cfg.model.cache_dir)
-    width = max(model.vision_cfg.width, model.text_cfg.width)
-    path = cfg.engine.deepspeed_config
-    resolve_ds_config(load_ds_config(path), cfg, world_size=world_size, model_width=width, path=path)
-    device = cfg.engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cpu"):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as DeepSpeedEngine does on a CPU device
-    import_deepspeed()  # a missing DeepSpeed: one line naming the package
-    from deepspeed.accelerator import get_accelerator
-
-    from bigclip.engines.deepspeed import check_supported
-
-    check_supported(cfg, accelerator=get_accelerator())
 
 
 def check_shared_folder(store: CheckpointStore) -> None:
