@@ -3,7 +3,7 @@
     python benchmarks/fp8_loss_curve_gpu.py [--steps 200] [--batch 256] [--quick]
 
 Four runs of `python -m bigclip.train` on one GPU, the same flags but for the linear kind and the
-seed: bf16 (none) with seeds 0 and 1 (their difference is the run-to-run spread), then
+seed (every linear converted: --linear-filter all): bf16 (none) with seeds 0 and 1 (their difference is the run-to-run spread), then
 fp8-tensorwise and fp8-rowwise with seed 0. Each run logs its loss every step to TensorBoard; the
 curves are smoothed over a 20-step window. The fp8 goal (issue 30): after the warm-up, each fp8
 curve stays within the bf16 runs' spread of their mean (the spread at that step, or the largest
@@ -47,7 +47,7 @@ def train(args: argparse.Namespace, data: str, logs: Path, name: str, kind: str,
     argv = ["--model", args.model, "--train-data", data, "--train-num-samples", str(args.samples),
             "--batch-size", str(args.batch), "--max-steps", str(args.steps), "--epochs", "1000",
             "--lr", "5e-4", "--warmup", str(args.steps // 10), "--precision", "amp_bf16",
-            "--linear-kind", kind, "--seed", str(seed), "--workers", str(args.workers), "--log-every-n-steps", "1",
+            "--linear-kind", kind, "--linear-filter", "all", "--seed", str(seed), "--workers", str(args.workers), "--log-every-n-steps", "1",
             "--logs", str(logs), "--name", name, "--save-every-n-steps", "0", "--save-frequency", "0"]  # fmt: skip
     env = env_with_checkout()
     done = subprocess.run([sys.executable, "-m", "bigclip.train", *argv], cwd=ROOT, env=env,

@@ -7,7 +7,9 @@ bigclip's with each activation-checkpointing setting and linear kind (bf16, fp8 
 
 A variant is SIDE:CHECKPOINTING, SIDE one of openclip (OpenCLIP's create_model + ClipLoss + fused
 AdamW under bf16 autocast, as `train_step_gpu.py --row peers` runs it), bigclip (bf16 linears) or
-fp8-tensorwise / fp8-rowwise (bigclip with torchao's float8 linears), CHECKPOINTING one of none,
+fp8-tensorwise / fp8-rowwise (bigclip with torchao's float8 linears where the measured shape table
+says they are faster: --linear-filter auto; with "+all", e.g. fp8-rowwise+all, in every linear),
+CHECKPOINTING one of none,
 full, ops (torchtitan's op-level selective checkpointing) or everyN (every Nth block). bigclip
 sides run the FSDP2 engine (or ZeRO-3 with --engine zero3) in a world of one, amp_bf16,
 compiled blocks and the chunked loss. Each variant runs in a fresh process (clean peak memory;
@@ -42,15 +44,17 @@ DEFAULT_VARIANTS = (
     "openclip:full",
     "bigclip:full",
     "bigclip:ops",
-    "fp8-tensorwise:full",
     "fp8-tensorwise:ops",
+    "fp8-tensorwise+all:ops",
 )
 
 
 def parse_variant(text: str) -> tuple[str, str, int]:
     side, _, ckpt = text.partition(":")
     ckpt = ckpt or "full"
-    if side not in SIDES or not (ckpt in ("none", "full", "ops") or ckpt.startswith("every")):
+    if side.removesuffix("+all") not in SIDES or not (
+        ckpt in ("none", "full", "ops") or ckpt.startswith("every")
+    ):
         raise SystemExit(f"variant {text!r}: expected SIDE:CHECKPOINTING, SIDE in {SIDES}")
     every = int(ckpt[5:]) if ckpt.startswith("every") else 1
     return side, ckpt, every
@@ -69,7 +73,8 @@ def bigclip_step(model_name: str, batch: int, side: str, ckpt: str, every: int, 
     cfg.model.grad_checkpointing = ckpt != "none"
     cfg.model.grad_checkpointing_every = every
     cfg.model.grad_checkpointing_policy = "ops" if ckpt == "ops" else "full"
-    cfg.model.linear_kind = side if side.startswith("fp8-") else "none"
+    cfg.model.linear_kind = side.removesuffix("+all") if side.startswith("fp8-") else "none"
+    cfg.model.linear_filter = "all" if side.endswith("+all") else "auto"
     cfg.validate()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -69,9 +69,10 @@ def train(rank: int, world: int, engine: str, linear_kind: str = "none", save_to
         model = DualEncoder(device=device)
         kind = kind_named(linear_kind)
         if kind.implementation:  # the registered kind's own swap, as the training loop's build calls it
-            importlib.import_module(kind.implementation).apply(
-                model, kind, include_attention=False, device_type="cpu"
-            )
+            slots = [
+                s for s in model.swappable_linears() if s.role == "mlp" or kind.includes_attention(False)
+            ]
+            importlib.import_module(kind.implementation).apply(model, kind, slots=slots, device_type="cpu")
         return model
 
     built.build(make("meta"), rebuild=make)

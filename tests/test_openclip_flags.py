@@ -306,16 +306,18 @@ def test_log_local_and_debug_choose_who_logs_and_how_much(tmp_path):
     ("argv", "env", "expected"),
     [
         (["--use-bnb-linear", "SwitchBackLinearGlobal"], {},
-         "linear kind switchback-global: SwitchBack int8 (global quantisation) in every block's MLP linears "
-         "(attention stays 16-bit); int8 matmuls on the PyTorch path (torch._int_mm): Triton runs on CUDA "
-         "tensors, and this run computes on the CPU"),
-        (["--int8", "switchback-vectorwise", "--int8-attention", "--device", "cuda"],
+         "linear kind switchback-global: SwitchBack int8 (global quantisation); int8 matmuls on the PyTorch "
+         "path (torch._int_mm): Triton runs on CUDA tensors, and this run computes on the CPU; all 8 MLP linears "
+         "(attention stays 16-bit) converted (every linear: a CPU runs the kinds for their numerics, not speed)"),
+        (["--int8", "switchback-vectorwise", "--int8-attention", "--device", "cuda", "--linear-filter", "all"],
          {"BIGCLIP_SWITCHBACK_BACKEND": "torch"},
-         "linear kind switchback-vectorwise: SwitchBack int8 (vectorwise quantisation) in every block's MLP "
-         "and attention linears; int8 matmuls on the PyTorch path (torch._int_mm): BIGCLIP_SWITCHBACK_BACKEND=torch"),
+         "linear kind switchback-vectorwise: SwitchBack int8 (vectorwise quantisation); int8 matmuls on the "
+         "PyTorch path (torch._int_mm): BIGCLIP_SWITCHBACK_BACKEND=torch; all 16 MLP and attention linears "
+         "converted (every linear: --linear-filter all)"),
         (["--linear-kind", "fp8-rowwise"], {},
-         "linear kind fp8-rowwise: torchao float8 (rowwise scales) in every block's MLP and attention linears; "
-         "emulated on the CPU (torchao's casts, high-precision matmuls)"),
+         "linear kind fp8-rowwise: torchao float8 (rowwise scales); emulated on the CPU (torchao's casts, "
+         "high-precision matmuls); all 16 MLP and attention linears converted (every linear: a CPU runs the "
+         "kinds for their numerics, not speed)"),
     ],
     ids=["use-bnb-linear", "forced-torch-path", "fp8"],
 )  # fmt: skip

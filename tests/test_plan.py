@@ -78,7 +78,14 @@ def test_activation_formula_matches_saved_tensors_of_the_real_block(int8: str, a
         apply_int8(_OneBlock(block), int8, include_attention=attention)
     x = torch.randn(batch, seq, width, dtype=torch.bfloat16, requires_grad=True)
     measured = saved_bytes_per_token(block, x)
-    spec = PlanSpec(model="tiny", gpus=1, batch_size=batch, linear_kind=int8, int8_attention=attention)
+    spec = PlanSpec(
+        model="tiny",
+        gpus=1,
+        batch_size=batch,
+        linear_kind=int8,
+        int8_attention=attention,
+        linear_filter="all",
+    )
     planned = block_saved_per_token(TowerShape(1, width, mlp, heads, seq), spec)
     # The plan counts LayerNorm statistics in fp32 (CUDA); CPU keeps them in bf16: 8 bytes/token.
     assert planned - measured == pytest.approx(8, abs=0.5)

@@ -4,10 +4,11 @@
 machine check (`train/preflight.py`), the planner and the tests read this table. Each kind names
 the module that implements it (`implementation`, e.g. `bigclip.ops.int8.linear_kind`), which
 provides `check_machine(kind, device_type)` (a ConfigError where the machine cannot run it) and
-`apply(model, kind, *, include_attention, device_type)` (swaps the model contract's linears:
-`swappable_linears()`, each block's MLP linears and, where `attention` says so, its attention
-projections; returns the line the run prints). A new kind is that module and one
-`register_linear_kind` (docs/extending.md).
+`apply(model, kind, *, slots, device_type)` (swaps exactly `slots`, the run's choice among the
+model contract's `swappable_linears()`: each block's MLP linears and, where `attention` says so,
+its attention projections, those of them the measured shape table says are faster
+(config/linear_speedups.py, `--linear-filter`); returns the line the run prints). A new kind is
+that module and one `register_linear_kind` (docs/extending.md).
 
   none            nn.Linear in the precision's compute dtype.
   switchback-*    SwitchBack int8 (Wortsman et al. 2023): forward and input-gradient matmuls in

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from bigclip.config.fields import installed, opt
 from bigclip.config.linear_kinds import LINEAR_KINDS, linear_kind
+from bigclip.config.linear_speedups import FILTERS
 from bigclip.errors import ConfigError
 
 
@@ -46,6 +47,13 @@ class ModelConfig:
         choices=tuple(LINEAR_KINDS),
     )
     int8_attention: bool = opt(False, "With a SwitchBack --linear-kind, also swap the attention projections.")
+    linear_filter: str = opt(
+        "auto",
+        "Which linears --linear-kind converts: auto (those measured faster than bf16 at their shape on this "
+        "run's GPU family; every one where none was measured, as on a CPU), all, or a GPU family's measured "
+        "shapes on any machine (config/linear_speedups.py).",
+        choices=FILTERS,
+    )
     force_quick_gelu: bool = opt(
         False, "QuickGELU activations, as OpenAI's weights need (= a -quickgelu model)."
     )

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bigclip.config.linear_kinds import linear_kind
+from bigclip.config.linear_speedups import linear_filter
 from bigclip.models.flops import block_flops_per_token
 from bigclip.models.shape import ParamShape, TowerShape
 from bigclip.plan.engine_plan import engine_plan
@@ -79,16 +80,33 @@ def block_saved_per_token(tower: TowerShape, spec: PlanSpec) -> int:
     """Bytes one residual block saves for backward per token (see the module docstring)."""
     a = dtype_bytes(spec.dtypes.compute_dtype)
     w, m = tower.width, tower.mlp
-    memefficient = linear_kind(spec.linear_kind).int8_saved_inputs
+    int8 = int8_saved_linears(tower, spec)
     saved = a * (2 * w + 2 * m) + 2 * 4  # the MLP half: ln_2's input and output, c_fc's and GELU's outputs
-    if memefficient:
-        saved -= (a - 1) * (w + m) - 2 * 4  # c_fc and c_proj inputs as int8 + absmax
+    for linear, inputs in (("c_fc", w), ("c_proj", m)):
+        if linear in int8:
+            saved -= (a - 1) * inputs - 4  # its input as int8 + absmax
     if tower.heads:
         saved += a * 6 * w + 4 * (2 + tower.heads)  # ln_1's input and output, QKV, SDPA's output and LSE
-    if tower.heads and memefficient and spec.int8_attention:
+    if tower.heads and "in_proj" in int8:
         saved -= (a - 1) * w - 4  # QKV input as int8
+    if tower.heads and "out_proj" in int8:
         saved += w + 4  # out_proj's int8 copy, beside SDPA's saved output
     return saved
+
+
+def int8_saved_linears(tower: TowerShape, spec: PlanSpec) -> set[str]:
+    """The block linears that save their inputs for backward as int8: those of a kind that does
+    (LinearKind.int8_saved_inputs) which its measured shape table converts at this tower's tokens
+    per micro-batch (config/linear_speedups.py, on the GPU family the plan is for)."""
+    kind = linear_kind(spec.linear_kind)
+    if not kind.int8_saved_inputs:
+        return set()
+    w, m, tokens = tower.width, tower.mlp, spec.batch_size * tower.tokens
+    shapes = {"c_fc": (w, m), "c_proj": (m, w)}
+    if kind.includes_attention(spec.int8_attention):
+        shapes |= {"in_proj": (w, 3 * w), "out_proj": (w, w)}
+    family = spec.linear_filter_family
+    return {name for name, (k, n) in shapes.items() if linear_filter(kind.name, family, k, n, tokens).convert}
 
 
 def checkpointed_saved_per_token(tower: TowerShape, spec: PlanSpec) -> int:

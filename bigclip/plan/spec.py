@@ -41,6 +41,7 @@ class PlanSpec:
     context_length: int = 0  # --force-context-length (0: the config's)
     linear_kind: str = "none"
     int8_attention: bool = False
+    linear_filter: str = "auto"  # --linear-filter: which linears the kind converts, by measured shape
     loss: str = "clip"
     loss_chunk_size: int = 0
     loss_exchange: str = "ring"
@@ -54,6 +55,12 @@ class PlanSpec:
     @property
     def dtypes(self) -> Precision:
         return Precision.from_name(self.precision)
+
+    @property
+    def linear_filter_family(self) -> str:
+        """The GPU family whose measured shapes decide which linears the kind converts: the one
+        named, or under auto the planned GPU's (Hardware's defaults describe an H100: Hopper)."""
+        return "hopper" if self.linear_filter == "auto" else self.linear_filter
 
     @property
     def global_batch(self) -> int:
@@ -86,7 +93,8 @@ def from_train_config(cfg: TrainConfig, *, gpus: int) -> PlanSpec:
         grad_checkpointing=cfg.model.grad_checkpointing, checkpoint_every=cfg.model.grad_checkpointing_every,
         checkpoint_policy=cfg.model.grad_checkpointing_policy, patch_dropout=cfg.model.force_patch_dropout,
         image_size=options.image_size, context_length=cfg.model.force_context_length,
-        linear_kind=cfg.model.linear_kind, int8_attention=cfg.model.int8_attention, loss=cfg.loss.loss,
+        linear_kind=cfg.model.linear_kind, int8_attention=cfg.model.int8_attention,
+        linear_filter=cfg.model.linear_filter, loss=cfg.loss.loss,
         loss_chunk_size=cfg.loss.loss_chunk_size, loss_exchange=cfg.loss.loss_exchange,
         local_loss=cfg.loss.local_loss, gather_with_grad=cfg.loss.gather_with_grad,
         reshard_after_forward=cfg.engine.reshard_after_forward,

@@ -5,13 +5,15 @@ only. tests/test_linear_kind_registry.py builds, checks and trains a model with 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bigclip.config.linear_kinds import LinearKind, register_linear_kind
 from bigclip.errors import ConfigError
-from bigclip.models.contract import TrainableModel
+from bigclip.models.contract import LinearSlot, TrainableModel
 
 KIND = LinearKind("toy-bf16-weights", "toy", "bf16", "", "never", implementation=__name__)
 CHECKED: list[str] = []  # the device types check_machine was asked about, in order
@@ -30,10 +32,10 @@ def check_machine(kind: LinearKind, device_type: str) -> None:
         raise ConfigError(f"--linear-kind {kind.name} runs on CPUs only; this run computes on {device_type}")
 
 
-def apply(model: TrainableModel, kind: LinearKind, *, include_attention: bool, device_type: str) -> str:
+def apply(model: TrainableModel, kind: LinearKind, *, slots: Sequence[LinearSlot], device_type: str) -> str:
     swapped = 0
-    for slot in model.swappable_linears():
-        if slot.kind != "linear" or (slot.role == "attention" and not include_attention):
+    for slot in slots:  # the run's choice: MLP linears (its `attention` is "never"), by shape
+        if slot.kind != "linear":
             continue
         old = getattr(slot.parent, slot.attr)
         new = RoundedLinear(old.in_features, old.out_features, device="meta")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -100,13 +101,16 @@ def _swap(slot: LinearSlot, config: Any, skipped: list[str]) -> None:
         setattr(slot.parent, slot.attr, Float8Linear.from_float(current, config=config))
 
 
-def apply_fp8(model: Model, recipe: str, *, emulate: bool = False) -> Model:
+def apply_fp8(
+    model: Model, recipe: str, *, emulate: bool = False, slots: Sequence[LinearSlot] | None = None
+) -> Model:
     """Swap every linear the model contract lists (`swappable_linears()`: a CLIP's MLP and
-    attention linears in every block) for torchao's float8 ones. In place; returns the model.
+    attention linears in every block), or exactly `slots` of them (the run's choice by the measured
+    shape table, models/from_config.py), for torchao's float8 ones. In place; returns the model.
     Linears whose sizes are not multiples of 16 stay 16-bit (one warning)."""
     config = float8_config(recipe, emulate=emulate)
     skipped: list[str] = []
-    for slot in model.swappable_linears():
+    for slot in model.swappable_linears() if slots is None else slots:
         _swap(slot, config, skipped)
     if skipped:
         warnings.warn(

@@ -28,6 +28,7 @@ garbage) and are counted on the device; `report_nonfinite_inputs` reads the coun
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -229,7 +230,9 @@ def _swap(slot: LinearSlot, quantization: str, skipped: list[str]) -> None:
         )
 
 
-def apply_int8(model: Model, mode: str, *, include_attention: bool = False) -> Model:
+def apply_int8(
+    model: Model, mode: str, *, include_attention: bool = False, slots: Sequence[LinearSlot] | None = None
+) -> Model:
     """Swap the MLP linears the model contract lists (`swappable_linears()`: a CLIP's `mlp.c_fc`
     and `mlp.c_proj` in every block of both towers) for SwitchBack layers, and with
     `include_attention` the attention's projections too (a CLIP's fused QKV `attn.in_proj` and
@@ -237,14 +240,16 @@ def apply_int8(model: Model, mode: str, *, include_attention: bool = False) -> M
 
     Works on meta-device models (no memory is touched) and inside `deepspeed.zero.Init`, and
     keeps every parameter's name, shape and identity: call it before sharding. `mode`: one of
-    INT8_MODES.
+    INT8_MODES. `slots`: exactly these of the contract's linears instead (the run's choice,
+    models/from_config.py: by role and by the measured shape table).
     """
     if mode not in INT8_MODES:
         raise ConfigError(f"--int8 {mode!r} is not a SwitchBack mode; use one of {', '.join(INT8_MODES)}")
+    if slots is None:
+        slots = [s for s in model.swappable_linears() if s.role == "mlp" or include_attention]
     skipped: list[str] = []
-    for slot in model.swappable_linears():
-        if slot.role == "mlp" or include_attention:
-            _swap(slot, INT8_MODES[mode], skipped)
+    for slot in slots:
+        _swap(slot, INT8_MODES[mode], skipped)
     if skipped:
         warnings.warn(_fallback_message(skipped), stacklevel=2)
     return model
