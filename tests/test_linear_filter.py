@@ -99,7 +99,7 @@ def test_on_a_cpu_hoppers_table_keeps_a_small_model_16_bit_and_says_so(kind, cap
         pytest.importorskip("torchao", reason="--linear-kind fp8-* needs torchao (bigclip[fp8])")
     filtered, line = build(kind, "--linear-filter", "hopper", caplog=caplog)
     assert all(type(m) is nn.Linear for m in block_linears(filtered).values())
-    assert "0 of " in line and "stay 16-bit: visual mlp.c_fc x2 64->256 at 4160 tokens;" in line
+    assert "0 of " in line and "stay 16-bit: vision mlp.c_fc x2 64->256 at 4160 tokens;" in line
     assert "(no shape at most this large measured faster than bf16 on hopper)" in line
     assert "the kind changes nothing here: --linear-kind none is the same step" in line
     plain, _ = build("none", caplog=caplog)
@@ -121,8 +121,8 @@ def test_a_measured_faster_shape_converts_those_linears_only_and_they_train(monk
     converted = sorted(name for name, m in block_linears(model).items() if isinstance(m, SwitchBackLinear))
     assert converted == ["visual.transformer.resblocks.0.mlp.c_fc", "visual.transformer.resblocks.1.mlp.c_fc"]
     assert (
-        "2 of 8 MLP linears (attention stays 16-bit) converted: visual mlp.c_fc x2 64->256 at 4160 tokens "
-        "(64->256 at 4096 tokens measured 1.20x); 6 stay 16-bit: visual mlp.c_proj x2 256->64 at 4160 tokens; "
+        "2 of 8 MLP linears (attention stays 16-bit) converted: vision mlp.c_fc x2 64->256 at 4160 tokens "
+        "(64->256 at 4096 tokens measured 1.20x); 6 stay 16-bit: vision mlp.c_proj x2 256->64 at 4160 tokens; "
         "text mlp.c_fc x2 64->256 at 2048 tokens; text mlp.c_proj x2 256->64 at 2048 tokens (no shape at most "
         "this large measured faster than bf16 on hopper)"
     ) in line

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import re
 from collections.abc import Callable
 
 import torch
@@ -18,10 +17,10 @@ from bigclip.config import TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.config.linear_speedups import Decision, device_family, linear_filter
 from bigclip.models.clip import CLIP, CLIPConfig
-from bigclip.models.clip_family import SIGLIP_INIT, kept_patches
+from bigclip.models.clip_family import SIGLIP_INIT
 from bigclip.models.contract import LinearSlot
 from bigclip.models.factory import create_model, get_model_config
-from bigclip.models.families import model_options
+from bigclip.models.families import model_options, model_shape
 from bigclip.models.lock import apply_locks
 
 
@@ -89,16 +88,14 @@ def apply_linear_kind(model: CLIP, cfg: TrainConfig) -> None:
     implementation = importlib.import_module(kind.implementation)
     include = kind.includes_attention(cfg.model.int8_attention)
     eligible = [s for s in model.swappable_linears() if s.role == "mlp" or include]
-    device, family = run_device_type(cfg), filter_family(cfg)
-    tokens = {s.name: slot_tokens(model.cfg, s.name, cfg) for s in eligible}
-    decisions = {
-        s.name: linear_filter(kind.name, family, s.in_features, s.out_features, tokens[s.name])
-        for s in eligible
-    }
+    places = linear_places(model, cfg)
+    family = filter_family(cfg)
+    decisions = {s.name: linear_filter(kind.name, family, s.in_features, s.out_features, places[s.name][1])
+                 for s in eligible}  # fmt: skip
     chosen = [s for s in eligible if decisions[s.name].convert]
-    line = implementation.apply(model, kind, slots=chosen, device_type=device)
+    line = implementation.apply(model, kind, slots=chosen, device_type=run_device_type(cfg))
     where = "MLP and attention linears" if include else "MLP linears (attention stays 16-bit)"
-    _say_once(f"{line}; {conversion_summary(eligible, decisions, tokens, where=where)}")
+    _say_once(f"{line}; {conversion_summary(eligible, decisions, places, where=where)}")
 
 
 def filter_family(cfg: TrainConfig) -> str:
@@ -111,60 +108,57 @@ def filter_family(cfg: TrainConfig) -> str:
     return device_family(device, torch.cuda.get_device_capability() if gpu else None)
 
 
-def slot_tokens(model_cfg: CLIPConfig, name: str, cfg: TrainConfig) -> int:
-    """Rows a block linear multiplies per micro-batch: the per-GPU batch times its tower's sequence
-    (the patches patch dropout keeps plus the class token; the text's context length)."""
-    if name.startswith("visual."):
-        v = model_cfg.vision_cfg
-        sequence = kept_patches((v.image_size // v.patch_size) ** 2, cfg.model.force_patch_dropout) + 1
-    else:
-        sequence = model_cfg.text_cfg.context_length
-    return cfg.data.batch_size * sequence
+def linear_places(model: CLIP, cfg: TrainConfig) -> dict[str, tuple[str, int]]:
+    """Each swappable linear's label ("vision mlp.c_fc": its tower and its name in the block) and
+    the rows it multiplies per micro-batch: the per-GPU batch times its tower's tokens per sample,
+    from the family's static shape (patch dropout applied), whose towers hold the blocks in order."""
+    towers = model_shape(cfg.model.model, model_options(cfg)).towers
+    per_block = [(name, t.tokens) for name, t in towers.items() for _ in range(t.layers)]
+    names = {id(m): name for name, m in model.named_modules()}
+    block_of = {id(m): (i, names[id(b)]) for i, b in enumerate(model.blocks()) for m in b.modules()}
+    places = {}
+    for slot in model.swappable_linears():
+        index, block = block_of[id(slot.parent)]
+        tower, tokens = per_block[index]
+        places[slot.name] = (f"{tower} {slot.name.removeprefix(block + '.')}", cfg.data.batch_size * tokens)
+    return places
 
 
 def conversion_summary(
-    eligible: list[LinearSlot], decisions: dict[str, Decision], tokens: dict[str, int], *, where: str
+    eligible: list[LinearSlot],
+    decisions: dict[str, Decision],
+    places: dict[str, tuple[str, int]],
+    *,
+    where: str,
 ) -> str:
     """E.g. "all 16 MLP linears (attention stays 16-bit) converted (every linear: ...)", or
-    "96 of 160 MLP and attention linears converted: visual mlp.c_fc x48 1664->8192 at 16448 tokens
-    (1664->8192 at 16384 tokens measured 1.02x); 64 stay 16-bit: text ... (no shape ...)"."""
+    "2 of 8 MLP linears ... converted: vision mlp.c_fc x2 64->256 at 4160 tokens (64->256 at 4096
+    tokens measured 1.20x); 6 stay 16-bit: vision mlp.c_proj x2 ... (no shape ...)"."""
     converted = sum(d.convert for d in decisions.values())
     reasons = {d.reason for d in decisions.values()}
     if converted == len(eligible) and len(reasons) == 1:
         return f"all {converted} {where} converted ({reasons.pop()})"
-    groups: dict[tuple[bool, str], dict[str, int]] = {}  # (converted, reason) -> {label: linears}
+    groups: dict[tuple[bool, str], dict[str, int]] = {}  # (converted, reason) -> {linears' label: count}
     for slot in eligible:
-        d = decisions[slot.name]
-        label = f"{_group(slot.name)} {slot.in_features}->{slot.out_features} at {tokens[slot.name]} tokens"
+        d, (label, tokens) = decisions[slot.name], places[slot.name]
+        tower, linear = label.split(" ")
+        text = f"{tower} {linear} x{{}} {slot.in_features}->{slot.out_features} at {tokens} tokens"
         counts = groups.setdefault((d.convert, d.reason), {})
-        counts[label] = counts.get(label, 0) + 1
-    text = f"{converted} of {len(eligible)} {where} converted"
+        counts[text] = counts.get(text, 0) + 1
+    summary = f"{converted} of {len(eligible)} {where} converted"
     for convert in (True, False):
         items = [
-            f"{'; '.join(_counted(label, n) for label, n in counts.items())} ({reason})"
+            f"{'; '.join(text.format(n) for text, n in counts.items())} ({reason})"
             for (c, reason), counts in groups.items()
             if c == convert
         ]
         if items:
-            text += (": " if convert else f"; {len(eligible) - converted} stay 16-bit: ") + "; ".join(items)
+            summary += (": " if convert else f"; {len(eligible) - converted} stay 16-bit: ") + "; ".join(
+                items
+            )
     if not converted:
-        text += "; the kind changes nothing here: --linear-kind none is the same step"
-    return text
-
-
-def _counted(label: str, count: int) -> str:
-    """'visual mlp.c_fc 64->256 at 2 tokens', 4 -> 'visual mlp.c_fc x4 64->256 at 2 tokens'."""
-    tower, linear, shape = label.split(" ", 2)
-    return f"{tower} {linear} x{count} {shape}"
-
-
-def _group(name: str) -> str:
-    """'visual.transformer.resblocks.7.mlp.c_fc' -> 'visual mlp.c_fc'; text blocks -> 'text ...'."""
-    tower = "visual" if name.startswith("visual.") else "text"
-    return f"{tower} {_BLOCK_PREFIX.sub('', name)}"
-
-
-_BLOCK_PREFIX = re.compile(r"^.*resblocks[.]\d+[.]")
+        summary += "; the kind changes nothing here: --linear-kind none is the same step"
+    return summary
 
 
 _said: set[str] = set()

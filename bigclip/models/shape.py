@@ -10,7 +10,8 @@ model the same way, which is how a family's test holds its shape to its module.
                       of its residual block in `blocks()` (-1 outside the blocks). 0-dim
                       parameters are the replicated scalars.
   ModelShape.towers   each encoder's residual stack as the activation and FLOP formulas see it
-                      (`TowerShape`), keyed by tower name.
+                      (`TowerShape`), keyed by tower name, in the order their blocks come in
+                      `blocks()` (a linear kind's filter finds each block's tokens by it).
   ModelShape.embed_dim  the width of the features the contrastive loss compares.
 
 A tower's blocks are pre-norm residual blocks: an attention of `heads` heads (0: none) with a
