@@ -53,7 +53,7 @@ import pytest
 from support.launch_harness import read_keys
 from support.requeues import assert_committed, assert_requeued_and_resumed_exactly, stops
 from support.slurm_cluster import KILL_WAIT_S
-from support.slurm_two_nodes import IFACE, TwoNodeCluster
+from support.slurm_two_nodes import GPUS_PER_NODE, IFACE, TwoNodeCluster
 from support.slurm_waits import Patience, rank_start_up_s, stall_limit_s
 from support.two_node_faults import Fault, Job, flap_link, near_time_limit, run_phase, set_time_limit
 from support.two_node_jobs import keys_prefix, output, render, submit, two_node_cluster
@@ -83,7 +83,8 @@ def _reconnect(cluster: TwoNodeCluster, job_id: int) -> None:
 
 
 def _preempt(cluster: TwoNodeCluster, job_id: int) -> None:  # a higher PriorityTier job needs every GPU
-    cluster.run("sbatch", "-p", "high", "-N", "2", "--gres=gpu:2", "--output=/dev/null", "--wrap", "sleep 1")
+    every_gpu = f"--gres=gpu:{GPUS_PER_NODE}"
+    cluster.run("sbatch", "-p", "high", "-N", "2", every_gpu, "--output=/dev/null", "--wrap", "sleep 1")
 
 
 def _kill_node1(cluster: TwoNodeCluster, job_id: int) -> None:

@@ -141,7 +141,9 @@ def test_the_demos_training_classifies_shapes_above_chance(tmp_path):
     shape drawn, 4 classes, chance 25%. At this batch the tiny model learns colours and
     backgrounds first and shapes late, so the bar is 3 standard errors above chance, not more."""
     data = write_demo_data(str(tmp_path / "data"), samples=6400, shards=4, val_samples=0, seed=0)
-    argv = [*recipe_argv(data, 600, 32), "--logs", str(tmp_path), "--name", "demo", "--save-frequency", "0"]
+    # --zeroshot-frequency = --epochs: zero-shot only after the last step, the one result read
+    argv = [*recipe_argv(data, 600, 32), "--logs", str(tmp_path), "--name", "demo", "--save-frequency", "0",
+            "--zeroshot-frequency", "100"]  # fmt: skip
     summary = spawn(train_worker, 2, argv)[0]
     top1, chance = summary["eval"]["imagenet-zeroshot-val-top1"], 1 / len(SHAPES)
     assert top1 > chance + 3 * math.sqrt(chance * (1 - chance) / data.classify_samples)

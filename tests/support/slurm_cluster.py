@@ -74,12 +74,14 @@ def config(
     ctld_port: int,
     slurmd_port: int,
     slurmd_timeout_s: int = 300,
+    gpus: int = GPUS,
 ) -> str:
-    """slurm.conf for `nodes` (name -> address), slurmctld on `ctld` ("NAME(ADDRESS)"). The slurmd
-    files are per node (%n) so several slurmds can share the folder (the two-node cluster)."""
+    """slurm.conf for `nodes` (name -> address, `gpus` fake GPUs each), slurmctld on `ctld`
+    ("NAME(ADDRESS)"). The slurmd files are per node (%n) so several slurmds can share the folder
+    (the two-node cluster)."""
     names = ",".join(nodes)
     node_lines = "".join(
-        f"NodeName={name} NodeAddr={addr} CPUs={CPUS} RealMemory=8000 Gres=gpu:{GPUS} State=UNKNOWN\n"
+        f"NodeName={name} NodeAddr={addr} CPUs={CPUS} RealMemory=8000 Gres=gpu:{gpus} State=UNKNOWN\n"
         for name, addr in nodes.items()
     )
     return f"""\
@@ -243,8 +245,8 @@ class ClusterUnavailable(RuntimeError):
     """This machine cannot host the test cluster (the message says why)."""
 
 
-def _make_fake_gpus() -> None:
-    for i in range(GPUS):
+def _make_fake_gpus(count: int = GPUS) -> None:
+    for i in range(count):
         path = Path(f"/dev/fakegpu{i}")
         if path.exists():
             continue

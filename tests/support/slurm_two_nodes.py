@@ -39,7 +39,6 @@ from support.netns_pair import (
     unlimit_link,
 )
 from support.slurm_cluster import (
-    GPUS,
     SlurmCluster,
     _daemon,
     _make_fake_gpus,
@@ -51,7 +50,10 @@ from support.slurm_cluster import (
 
 PORTS = (6817, 6818)  # slurmctld, slurmd: free, since each namespace has its own ports
 SLURMD_TIMEOUT_S = 120  # longer than the lost-node test takes: the watchdog, not Slurm, must notice
-__all__ = ["IFACE", "Node", "TwoNodeCluster"]
+# Fake GPUs per node: room for four jobs of `--gpus-per-node 2` at once, so the two-node tests' jobs
+# run side by side (with 2 a node, they queued behind each other, one at a time).
+GPUS_PER_NODE = 8
+__all__ = ["GPUS_PER_NODE", "IFACE", "Node", "TwoNodeCluster"]
 
 
 @dataclass
@@ -87,13 +89,15 @@ class TwoNodeCluster(SlurmCluster):
             (self.root / "spool" / node.name).mkdir(parents=True, exist_ok=True)
         (self.root / "state").mkdir(parents=True, exist_ok=True)
         self.local.mkdir(exist_ok=True)  # the mount point; each node binds its own folder over it
-        _make_fake_gpus()
+        _make_fake_gpus(GPUS_PER_NODE)
         head = self.nodes[0]
         text = config(self.root, ctld=f"{head.name}({head.addr})", nodes={n.name: n.addr for n in self.nodes},
-                      ctld_port=PORTS[0], slurmd_port=PORTS[1], slurmd_timeout_s=SLURMD_TIMEOUT_S)  # fmt: skip
+                      ctld_port=PORTS[0], slurmd_port=PORTS[1], slurmd_timeout_s=SLURMD_TIMEOUT_S,
+                      gpus=GPUS_PER_NODE)  # fmt: skip
         (self.root / "slurm.conf").write_text(text)
         names = ",".join(n.name for n in self.nodes)
-        (self.root / "gres.conf").write_text(f"NodeName={names} Name=gpu File=/dev/fakegpu[0-{GPUS - 1}]\n")
+        gres = f"NodeName={names} Name=gpu File=/dev/fakegpu[0-{GPUS_PER_NODE - 1}]\n"
+        (self.root / "gres.conf").write_text(gres)
 
     def _slurmctld(self) -> None:
         conf = str(self.root / "slurm.conf")
