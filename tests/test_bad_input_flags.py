@@ -59,6 +59,8 @@ CASES = [
     train("workers-negative", "--workers", "-1", says=("--workers must be 0 or more",)),
     train("precision-unknown", "--precision", "fp8", says=("--precision", "invalid choice: 'fp8'")),
     train("engine-unknown", "--engine", "horovod", says=("--engine", "invalid choice: 'horovod'")),
+    train("linear-filter-unknown", "--int8", "switchback-global", "--linear-filter", "volta",
+          says=("--linear-filter", "invalid choice: 'volta'", "'hopper'")),
     train("deepspeed-without-config", "--engine", "deepspeed", says=("--engine deepspeed needs --deepspeed-config",)),
     train("fsdp-switch-vs-deepspeed", "--fsdp", "--engine", "deepspeed", "--deepspeed-config", "zero3",
           says=("--fsdp", "contradicts --engine deepspeed")),
