@@ -186,6 +186,14 @@ class Engine(ABC):
         if failure is not None:
             raise failure
 
+    @torch.no_grad()
+    def clamp_scalars(self) -> None:
+        """Clamp the model's replicated scalars into their ranges after a step (OpenCLIP clamps
+        the logit scale to log(100)), where each is held whole on every rank."""
+        for name, (low, high) in self.module.replicated_scalars().items():
+            if (low, high) != (None, None):
+                self.module.get_parameter(name).clamp_(low, high)
+
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
 

@@ -78,10 +78,7 @@ class ReplicasEngine(Engine):
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for name, (low, high) in self.module.replicated_scalars().items():
-                if (low, high) != (None, None):
-                    self.module.get_parameter(name).clamp_(low, high)
+        self.clamp_scalars()
         return StepStats(grad_norm=norm)
 
     def checkpoint_state(self) -> dict[str, Any]:
