@@ -138,24 +138,24 @@ def conversion_summary(
     reasons = {d.reason for d in decisions.values()}
     if converted == len(eligible) and len(reasons) == 1:
         return f"all {converted} {where} converted ({reasons.pop()})"
-    groups: dict[tuple[bool, str], dict[str, int]] = {}  # (converted, reason) -> {linears' label: count}
+    groups: dict[
+        tuple[bool, str], dict[tuple[str, str], int]
+    ] = {}  # (converted, reason) -> {(label, shape): n}
     for slot in eligible:
         d, (label, tokens) = decisions[slot.name], places[slot.name]
-        tower, linear = label.split(" ")
-        text = f"{tower} {linear} x{{}} {slot.in_features}->{slot.out_features} at {tokens} tokens"
+        shape = f"{slot.in_features}->{slot.out_features} at {tokens} tokens"
         counts = groups.setdefault((d.convert, d.reason), {})
-        counts[text] = counts.get(text, 0) + 1
+        counts[label, shape] = counts.get((label, shape), 0) + 1
     summary = f"{converted} of {len(eligible)} {where} converted"
     for convert in (True, False):
         items = [
-            f"{'; '.join(text.format(n) for text, n in counts.items())} ({reason})"
+            f"{'; '.join(f'{label} x{n} {shape}' for (label, shape), n in counts.items())} ({reason})"
             for (c, reason), counts in groups.items()
             if c == convert
         ]
         if items:
-            summary += (": " if convert else f"; {len(eligible) - converted} stay 16-bit: ") + "; ".join(
-                items
-            )
+            lead = ": " if convert else f"; {len(eligible) - converted} stay 16-bit: "
+            summary += lead + "; ".join(items)
     if not converted:
         summary += "; the kind changes nothing here: --linear-kind none is the same step"
     return summary

@@ -3,8 +3,9 @@
 A PlanSpec is built from the same flags as training (`from_train_config`), so `bigclip plan`
 describes exactly the run a training command would start: the engine's plan kind comes from the
 engine itself (`Engine.plan_kind`: DeepSpeed's stage and buckets from its JSON, resolved by its own
-`resolve_ds_config`, which fills bucket sizes and checks the file), sizes from the model's `ModelShape`, which its family derives
-from the config without building the model (the model contract's static half, models/shape.py).
+`resolve_ds_config`, which fills bucket sizes and checks the file), sizes from the model's
+`ModelShape`, which its family derives from the config without building the model (the model
+contract's static half, models/shape.py).
 """
 
 from __future__ import annotations
