@@ -188,6 +188,7 @@ STATIC_CONTRACT = {
     "bigclip.models.shape": "ModelShape and its parts, ModelOptions, ModelFamily: what a model is",
     "bigclip.models.families": "the family a --model name belongs to, and its shape: the lookup",
     "bigclip.models.flops": "the one FLOP count, derived from a shape (the training log's MFU uses it too)",
+    "bigclip.models.run_options": "a run's model options from its flags, what its name builds with",
 }
 DRY_RUN = (
     "an engine kind's dry run builds the model the training loop builds, through the same entry "

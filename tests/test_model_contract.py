@@ -7,7 +7,6 @@ consolidates from both engines' checkpoints."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.dual_encoder import FAMILY, NAME, WIDTH, DualEncoder, MLPBlock
+from support.dual_encoder import CONTEXT, FAMILY, IMAGE_SIZE, NAME, WIDTH, DualEncoder, MLPBlock
 from support.engine_harness import global_batch, run_steps, tiny_config
 from test_plan import saved_bytes_per_token
 from torch.distributed.tensor import DTensor
@@ -23,15 +22,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bigclip.checkpoint import CheckpointStore
-from bigclip.config.linear_kinds import linear_kind as kind_named
+from bigclip.cli_args import parse_train_args
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import build_engine
 from bigclip.errors import ConfigError
-from bigclip.models import families
+from bigclip.models import families, listing
 from bigclip.models.contract import TrainableModel, param_shapes
+from bigclip.models.from_config import build_model, model_factory
+from bigclip.models.run_options import image_size
 from bigclip.plan.memory import block_saved_per_token
 from bigclip.plan.planner import Hardware, build_plan
 from bigclip.plan.spec import PlanSpec
+from bigclip.train.trainer import build_tokenizer
 from bigclip.weights.consolidate import consolidate
 from bigclip.weights.open_clip_export import model_config
 
@@ -59,23 +61,16 @@ def local_parameter_bytes(model: torch.nn.Module) -> int:
 
 
 def train(rank: int, world: int, engine: str, linear_kind: str = "none", save_to: str = "") -> dict:
-    """Worker: the dual encoder through the real engine, 4 optimizer steps; with `save_to`, a
+    """Worker: `--model dual-encoder-tiny` built as the training command builds a model (its family's
+    builder, then --linear-kind's swap) through the real engine, 4 optimizer steps; with `save_to`, a
     checkpoint of them through CheckpointStore. Rank 0 returns losses, full weights, held bytes."""
-    cfg = engine_config(engine)
+    families.register_family(FAMILY)  # a spawned process starts with the built-in families only
+    cfg = engine_config(engine, **{"model.model": NAME, "model.linear_kind": linear_kind})
     runtime = Runtime(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     built = build_engine(cfg, runtime)
-
-    def make(device: torch.device | str) -> DualEncoder:
-        model = DualEncoder(device=device)
-        kind = kind_named(linear_kind)
-        if kind.implementation:  # the registered kind's own swap, as the training loop's build calls it
-            slots = [
-                s for s in model.swappable_linears() if s.role == "mlp" or kind.includes_attention(False)
-            ]
-            importlib.import_module(kind.implementation).apply(model, kind, slots=slots, device_type="cpu")
-        return model
-
-    built.build(make("meta"), rebuild=make)
+    model = build_model(cfg)
+    assert isinstance(model, DualEncoder)
+    built.build(model, rebuild=model_factory(cfg))
     losses = run_steps(built, cfg, range(4), BATCH)
     if save_to:
         store = CheckpointStore(save_to)
@@ -153,3 +148,16 @@ def test_a_model_that_is_not_clip_is_planned_and_consolidated(trained, registere
     state = load_file(tmp_path / "dual.safetensors")
     assert state.keys() == runs[engine]["weights"].keys()
     assert all(torch.equal(state[k], v) for k, v in runs[engine]["weights"].items())
+
+
+def test_the_command_line_reaches_a_model_that_is_not_clip_through_its_family(registered, capsys):
+    """`--model` is checked, listed and tokenized through the family the name belongs to."""
+    cfg = parse_train_args(["--model", NAME, "--train-data", "shards"])
+    assert build_tokenizer(cfg)(["a photo"]).shape == (1, CONTEXT)
+    assert image_size(cfg) == IMAGE_SIZE
+    with pytest.raises(ConfigError, match="takes no --grad-checkpointing"):
+        parse_train_args(["--model", NAME, "--train-data", "shards", "--grad-checkpointing"])
+    listing.main([])
+    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines() if NAME in line] == [
+        [NAME, str(IMAGE_SIZE)]
+    ]

@@ -64,7 +64,9 @@ def zeroshot_worker(rank: int, world: int, cfg_dicts: list[dict], root: str) -> 
         data = open_classification_set(root, what="--imagenet-val")
         classifier = build_classifier(engine, tokenizer(), data, engine.runtime)
         loader = data.loader(rank=rank, world_size=world, image_size=64, batch_size=2, workers=1)
-        top1, top5, skipped = classify(engine, classifier, loader, engine.runtime, normalize=normalizer())
+        top1, top5, skipped = classify(
+            engine, classifier, loader, engine.runtime, normalize=normalizer(), image_size=64
+        )
         out.append({"classifier": classifier, "top1": top1, "top5": top5, "skipped": skipped})
     return out
 

@@ -96,16 +96,15 @@ class ModelConfig:
         if (self.torchcompile_mode or self.torchcompile_backend) and not self.torchcompile:
             raise ConfigError("--torchcompile-mode and --torchcompile-backend need --torchcompile; add it")
         self._check_linear_kind()
-        from bigclip.models.named_configs import get_model_config  # raises, listing valid names
-        from bigclip.models.pretrained_tags import check_pretrained
-
         self._check_locks()
-        check_pretrained(self.model, self.pretrained)  # an unknown tag: the tags this model has
-        vision = get_model_config(self.model, cache_dir=self.cache_dir).vision_cfg
-        if size and size[0] < vision.patch_size:
-            raise ConfigError(
-                f"--force-image-size {size[0]} is below {self.model}'s patch size {vision.patch_size}"
-            )
+        from bigclip.models.families import family_of
+        from bigclip.models.pretrained_tags import tag_hint
+
+        try:
+            family = family_of(self.model)
+        except ConfigError as unknown:  # it lists the known names; add where --pretrained's tag is
+            raise ConfigError(f"{unknown}{tag_hint(self.pretrained)}") from None
+        family.check(self)
 
     def _check_linear_kind(self) -> None:
         kind = linear_kind(self.linear_kind)

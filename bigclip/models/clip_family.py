@@ -9,8 +9,10 @@ import dataclasses
 import math
 from typing import Any
 
+from bigclip.errors import ConfigError
 from bigclip.models.hf_hub import is_hub_model
-from bigclip.models.named_configs import CLIPConfig, get_model_config, list_models
+from bigclip.models.named_configs import CLIPConfig, get_model_config, list_models, other_tower_configs
+from bigclip.models.pretrained_tags import check_pretrained
 from bigclip.models.shape import ModelFamily, ModelOptions, ModelShape, ParamShape, TowerShape
 
 SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}  # OpenCLIP's SigLIP init
@@ -34,7 +36,10 @@ def clip_config(name: str, options: ModelOptions) -> CLIPConfig:
 
 
 def owns_name(name: str) -> bool:
-    return is_hub_model(name) or name.removesuffix("-quickgelu") in list_models()
+    """Its configs, hf-hub models, and OpenCLIP's configs of other towers (its check refuses those,
+    naming the towers)."""
+    base = name.removesuffix("-quickgelu")
+    return is_hub_model(name) or base in list_models() or base in other_tower_configs()
 
 
 def _block_params(
@@ -108,7 +113,25 @@ def clip_shape(name: str, options: ModelOptions) -> ModelShape:
         towers=clip_towers(cfg, patch_dropout=options.patch_dropout),
         params=clip_params(cfg),
         embed_dim=cfg.embed_dim,
+        image_size=cfg.vision_cfg.image_size,
     )
+
+
+def clip_tokenizer(name: str, options: ModelOptions) -> dict[str, Any]:
+    t = clip_config(name, options).text_cfg
+    return {"context_length": t.context_length, "vocab_size": t.vocab_size, "text_pool": t.pool_type,
+            "hf_name": t.hf_tokenizer_name, "hf_kwargs": t.tokenizer_kwargs}  # fmt: skip
+
+
+def check_clip_flags(model: Any) -> None:  # a ModelConfig (shape.py says why Any)
+    """An unknown --pretrained tag (naming the tags the model has), an image size below the patch."""
+    check_pretrained(model.model, model.pretrained)
+    vision = get_model_config(model.model, cache_dir=model.cache_dir).vision_cfg  # raises for other towers
+    size = model.force_image_size
+    if size and size[0] < vision.patch_size:
+        raise ConfigError(
+            f"--force-image-size {size[0]} is below {model.model}'s patch size {vision.patch_size}"
+        )
 
 
 def open_clip_model_config(name: str, options: ModelOptions) -> dict[str, Any]:
@@ -132,6 +155,9 @@ CLIP_FAMILY = ModelFamily(
     configs=list_models,
     owns=owns_name,
     shape=clip_shape,
+    build="bigclip.models.factory:build_clip",
+    tokenizer=clip_tokenizer,
+    check=check_clip_flags,
     open_clip_config=open_clip_model_config,
     other_names="hf-hub:ORG/REPO (an OpenCLIP model on the Hugging Face Hub)",
 )

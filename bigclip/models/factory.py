@@ -1,14 +1,22 @@
 """Model configs (OpenCLIP's JSON schema) and the `create_model` factory (`bigclip models` lists them:
-listing.py)."""
+listing.py); `build_clip`, the CLIP family's builder (clip_family.py names it)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from bigclip.models.clip import CLIP, init_weights
+from bigclip.models.clip_family import SIGLIP_INIT
+from bigclip.models.lock import apply_locks
 from bigclip.models.named_configs import get_model_config, list_models
+from bigclip.models.shape import ModelOptions
 
-__all__ = ["count_parameters", "create_model", "get_model_config", "list_models"]
+if TYPE_CHECKING:
+    from bigclip.config import ModelConfig
+
+__all__ = ["build_clip", "count_parameters", "create_model", "get_model_config", "list_models"]
 
 
 def create_model(
@@ -41,6 +49,20 @@ def create_model(
     if dtype is not None:
         model.to(dtype)
     return model
+
+
+def build_clip(model: ModelConfig, options: ModelOptions, *, device: torch.device | str, seed: int) -> CLIP:
+    """The run's CLIP: its --force-* options, SigLIP's logit-bias init, checkpointing and locks."""
+    clip = create_model(
+        model.model, device=device, patch_dropout=options.patch_dropout, seed=seed, cache_dir=options.cache_dir,
+        force_quick_gelu=options.quick_gelu, force_image_size=options.image_size,
+        force_context_length=options.context_length, **(SIGLIP_INIT if options.loss == "siglip" else {}),
+    )  # fmt: skip
+    clip.set_grad_checkpointing(
+        model.grad_checkpointing, every=model.grad_checkpointing_every, policy=model.grad_checkpointing_policy
+    )
+    apply_locks(clip, model)
+    return clip
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:

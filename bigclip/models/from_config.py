@@ -1,5 +1,5 @@
-"""The model a run's configuration describes, with its model-level options applied, and a
-synthetic batch of the shapes it takes.
+"""The model a run's configuration describes, built by its family (families.py) with the
+model-level options applied, and a synthetic batch of the shapes a CLIP takes.
 
 Kept apart from the model code: it reads `TrainConfig` and swaps in int8/fp8 linears from `ops`,
 while `clip.py` and friends stay plain modules that know neither.
@@ -12,59 +12,37 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from bigclip.config import TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.config.linear_speedups import Decision, device_family, linear_filter
-from bigclip.models.clip import CLIP, CLIPConfig
-from bigclip.models.clip_family import SIGLIP_INIT
-from bigclip.models.contract import LinearSlot
-from bigclip.models.factory import create_model, get_model_config
-from bigclip.models.families import model_options, model_shape
-from bigclip.models.lock import apply_locks
-
-
-def forced(cfg: TrainConfig) -> dict[str, int | bool]:
-    """OpenCLIP's --force-quick-gelu/--force-image-size/--force-context-length as config overrides."""
-    options = model_options(cfg)
-    return {
-        "force_quick_gelu": options.quick_gelu,
-        "force_image_size": options.image_size,
-        "force_context_length": options.context_length,
-    }
+from bigclip.models.clip_family import clip_config
+from bigclip.models.contract import LinearSlot, TrainableModel
+from bigclip.models.families import family_of, model_shape
+from bigclip.models.named_configs import CLIPConfig
+from bigclip.models.run_options import model_options
 
 
 def model_config(cfg: TrainConfig) -> CLIPConfig:
-    """The config of the model this run builds (its --model with the --force-* options applied)."""
-    return get_model_config(cfg.model.model, cache_dir=cfg.model.cache_dir, **forced(cfg))
+    """The CLIP config this run builds (its --model with the --force-* options applied)."""
+    return clip_config(cfg.model.model, model_options(cfg))
 
 
-def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> CLIP:
-    """The model with its model-level options applied (before any engine sees it).
+def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> nn.Module:
+    """The model --model names, built by its family with the run's model options, then its linears
+    swapped for --linear-kind's (before any engine sees it).
 
     On the meta device by default; an engine that must construct parameters itself (DeepSpeed
     ZeRO-3 under `deepspeed.zero.Init`) calls this again with a real device."""
-    extra = SIGLIP_INIT if cfg.loss.loss == "siglip" else {}
-    model = create_model(
-        cfg.model.model,
-        device=device,
-        patch_dropout=cfg.model.force_patch_dropout,
-        seed=cfg.optim.seed,
-        cache_dir=cfg.model.cache_dir,  # where an hf-hub:ORG/REPO model's config is cached
-        **extra,
-        **forced(cfg),
-    )
-    model.set_grad_checkpointing(
-        cfg.model.grad_checkpointing,
-        every=cfg.model.grad_checkpointing_every,
-        policy=cfg.model.grad_checkpointing_policy,
-    )
+    module, _, function = family_of(cfg.model.model).build.partition(":")
+    build = getattr(importlib.import_module(module), function)
+    model = build(cfg.model, model_options(cfg), device=device, seed=cfg.optim.seed)
     apply_linear_kind(model, cfg)
-    apply_locks(model, cfg.model)
     return model
 
 
-def model_factory(cfg: TrainConfig) -> Callable[[torch.device], CLIP]:
+def model_factory(cfg: TrainConfig) -> Callable[[torch.device], nn.Module]:
     """`build_model` for an engine that makes the model again on a real device (ZeRO-3's `rebuild`)."""
     return lambda device: build_model(cfg, device=device)
 
@@ -76,7 +54,7 @@ def run_device_type(cfg: TrainConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def apply_linear_kind(model: CLIP, cfg: TrainConfig) -> None:
+def apply_linear_kind(model: TrainableModel, cfg: TrainConfig) -> None:
     """Swap the blocks' linears for the run's --linear-kind through the module that implements it
     (config/linear_kinds.py): those of its role that --linear-filter keeps (the shapes measured
     faster on this GPU family, config/linear_speedups.py), and say once per process which kind
@@ -108,7 +86,7 @@ def filter_family(cfg: TrainConfig) -> str:
     return device_family(device, torch.cuda.get_device_capability() if gpu else None)
 
 
-def linear_places(model: CLIP, cfg: TrainConfig) -> dict[str, tuple[str, int]]:
+def linear_places(model: TrainableModel, cfg: TrainConfig) -> dict[str, tuple[str, int]]:
     """Each swappable linear's label ("vision mlp.c_fc": its tower and its name in the block) and
     the rows it multiplies per micro-batch: the per-GPU batch times its tower's tokens per sample,
     from the family's static shape (patch dropout applied), whose towers hold the blocks in order."""

@@ -1,14 +1,14 @@
-"""`bigclip models`: the bundled model configs, their image sizes, parameter counts and OpenCLIP tags.
+"""`bigclip models`: every registered family's model configs, their image sizes, parameter counts
+and OpenCLIP tags.
 
-Torch-free: the counts come from each model's static shape (models/shape.py), which
+Torch-free: sizes and counts come from each model's static shape (models/shape.py), which
 tests/test_model_shape.py holds equal to the built model's parameters.
 """
 
 from __future__ import annotations
 
 from bigclip.errors import ConfigError
-from bigclip.models.families import model_shape
-from bigclip.models.named_configs import get_model_config, list_models
+from bigclip.models.families import all_configs, model_shape
 from bigclip.models.pretrained_tags import QUICKGELU, tags_for
 
 
@@ -20,20 +20,21 @@ def main(argv: list[str]) -> int:
             "usage: bigclip models    (lists the model configs with their image sizes, parameter counts and OpenCLIP tags)"
         )
         return 0
-    names = list_models()
+    names = all_configs()
     width = max(map(len, names)) + 2
     print(
         f"{'model':<{width}}{'image px':>9}{'params (M)':>12}{'image (M)':>12}{'text (M)':>12}  OpenCLIP tags"
     )
     for name in names:
-        params = model_shape(name).params  # OpenCLIP's split: the image tower, the rest
+        shape = model_shape(name)
+        params = shape.params  # OpenCLIP's split: the image tower, the rest
         total, image = (
             sum(p.numel for p in params),
             sum(p.numel for p in params if p.name.startswith("visual.")),
         )
         tags = ", ".join(tags_for(name) + [f"{t} (-quickgelu)" for t in tags_for(name + QUICKGELU)])
         print(
-            f"{name:<{width}}{get_model_config(name).vision_cfg.image_size:>9}"
+            f"{name:<{width}}{shape.image_size:>9}"
             + "".join(f"{n / 1e6:>12.2f}" for n in (total, image, total - image))
             + f"  {tags or '-'}"
         )

@@ -71,7 +71,7 @@ OTHER_TOWERS_PATH = Path(__file__).with_name("openclip_other_towers.json")  # fo
 
 
 @cache
-def _other_tower_configs() -> dict[str, list[str]]:
+def other_tower_configs() -> dict[str, list[str]]:
     return json.loads((resources.files("bigclip.models") / OTHER_TOWERS_PATH.name).read_text())
 
 
@@ -153,7 +153,7 @@ def refuse_other_towers(name: str, raw: dict | None = None) -> None:
     """A ConfigError naming the towers bigclip does not build, for one of OpenCLIP's configs of such
     towers (by name) or a config (`raw`, e.g. an hf-hub model's) with them."""
     towers = (
-        other_towers(raw) if raw is not None else _other_tower_configs().get(name.removesuffix("-quickgelu"))
+        other_towers(raw) if raw is not None else other_tower_configs().get(name.removesuffix("-quickgelu"))
     )
     if towers:
         raise ConfigError(

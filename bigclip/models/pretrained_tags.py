@@ -72,6 +72,13 @@ def unknown_tag(model: str, tag: str) -> ConfigError:
     )
 
 
+def tag_hint(pretrained: str) -> str:
+    """For an unknown --model's message: which models have --pretrained's tag ('' for no tag)."""
+    if not looks_like_tag(pretrained) or Path(pretrained).exists():
+        return ""
+    return f"; the OpenCLIP tag {pretrained!r} is known for {', '.join(models_with(pretrained)) or 'none of them'}"
+
+
 def check_pretrained(model: str, pretrained: str) -> None:
     """Fail at parse time for a bare name that is no tag of --model and no file or folder here."""
     if not looks_like_tag(pretrained) or Path(pretrained).exists():
@@ -82,11 +89,5 @@ def check_pretrained(model: str, pretrained: str) -> None:
             f"{model} brings its own weights (drop --pretrained to use them, or give a path or URI)"
         )
     refuse_other_towers(model)
-    if model.removesuffix(QUICKGELU) not in list_models():
-        elsewhere = ", ".join(models_with(pretrained)) or "none of them"
-        raise ConfigError(
-            f"unknown model {model!r}; available: {', '.join(list_models())}, or hf-hub:ORG/REPO (an OpenCLIP "
-            f"model on the Hugging Face Hub); the OpenCLIP tag {pretrained!r} is known for {elsewhere}"
-        )
     if get_tag(model, pretrained) is None:
         raise unknown_tag(model, pretrained)

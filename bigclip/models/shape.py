@@ -13,6 +13,8 @@ model the same way, which is how a family's test holds its shape to its module.
                       (`TowerShape`), keyed by tower name, in the order their blocks come in
                       `blocks()` (a linear kind's filter finds each block's tokens by it).
   ModelShape.embed_dim  the width of the features the contrastive loss compares.
+  ModelShape.image_size  the side, in pixels, of the square images the model takes (the data
+                      loaders resize to it; a checkpoint records it).
 
 A tower's blocks are pre-norm residual blocks: an attention of `heads` heads (0: none) with a
 fused QKV and an output projection, then an MLP of two linears (width -> mlp -> width). Those
@@ -58,6 +60,7 @@ class ModelShape:
     towers: dict[str, TowerShape]
     params: tuple[ParamShape, ...]
     embed_dim: int
+    image_size: int
 
     @property
     def hidden_width(self) -> int:
@@ -83,12 +86,23 @@ class ModelOptions:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """A kind of model `--model` names: which names it owns and how it describes them."""
+    """A kind of model `--model` names: which names it owns, how it describes them, and how a run
+    checks its flags, builds it and tokenizes its texts. Torch-free: the builder is named, not held."""
 
     name: str
-    configs: Callable[[], list[str]]  # the names it bundles (for messages)
+    configs: Callable[[], list[str]]  # the names it bundles (`bigclip models`, messages)
     owns: Callable[[str], bool]  # whether a --model name is one of its models
     shape: Callable[[str, ModelOptions], ModelShape]
+    # "module:function", imported when a run builds a model: function(model_cfg, options, *,
+    # device, seed) returns the model (the contract's nn.Module; on the meta device its weights are
+    # left to the engine) with the family's own model flags applied (checkpointing, locks).
+    build: str
+    # data.build_tokenizer's keyword arguments for a name: what its text tower reads.
+    tokenizer: Callable[[str, ModelOptions], dict[str, Any]]
+    # Refuses (ConfigError, at parse time, torch-free) the flags of a run's ModelConfig that this
+    # family cannot honour for its --model: --pretrained tags, --force-* sizes, checkpointing, locks.
+    # (Typed Any: config/ imports this module to check a run's flags.)
+    check: Callable[[Any], None]
     # OpenCLIP's `model_cfg` for a name (`bigclip consolidate --open-clip-dir`); None: OpenCLIP
     # has no such model, so its weights export as safetensors only.
     open_clip_config: Callable[[str, ModelOptions], dict[str, Any]] | None = None

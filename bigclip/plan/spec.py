@@ -19,7 +19,8 @@ from bigclip.engines import engine_class
 from bigclip.engines.deepspeed_config import ZeroSettings
 from bigclip.engines.optimizer import Precision
 from bigclip.errors import ConfigError
-from bigclip.models.families import model_options, model_shape
+from bigclip.models.families import model_shape
+from bigclip.models.run_options import model_options
 from bigclip.models.shape import ModelOptions, ModelShape
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}

@@ -28,6 +28,7 @@ from bigclip.checkpoint.mirror import MOST_RECENT_ONLY
 from bigclip.config import TrainConfig
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
+from bigclip.models.run_options import image_size
 from bigclip.storage.redact import redact
 
 
@@ -74,7 +75,7 @@ class CheckpointContents:
             "model": self.cfg.model.model,
             "global_batch": self.global_batch,
             "tokenizer": self.cfg.data.tokenizer,  # the ids the weights learned (checked on --resume/--pretrained)
-            "image_size": self.engine.unwrapped().image_size,  # --force-image-size's (checked on --resume)
+            "image_size": image_size(self.cfg),  # --force-image-size's (checked on --resume)
         }
         if self.schedule():  # in the manifest, not the DCP state: older checkpoints load unchanged
             meta["schedule"] = self.schedule()

@@ -160,11 +160,12 @@ def held_out_retrieval(
     runtime: Runtime,
     *,
     normalize: ImageNormalizer,
+    image_size: int,
 ) -> dict[str, float]:
     """evaluate_retrieval on --val-data: this rank's share of the pairs, read with the exact eval
     transform (resize + center crop, as OpenCLIP)."""
     mine = data.iter_eval_samples(
-        cfg.val_data, image_size=engine.unwrapped().image_size, tokenizer=tokenizer, limit=cfg.val_num_samples,
+        cfg.val_data, image_size=image_size, tokenizer=tokenizer, limit=cfg.val_num_samples,
         rank=runtime.rank, world_size=runtime.world_size,
         resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
         keys=data.SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),

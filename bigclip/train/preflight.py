@@ -92,7 +92,8 @@ def check_machine(cfg: TrainConfig) -> None:
 def _check_engine(cfg: TrainConfig) -> None:
     """The engine's own checks (Engine.check_machine: DeepSpeed's JSON against the flags)."""
     from bigclip.engines import engine_class
-    from bigclip.models.families import model_options, model_shape
+    from bigclip.models.families import model_shape
+    from bigclip.models.run_options import model_options
 
     width = model_shape(cfg.model.model, model_options(cfg)).hidden_width
     engine_class(cfg.engine.engine).check_machine(cfg, world_size=launch_world_size(), model_width=width)

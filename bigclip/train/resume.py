@@ -15,8 +15,9 @@ from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import ConfigError
-from bigclip.models.from_config import model_config
-from bigclip.models.named_configs import get_model_config
+from bigclip.models.families import model_shape
+from bigclip.models.run_options import image_size
+from bigclip.models.shape import ModelOptions
 from bigclip.storage.locations import open_parent
 from bigclip.train.checkpoint_contents import LEGACY_KEYS, CheckpointContents, TrainState, loaded_state
 from bigclip.train.metrics import get_logger
@@ -153,10 +154,9 @@ def _check_image_size(meta: dict[str, Any], cfg: TrainConfig, *, uri: str) -> No
     saved = meta.get("image_size")
     if not saved:
         return  # written before checkpoints recorded it: the load names the shapes that differ
-    config = model_config(cfg)
-    size = config.vision_cfg.image_size
+    size = image_size(cfg)
     if int(saved) != size:
-        default = get_model_config(cfg.model.model, cache_dir=cfg.model.cache_dir).vision_cfg.image_size
+        default = model_shape(cfg.model.model, ModelOptions(cache_dir=cfg.model.cache_dir)).image_size
         fix = f"--force-image-size {saved}" if int(saved) != default else "no --force-image-size"
         raise ConfigError(
             f"--resume {uri}: the checkpoint was trained at image size {saved}, this run builds {cfg.model.model} "

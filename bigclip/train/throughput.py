@@ -43,8 +43,9 @@ def device_peak_tflops(device: torch.device) -> float | None:
 
 
 def train_flops_per_sample(cfg: TrainConfig) -> float:
-    from bigclip.models.families import model_options, model_shape
+    from bigclip.models.families import model_shape
     from bigclip.models.flops import forward_flops
+    from bigclip.models.run_options import model_options
 
     return 3 * forward_flops(model_shape(cfg.model.model, model_options(cfg)))
 

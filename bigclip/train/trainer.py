@@ -37,7 +37,9 @@ from bigclip.engines import build_engine
 from bigclip.engines.base import Engine, StepStats
 from bigclip.engines.compile import compile_activity
 from bigclip.errors import ConfigError, NonFiniteLossError
-from bigclip.models.from_config import build_model, model_config, model_factory
+from bigclip.models.families import family_of
+from bigclip.models.from_config import build_model, model_factory
+from bigclip.models.run_options import image_size, model_options
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.storage.progress import human_bytes
 from bigclip.storage.settings import configure_storage
@@ -210,12 +212,10 @@ def requested_device(engine: EngineConfig) -> str:
 
 
 def build_tokenizer(cfg: TrainConfig) -> Any:
-    t = model_config(cfg).text_cfg
+    text = family_of(cfg.model.model).tokenizer(cfg.model.model, model_options(cfg))
     return data.build_tokenizer(
-        cfg.data.tokenizer, context_length=t.context_length, vocab_size=t.vocab_size, text_pool=t.pool_type,
-        hf_name=t.hf_tokenizer_name, hf_kwargs=t.tokenizer_kwargs, cache_dir=cfg.model.cache_dir,
-        model=cfg.model.model,
-    )  # fmt: skip
+        cfg.data.tokenizer, cache_dir=cfg.model.cache_dir, model=cfg.model.model, **text
+    )
 
 
 def build_weights(
@@ -318,7 +318,7 @@ def open_train_data(run: Run) -> data.TrainData:
     wait_for_upload(run)
     return data.TrainData(
         run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
-        image_size=run.engine.unwrapped().image_size, tokenizer=run.tokenizer, device=run.runtime.device,
+        image_size=image_size(run.cfg), tokenizer=run.tokenizer, device=run.runtime.device,
         image_dtype=run.engine.image_dtype, shards=run.shards,
     )  # fmt: skip
 
@@ -444,7 +444,14 @@ def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[s
             metrics |= run.zeroshot.evaluate(run.engine, run.tokenizer, run.runtime, normalize=normalize,
                                              batch_size=cfg.batch_size, workers=cfg.workers)  # fmt: skip
         if retrieval:
-            metrics |= held_out_retrieval(run.engine, cfg, run.tokenizer, run.runtime, normalize=normalize)
+            metrics |= held_out_retrieval(
+                run.engine,
+                cfg,
+                run.tokenizer,
+                run.runtime,
+                normalize=normalize,
+                image_size=image_size(run.cfg),
+            )
     if not metrics:
         return None
     state = run.progress.state

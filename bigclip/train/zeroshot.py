@@ -25,6 +25,7 @@ from bigclip.data import ImageNormalizer, Tokenizer
 from bigclip.data.classification import SKIPPED, ClassificationSet, open_classification_set
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
+from bigclip.models.run_options import image_size
 from bigclip.train.metrics import get_logger
 
 METRIC_NAMES = {"imagenet_val": "imagenet-zeroshot-val", "imagenet_v2": "imagenetv2-zeroshot-val"}
@@ -37,6 +38,7 @@ class ZeroShot:
     frequency: int = 0
     epochs: int = 0
     resize: dict[str, str] = field(default_factory=dict)  # --image-resize-mode, --image-interpolation
+    image_size: int = 0  # the model's (its --force-image-size applied)
 
     @classmethod
     def open(cls, cfg: TrainConfig) -> ZeroShot:
@@ -47,7 +49,8 @@ class ZeroShot:
             if getattr(cfg.data, flag)
         }
         resize = {"resize_mode": cfg.data.image_resize_mode, "interpolation": cfg.data.image_interpolation}
-        return cls(sets, cfg.data.zeroshot_frequency, cfg.optim.epochs, resize)
+        size = image_size(cfg) if sets else 0
+        return cls(sets, cfg.data.zeroshot_frequency, cfg.optim.epochs, resize, size)
 
     def due(self, epoch: int, *, final: bool) -> bool:
         """OpenCLIP's rule: every `frequency` epochs and at the last one (0: never)."""
@@ -67,10 +70,12 @@ class ZeroShot:
             for prefix, data in self.sets.items():
                 classifier = build_classifier(engine, tokenizer, data, runtime)
                 loader = data.loader(
-                    rank=runtime.rank, world_size=runtime.world_size, image_size=engine.unwrapped().image_size,
+                    rank=runtime.rank, world_size=runtime.world_size, image_size=self.image_size,
                     batch_size=batch_size, workers=workers, **self.resize,
                 )  # fmt: skip
-                top1, top5, skipped = classify(engine, classifier, loader, runtime, normalize=normalize)
+                top1, top5, skipped = classify(
+                    engine, classifier, loader, runtime, normalize=normalize, image_size=self.image_size
+                )
                 metrics |= {f"{prefix}-top1": top1, f"{prefix}-top5": top5}
                 if skipped:
                     get_logger().warning(f"zero-shot {data.uri}: {skipped} unreadable images skipped")
@@ -115,6 +120,7 @@ def classify(
     runtime: Runtime,
     *,
     normalize: ImageNormalizer,
+    image_size: int,
 ) -> tuple[float, float, int]:
     """(top-1, top-5, skipped images) over every rank's share."""
     device, k = runtime.device, min(5, classifier.shape[1])
@@ -124,7 +130,7 @@ def classify(
         batch = next(batches, None)
         if not _any_rank_has(batch is not None, runtime):
             break
-        images = batch[0] if batch is not None else _dummy(engine.unwrapped().image_size)
+        images = batch[0] if batch is not None else _dummy(image_size)
         features = engine.forward(normalize(images), None)["image_features"].float()  # uint8 in
         if batch is None:
             continue

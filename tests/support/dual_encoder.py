@@ -1,7 +1,8 @@
 """A dual encoder that is not CLIP and implements the model contract and nothing more: both halves,
 the runtime one (contract.py, for engines and linear kinds) and the static one (a `ModelFamily`
-with its `ModelShape`, for the planner and consolidation). tests/test_model_contract.py trains,
-plans and consolidates it."""
+with its `ModelShape`, for the planner and consolidation), and the family's builder, tokenizer and
+flag check, through which `--model dual-encoder-tiny` trains once the family is registered.
+tests/test_model_contract.py trains, plans and consolidates it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigclip.config.model import ModelConfig
+from bigclip.errors import ConfigError
 from bigclip.models.contract import InitFn, LinearSlot, ScalarRange
 from bigclip.models.shape import ModelFamily, ModelOptions, ModelShape, ParamShape, TowerShape
 
@@ -119,9 +122,25 @@ def dual_encoder_shape(name: str, options: ModelOptions) -> ModelShape:
          ParamShape("patch_embed.bias", (WIDTH,), -1), ParamShape("token_embed.weight", (VOCAB, WIDTH), -1)]
         + _block_params("image_blocks", 0) + _block_params("text_blocks", LAYERS)
     )  # fmt: skip
-    return ModelShape(towers={"image": image, "text": text}, params=tuple(params), embed_dim=WIDTH)
+    return ModelShape(
+        towers={"image": image, "text": text}, params=tuple(params), embed_dim=WIDTH, image_size=IMAGE_SIZE
+    )
+
+
+def build(model: ModelConfig, options: ModelOptions, *, device: torch.device | str, seed: int) -> DualEncoder:
+    return DualEncoder(device=device)  # on a real device the engine initialises it (`initial_values`)
+
+
+def check(model: ModelConfig) -> None:
+    """Its one config has no options: the flags that would change it are refused, not ignored."""
+    if model.grad_checkpointing or model.lock_image or model.lock_text or model.pretrained:
+        raise ConfigError(f"--model {NAME} takes no --grad-checkpointing, --lock-* or --pretrained")
+    if model.force_image_size or model.force_context_length or model.force_patch_dropout:
+        raise ConfigError(f"--model {NAME} has one size: drop the --force-* options")
 
 
 FAMILY = ModelFamily(
-    name="dual-encoder", configs=lambda: [NAME], owns=lambda n: n == NAME, shape=dual_encoder_shape
-)
+    name="dual-encoder", configs=lambda: [NAME], owns=lambda n: n == NAME, shape=dual_encoder_shape,
+    build="support.dual_encoder:build", tokenizer=lambda name, options: {"context_length": CONTEXT, "vocab_size": VOCAB},
+    check=check,
+)  # fmt: skip
