@@ -14,8 +14,8 @@ from support.engine_harness import (
 
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import build_engine
-from bigclip.engines.optimizer import param_groups
-from bigclip.models import create_model
+from bigclip.engines.optimizer import make_optimizer, param_groups, set_lr
+from bigclip.models.factory import create_model
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.train.trainer import contrastive_loss, train_step
 
@@ -54,6 +54,41 @@ def test_accumulation_equals_large_batch():
     plain = spawn(run_engine, 2, tiny_config().to_dict(), 4, 8)[0]
     accum = spawn(run_engine, 2, tiny_config(**{"optim.accum_freq": 2}).to_dict(), 4, 8)[0]
     _assert_same_run(plain, accum, rtol=FP32_RTOL)
+
+
+CLIP_TO = 0.01  # far below the tiny model's first gradient norm: the step is clipped
+
+
+def clipped_step(rank: int, world: int, through_engine: bool) -> dict:
+    """Two clipped steps on global batches: through FSDP2, or on the plain model with torch's own
+    clip_grad_norm_ and the same optimizer (two, since AdamW's first step is blind to a gradient's
+    scale). Rank 0 returns the norms and the weights after them."""
+    cfg = tiny_config(**{"optim.grad_clip_norm": CLIP_TO})
+    loss_fn, batches, norms = build_loss(cfg.loss), [global_batch(step, 8) for step in range(2)], []
+    if through_engine:
+        engine, local = make_engine(rank, world, cfg), 8 // world
+        for images, texts in batches:
+            mine = [(images[rank * local : (rank + 1) * local], texts[rank * local : (rank + 1) * local])]
+            norms.append(train_step(engine, loss_fn, mine, lr=cfg.optim.lr).stats.grad_norm.item())
+        return {"norms": norms, "weights": engine.full_state_dict()}
+    model = create_model("tiny", device="cpu", seed=cfg.optim.seed)
+    optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
+    set_lr(optimizer, cfg.optim.lr)
+    for images, texts in batches:
+        contrastive_loss(loss_fn, model(images, texts)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_TO).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def test_the_gradient_norm_and_its_clipping_are_torchs_over_the_whole_model():
+    """FSDP2 on two ranks reports the norm torch's clip_grad_norm_ takes of the unsharded model's
+    gradients (sharded parts summed across ranks, the replicated logit scale once) and clips by it."""
+    sharded = spawn(clipped_step, 2, True)[0]
+    plain = spawn(clipped_step, 1, False)[0]
+    assert sharded["norms"] == pytest.approx(plain["norms"], rel=1e-5) and min(plain["norms"]) > 10 * CLIP_TO
+    assert_same_weights(sharded["weights"], plain["weights"], rtol=FP32_RTOL)
 
 
 def fp16_overflow_worker(rank: int, world: int) -> dict:

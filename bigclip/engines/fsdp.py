@@ -53,6 +53,7 @@ from bigclip.engines.optimizer import (
     read_moments,
     set_lr,
     set_step,
+    squared_norm,
     write_moments,
 )
 from bigclip.models.contract import TrainableModel, initial_values
@@ -163,14 +164,10 @@ class FSDPEngine(Engine):
         """Norm over all gradients: sharded parts summed across ranks, replicated ones counted once."""
         sharded = [local_tensor(p.grad) for p in self.module.parameters() if isinstance(p.grad, DTensor)]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
-        sq = torch.zeros((), device=self.runtime.device, dtype=torch.float32)
-        for g in sharded:
-            sq += g.float().pow(2).sum()
+        sq = squared_norm(sharded, device=self.runtime.device)
         if self.runtime.world_size > 1:
             dist.all_reduce(sq, group=self.group)
-        for g in replicated:
-            sq += g.float().pow(2).sum()
-        return sq.sqrt()
+        return (sq + squared_norm(replicated, device=self.runtime.device)).sqrt()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
