@@ -23,7 +23,7 @@ from benchmarks.common import print_table, write_results  # noqa: E402
 from bigclip.config import DataConfig  # noqa: E402
 from bigclip.data import build_tokenizer, build_train_loader, image_normalizer, load_eval_set  # noqa: E402
 from bigclip.demo.shapes_data import write_demo_data  # noqa: E402
-from bigclip.models import create_model  # noqa: E402
+from bigclip.models.factory import create_model  # noqa: E402
 from bigclip.ops.loss.contrastive import ClipLoss  # noqa: E402
 
 

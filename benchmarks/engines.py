@@ -35,7 +35,7 @@ from bigclip.config import TrainConfig  # noqa: E402
 from bigclip.distributed import Runtime, spawn  # noqa: E402
 from bigclip.engines import Engine, build_engine  # noqa: E402
 from bigclip.engines.optimizer import LocalShardOptimizer, local_tensor  # noqa: E402
-from bigclip.models import count_parameters, create_model  # noqa: E402
+from bigclip.models.factory import count_parameters, create_model  # noqa: E402
 from bigclip.models.from_config import build_model, model_factory, synthetic_batch  # noqa: E402
 from bigclip.ops.loss.contrastive import build_loss  # noqa: E402
 from bigclip.train.trainer import contrastive_loss  # noqa: E402

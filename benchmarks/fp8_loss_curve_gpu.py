@@ -116,7 +116,7 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("SKIP: needs a CUDA GPU")
         return 0
-    from bigclip.models import get_model_config
+    from bigclip.models.named_configs import get_model_config
 
     image_size = get_model_config(args.model).vision_cfg.image_size
     with tempfile.TemporaryDirectory() as tmp:

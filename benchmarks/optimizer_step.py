@@ -37,7 +37,7 @@ from common import missing_package, print_table, write_results  # noqa: E402
 
 from bigclip.config import OptimConfig  # noqa: E402
 from bigclip.engines.optimizer import make_optimizer, param_groups  # noqa: E402
-from bigclip.models import create_model  # noqa: E402
+from bigclip.models.factory import create_model  # noqa: E402
 
 OPTIM = OptimConfig(lr=1e-3, wd=0.2)
 LABELS = {

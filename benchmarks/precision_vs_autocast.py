@@ -20,7 +20,8 @@ import torch
 from common import write_results
 
 from bigclip.config import TrainConfig
-from bigclip.models import CLIP, get_model_config, init_weights
+from bigclip.models.clip import CLIP, init_weights
+from bigclip.models.named_configs import get_model_config
 from bigclip.ops.loss.contrastive import build_loss
 
 

@@ -141,7 +141,7 @@ E2E_VARIANTS = [
 def bench_e2e(model_name: str, batch: int, device: torch.device, *, steps: int) -> list[dict]:
     """A training step (amp_bf16: fp32 weights, bf16 autocast; ClipLoss; fused AdamW): plain, then
     the same model and optimizer with each int8 variant swapped in (apply_int8 swaps in place)."""
-    from bigclip.models import create_model
+    from bigclip.models.factory import create_model
     from bigclip.ops.loss.contrastive import ClipLoss
 
     model = create_model(model_name, device=device)

@@ -38,9 +38,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from common import gpu_info, mfu, missing_package, print_table, write_gpu_results  # noqa: E402
 
-from bigclip.models import create_model, get_model_config  # noqa: E402
+from bigclip.models.factory import create_model  # noqa: E402
 from bigclip.models.families import model_shape  # noqa: E402
 from bigclip.models.flops import forward_flops  # noqa: E402
+from bigclip.models.named_configs import get_model_config  # noqa: E402
 
 DEFAULT_BATCH = {"ViT-H-14": 128, "ViT-bigG-14": 64}
 

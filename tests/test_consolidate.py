@@ -32,7 +32,7 @@ from bigclip.config import TrainConfig
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.errors import StorageError
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 from bigclip.storage.locations import LocalLocation
 from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.weights.consolidate import consolidate

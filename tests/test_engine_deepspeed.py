@@ -18,7 +18,8 @@ from support.engine_harness import assert_same_weights, global_batch, make_engin
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
 from bigclip.engines.optimizer import make_optimizer, param_groups
-from bigclip.models import MAX_LOGIT_SCALE, create_model
+from bigclip.models.clip import MAX_LOGIT_SCALE
+from bigclip.models.factory import create_model
 from bigclip.ops.loss.contrastive import build_loss
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # CPU tests: spawned ranks inherit it before importing DeepSpeed

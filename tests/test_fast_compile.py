@@ -25,7 +25,7 @@ from torch import nn
 
 from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 from bigclip.models.vision import kept_patches
 from bigclip.ops.int8.switchback import INT8_MODES, apply_int8
 from bigclip.ops.loss.contrastive import build_loss

@@ -20,7 +20,7 @@ from support.train_harness import demo_argv, train_and_weights
 from bigclip.cli import main as cli
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 from bigclip.models.from_config import build_model
 from bigclip.ops.loss.contrastive import build_loss
 

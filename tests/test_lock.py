@@ -22,7 +22,8 @@ from bigclip.config import TrainConfig
 from bigclip.distributed import spawn
 from bigclip.engines.optimizer import make_optimizer, param_groups
 from bigclip.errors import ConfigError, StorageError
-from bigclip.models import MAX_LOGIT_SCALE, create_model
+from bigclip.models.clip import MAX_LOGIT_SCALE
+from bigclip.models.factory import create_model
 from bigclip.models.lock import lock_image_tower, lock_text_tower
 from bigclip.ops.loss.contrastive import build_loss
 

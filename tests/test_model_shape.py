@@ -13,11 +13,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bigclip.errors import ConfigError
-from bigclip.models import create_model, list_models
 from bigclip.models.clip_family import SIGLIP_INIT
 from bigclip.models.contract import param_shapes
+from bigclip.models.factory import create_model
 from bigclip.models.families import model_shape
 from bigclip.models.flops import forward_flops
+from bigclip.models.named_configs import list_models
 from bigclip.models.shape import ModelOptions
 
 VARIANTS = {

@@ -14,14 +14,15 @@ from support.openclip_ref import (
 )
 
 from bigclip.errors import ConfigError
-from bigclip.models import count_parameters, create_model, init_weights, list_models
-from bigclip.models.clip import CLIP
+from bigclip.models.clip import CLIP, init_weights
+from bigclip.models.factory import count_parameters, create_model
 from bigclip.models.named_configs import (
     OTHER_TOWERS_PATH,
     CLIPConfig,
     TextConfig,
     VisionConfig,
     _config_files,
+    list_models,
     other_towers,
 )
 from bigclip.models.vision import PatchDropout

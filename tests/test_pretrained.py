@@ -27,7 +27,7 @@ from bigclip.cli_args import parse_train_args
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.distributed import spawn
 from bigclip.errors import BigclipError, ConfigError
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 from bigclip.registry.registry import Registry
 from bigclip.weights.consolidate import consolidate
 from bigclip.weights.pretrained import match_weights

@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import save_file
 from support.hf_cache import populate_cache
 
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 from bigclip.weights.sources import open_weights
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from support.train_harness import demo_argv
 
 from bigclip.cli_args import parse_train_args
 from bigclip.distributed import spawn
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 
 REFERENCE = """
 import sys, torch, open_clip

@@ -27,7 +27,7 @@ from bigclip.checkpoint import CheckpointStore
 from bigclip.cli import main as cli
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.errors import ConfigError, StorageError
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 from bigclip.registry.leases import HeldLease
 from bigclip.registry.registry import Registry
 from bigclip.storage import s3_sink

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigclip.errors import ConfigError
-from bigclip.models import create_model
 from bigclip.models.clip import CLIP, CLIPConfig, TextConfig, VisionConfig
+from bigclip.models.factory import create_model
 from bigclip.ops.int8 import custom_ops as switchback_ops
 from bigclip.ops.int8 import torch_path as switchback_torch
 from bigclip.ops.int8.switchback import (

@@ -16,7 +16,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bigclip.distributed import spawn
-from bigclip.models import create_model, param_generator, param_initializers
+from bigclip.models.clip import param_initializers
+from bigclip.models.contract import param_generator
+from bigclip.models.factory import create_model
 from bigclip.ops.int8.switchback import SwitchBackLinear, apply_int8
 
 pytestmark = pytest.mark.dist

@@ -28,7 +28,7 @@ from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, eval_tran
 from bigclip.demo.shapes_data import Attributes, draw
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 from bigclip.weights.consolidate_command import main as consolidate_main
 
 STRINGS = [

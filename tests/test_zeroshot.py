@@ -29,7 +29,7 @@ from bigclip.demo.runner import recipe_argv
 from bigclip.demo.shapes_data import SHAPES, Attributes, draw, encode, write_demo_data
 from bigclip.distributed import spawn
 from bigclip.errors import DataError
-from bigclip.models import create_model
+from bigclip.models.factory import create_model
 from bigclip.train.zeroshot import ZeroShot, build_classifier, classify
 
 TEMPLATES = ["a small red {c} at the center on a black background", "a large blue {c} at the top left"]

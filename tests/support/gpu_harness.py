@@ -49,7 +49,7 @@ def _config(spec: dict):
 def main(out: str, spec: dict) -> None:
     from bigclip.distributed import init_distributed
     from bigclip.engines import build_engine
-    from bigclip.models import create_model
+    from bigclip.models.factory import create_model
     from bigclip.ops.loss.contrastive import build_loss
     from bigclip.train.trainer import train_step
     from support.engine_harness import global_batch
@@ -73,7 +73,7 @@ def checkpoint_round_trip(engine, cfg, runtime, root: Path) -> dict[str, dict[st
     """Save synchronously and asynchronously (pinned staging on CUDA), load each into a fresh engine."""
     from bigclip.checkpoint import CheckpointStore
     from bigclip.engines import build_engine
-    from bigclip.models import create_model
+    from bigclip.models.factory import create_model
 
     store, restored = CheckpointStore(str(root)), {}
     store.save(engine.checkpoint_state(), step=1)
