@@ -79,6 +79,7 @@ CASES = [
     train("save-minutes-negative", "--save-every-n-minutes", "-5", says=("--save-every-n-minutes -5.0", "0 for no")),
     train("save-minutes-nan", "--save-every-n-minutes", "nan", says=("--save-every-n-minutes nan", "finite number")),
     train("dist-timeout-zero", "--dist-timeout", "0", says=("--dist-timeout must be at least 1",)),
+    train("fsdp-units-zero", "--fsdp-blocks-per-unit", "0", says=("--fsdp-blocks-per-unit must be at least 1",)),
     train("dist-url-tcp", "--dist-url", "tcp://10.0.0.1:23456", says=("--dist-url", "MASTER_ADDR and MASTER_PORT")),
     train("logs-on-s3", "--logs", "s3://bucket/logs", says=("--logs s3://bucket/logs", "--remote-sync")),
     train("report-to-unknown", "--report-to", "mlflow", says=("--report-to 'mlflow'", "tensorboard, wandb")),

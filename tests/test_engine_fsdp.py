@@ -11,6 +11,7 @@ from support.engine_harness import (
     run_steps,
     tiny_config,
 )
+from torch.distributed.tensor import DTensor
 
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import build_engine
@@ -54,6 +55,30 @@ def test_accumulation_equals_large_batch():
     plain = spawn(run_engine, 2, tiny_config().to_dict(), 4, 8)[0]
     accum = spawn(run_engine, 2, tiny_config(**{"optim.accum_freq": 2}).to_dict(), 4, 8)[0]
     _assert_same_run(plain, accum, rtol=FP32_RTOL)
+
+
+def gathered_with_the_first_block(rank: int, world: int, per_unit: int) -> list[bool]:
+    """Which blocks' parameters are gathered when the first block's forward starts."""
+    cfg = tiny_config(**{"engine.fsdp_blocks_per_unit": per_unit})
+    engine = make_engine(rank, world, cfg)
+    blocks, seen = list(engine.module.blocks()), []
+
+    def look(*_: object) -> None:
+        seen.extend(not isinstance(b.mlp.c_fc.weight, DTensor) for b in blocks)
+
+    blocks[0].register_forward_pre_hook(look)
+    engine.forward(*global_batch(0, 4))
+    return seen
+
+
+def test_several_blocks_to_a_unit_are_gathered_together_and_train_the_same():
+    """--fsdp-blocks-per-unit 3 on tiny's four blocks: the first three (a unit across the towers'
+    boundary) are gathered as one, the fourth alone; the run computes what one block a unit does."""
+    assert spawn(gathered_with_the_first_block, 2, 3)[0] == [True, True, True, False]
+    assert spawn(gathered_with_the_first_block, 2, 1)[0] == [True, False, False, False]
+    one = spawn(run_engine, 2, tiny_config().to_dict(), 3, 8)[0]
+    three = spawn(run_engine, 2, tiny_config(**{"engine.fsdp_blocks_per_unit": 3}).to_dict(), 3, 8)[0]
+    _assert_same_run(one, three, rtol=FP32_RTOL)
 
 
 CLIP_TO = 0.01  # far below the tiny model's first gradient norm: the step is clipped

@@ -282,3 +282,15 @@ def test_plan_prints_the_advice_the_run_time_and_gpu_hours(capsys: pytest.Captur
         assert json.loads(capsys.readouterr().out)["optimizer_steps"] == expected
     assert main([*argv, "--loss-chunk-size", "1024", "--train-num-samples", "0"]) == 0
     assert "unknown: give --train-num-samples" in capsys.readouterr().out
+
+
+def test_fsdp_units_of_several_blocks_are_priced_as_gathered_together() -> None:
+    """FSDP2 gathers a unit's blocks at once: bigG's image blocks in units of four hold four times
+    one block's bytes in each term that holds a unit (two in flight, bf16; its gradients, bf16 and
+    fp32), the root's parameters (bf16) unchanged."""
+    spec = PlanSpec(model="ViT-bigG-14", gpus=8, batch_size=32)
+    one, four = (
+        build_plan(replace(spec, fsdp_blocks_per_unit=n), Hardware()).memory.communication for n in (1, 4)
+    )
+    root = 2 * sum(p.numel for p in spec.model_shape().params if p.block == -1)
+    assert four - root == 4 * (one - root)

@@ -102,9 +102,11 @@ class FSDPEngine(Engine):
             if p.mixed
             else MixedPrecisionPolicy()
         )
-        for block in model.blocks():
+        blocks, n = list(model.blocks()), self.cfg.engine.fsdp_blocks_per_unit
+        for unit in (blocks[i : i + n] for i in range(0, len(blocks), n)):
+            # Consecutive blocks in one unit: one gather and one reduction for all, fewer hooks.
             fully_shard(
-                block,
+                unit if len(unit) > 1 else unit[0],
                 mesh=mesh,
                 mp_policy=policy,
                 reshard_after_forward=self.cfg.engine.reshard_after_forward,

@@ -11,7 +11,8 @@ dominate (an unchunked loss at a large global batch) is told --loss-chunk-size, 
   activations        --grad-checkpointing, --grad-checkpointing-every 1, --grad-checkpointing-policy
                      full, then half the --batch-size with twice the --accum-freq (same global batch)
   model state        twice the GPUs (FSDP2 and ZeRO-3 shard it over them), --optimizer adamw8bit
-  communication      --reshard-after-forward (FSDP2 frees gathered parameters after forward)
+  communication      --reshard-after-forward (FSDP2 frees gathered parameters after forward),
+                     --fsdp-blocks-per-unit 1 (one block gathered at a time)
 """
 
 from __future__ import annotations

@@ -62,9 +62,10 @@ class FSDPPlan(EnginePlan):
         a, reduce_b = dtype_bytes(p.compute_dtype), dtype_bytes(p.reduce_dtype)
         blocks = block_numels(params)
         root = blocks.pop(-1, 0)
-        largest = max(blocks.values())
-        gathered = sum(blocks.values()) if not spec.reshard_after_forward else 2 * largest
-        # The unsharded gradients of the block in backward, and their copy in the reduce dtype.
+        sizes, n = [blocks[i] for i in sorted(blocks)], spec.fsdp_blocks_per_unit
+        largest = max(sum(sizes[i : i + n]) for i in range(0, len(sizes), n))  # the engine's units
+        gathered = sum(sizes) if not spec.reshard_after_forward else 2 * largest
+        # The unsharded gradients of the unit in backward, and their copy in the reduce dtype.
         reduce_scatter = largest * (a + (reduce_b if reduce_b != a else 0))
         return a * (gathered + root) + reduce_scatter  # the root stays gathered, in the compute dtype
 
@@ -123,7 +124,9 @@ class FSDPPlan(EnginePlan):
 
     def communication_remedies(self) -> list:
         return [("--reshard-after-forward",
-                 lambda s: None if s.reshard_after_forward else replace(s, reshard_after_forward=True))]  # fmt: skip
+                 lambda s: None if s.reshard_after_forward else replace(s, reshard_after_forward=True)),
+                ("--fsdp-blocks-per-unit 1",
+                 lambda s: None if s.fsdp_blocks_per_unit == 1 else replace(s, fsdp_blocks_per_unit=1))]  # fmt: skip
 
 
 register_engine_plan(FSDPPlan())

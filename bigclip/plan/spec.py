@@ -50,6 +50,7 @@ class PlanSpec:
     local_loss: bool = False
     gather_with_grad: bool = False
     reshard_after_forward: bool = True
+    fsdp_blocks_per_unit: int = 1  # FSDP2's blocks gathered together
     zero: ZeroSettings = field(default_factory=ZeroSettings)  # DeepSpeed's buckets (its engine's plan_kind)
     io_threads: int | None = None  # checkpoint objects per rank (None: the store's choice, by shard size)
     dist_backend: str = "nccl"  # prices the collectives (comm.py); --dist-backend, nccl on GPUs
@@ -100,6 +101,7 @@ def from_train_config(cfg: TrainConfig, *, gpus: int) -> PlanSpec:
         loss_chunk_size=cfg.loss.loss_chunk_size, loss_exchange=cfg.loss.loss_exchange,
         local_loss=cfg.loss.local_loss, gather_with_grad=cfg.loss.gather_with_grad,
         reshard_after_forward=cfg.engine.reshard_after_forward,
+        fsdp_blocks_per_unit=cfg.engine.fsdp_blocks_per_unit,
         dist_backend=cfg.engine.dist_backend or "nccl", **engine_fields,
     ).validate()  # fmt: skip
 
