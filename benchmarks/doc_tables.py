@@ -80,6 +80,18 @@ def optimizer_step(d: Json) -> str:
     return table(head, rows)
 
 
+def host_overhead(d: Json) -> str:
+    """Host ms and aten operators per step, each against the baseline commit's row of its kind."""
+    rows = [
+        [r["row"], r["code"], f"{r['host_ms']:.0f}", x(r["host_vs_baseline"]),
+         "-" if r["aten_ops"] is None else f"{r['aten_ops']:,}",
+         "-" if r["ops_vs_baseline"] is None else x(r["ops_vs_baseline"])]
+        for r in d["rows"]
+    ]  # fmt: skip
+    head = ["step", "code", "host ms", "vs baseline", "aten ops", "vs baseline"]
+    return table(head, rows)
+
+
 def switchback(d: Json) -> str:
     """Speed against bf16 per linear shape and token count, a column per SwitchBack variant."""
     variants = list(dict.fromkeys(r["variant"] for r in d["rows"]))
@@ -297,7 +309,7 @@ TABLES: dict[str, Callable[[Json], str]] = {
     for f in (
         loss_memory, loss_time_gloo, engines, optimizer_step, switchback, checkpoint_io, consolidate,
         data_loader, tokenizer, remote_sync, precision_vs_autocast, normalize_cpu, loss_exchange_link,
-        plan_vs_measured_cpu, faults, demo_data_learnability, demo_seed_spread, test_times,
+        plan_vs_measured_cpu, faults, demo_data_learnability, demo_seed_spread, test_times, host_overhead,
     )
 }  # fmt: skip
 TABLES["checkpoint_io_s3rver"] = checkpoint_io
