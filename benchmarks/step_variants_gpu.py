@@ -9,7 +9,8 @@ A variant is SIDE:CHECKPOINTING, SIDE one of openclip (OpenCLIP's create_model +
 AdamW under bf16 autocast, as `train_step_gpu.py --row peers` runs it), bigclip (bf16 linears) or
 fp8-tensorwise / fp8-rowwise (bigclip with torchao's float8 linears where the measured shape table
 says they are faster: --linear-filter auto; with "+all", e.g. fp8-rowwise+all, in every linear),
-CHECKPOINTING one of none,
+and a bigclip side may add "+unitsN" (--fsdp-blocks-per-unit N) and "+keep"
+(--no-reshard-after-forward), the host-time levers of benchmarks/host_overhead.py; CHECKPOINTING one of none,
 full, ops (torchtitan's op-level selective checkpointing) or everyN (every Nth block). bigclip
 sides run the FSDP2 engine (or ZeRO-3 with --engine zero3) in a world of one, amp_bf16,
 compiled blocks and the chunked loss. Each variant runs in a fresh process (clean peak memory;
@@ -44,6 +45,7 @@ DEFAULT_VARIANTS = (
     "openclip:full",
     "bigclip:full",
     "bigclip:ops",
+    "bigclip+units16+keep:ops",
     "fp8-tensorwise:ops",
     "fp8-tensorwise+all:ops",
 )
@@ -52,10 +54,12 @@ DEFAULT_VARIANTS = (
 def parse_variant(text: str) -> tuple[str, str, int]:
     side, _, ckpt = text.partition(":")
     ckpt = ckpt or "full"
-    if side.removesuffix("+all") not in SIDES or not (
-        ckpt in ("none", "full", "ops") or ckpt.startswith("every")
-    ):
-        raise SystemExit(f"variant {text!r}: expected SIDE:CHECKPOINTING, SIDE in {SIDES}")
+    base, *mods = side.split("+")
+    known = all(m in ("all", "keep") or (m.startswith("units") and m[5:].isdigit()) for m in mods)
+    if base not in SIDES or not known or not (ckpt in ("none", "full", "ops") or ckpt.startswith("every")):
+        raise SystemExit(
+            f"variant {text!r}: expected SIDE[+all|+unitsN|+keep]:CHECKPOINTING, SIDE in {SIDES}"
+        )
     every = int(ckpt[5:]) if ckpt.startswith("every") else 1
     return side, ckpt, every
 
@@ -73,8 +77,11 @@ def bigclip_step(model_name: str, batch: int, side: str, ckpt: str, every: int, 
     cfg.model.grad_checkpointing = ckpt != "none"
     cfg.model.grad_checkpointing_every = every
     cfg.model.grad_checkpointing_policy = "ops" if ckpt == "ops" else "full"
-    cfg.model.linear_kind = side.removesuffix("+all") if side.startswith("fp8-") else "none"
-    cfg.model.linear_filter = "all" if side.endswith("+all") else "auto"
+    base, *mods = side.split("+")
+    cfg.model.linear_kind = base if base.startswith("fp8-") else "none"
+    cfg.model.linear_filter = "all" if "all" in mods else "auto"
+    cfg.engine.reshard_after_forward = "keep" not in mods
+    cfg.engine.fsdp_blocks_per_unit = next((int(m[5:]) for m in mods if m.startswith("units")), 1)
     cfg.validate()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
