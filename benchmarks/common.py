@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,23 @@ def git_commit() -> str:
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def openclip_train_step(
+    model: Any, loss_fn: Any, optimizer: Any, images: Any, texts: Any
+) -> Callable[[], None]:
+    """OpenCLIP's training step as its trainer takes it: bf16 autocast over the forward and loss,
+    backward, optimizer step."""
+
+    def step() -> None:
+        with torch.autocast(images.device.type, dtype=torch.bfloat16):
+            image, text, scale = model(images, texts)
+            loss = loss_fn(image, text, scale)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def device_description() -> str:

@@ -144,17 +144,10 @@ def openclip_step(steps: int) -> dict[str, Any]:
     model.set_grad_checkpointing(True)
     loss_fn = importlib.import_module("open_clip.loss").ClipLoss()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # OpenCLIP's trainer: foreach AdamW
-    images, texts = batch()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import openclip_train_step
 
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            image, text, scale = model(images, texts)
-            loss = loss_fn(image, text, scale)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return timed(step, steps, ops=True)
+    return timed(openclip_train_step(model, loss_fn, optimizer, *batch()), steps, ops=True)
 
 
 def batch() -> tuple[Any, Any]:

@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from common import gpu_info, mfu, missing_package, print_table, write_gpu_results  # noqa: E402
+from common import gpu_info, mfu, missing_package, openclip_train_step, print_table, write_gpu_results  # noqa: E402
 
 from bigclip.models.factory import create_model  # noqa: E402
 from bigclip.models.families import model_shape  # noqa: E402
@@ -72,16 +72,7 @@ def openclip_step(model_name: str, batch: int) -> Callable[[], None]:
     images = torch.randn(batch, 3, size, size, device="cuda")
     texts = torch.randint(1, cfg.text_cfg.vocab_size - 1, (batch, context), device="cuda")
     texts[:, -1] = cfg.text_cfg.vocab_size - 1
-
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            image_f, text_f, scale = model(images, texts)
-            loss = loss_fn(image_f, text_f, scale)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return openclip_train_step(model, loss_fn, opt, images, texts)
 
 
 def bigclip_step(model_name: str, batch: int) -> Callable[[], None]:
