@@ -124,6 +124,21 @@ SINCE: dict[str, tuple[str, str]] = {
         "2.5",
         "device-generic torch.OutOfMemoryError (torch.cuda.OutOfMemoryError aliases it)",
     ),
+    # -- the gradient norm and clipping in multi-tensor kernels (engines/optimizer.py)
+    "torch._foreach_norm": (
+        "2.0",
+        "clip_grad_norm_'s foreach path calls it (pytorch#91846, merged Jan 2023, before the 2.0 cut)",
+    ),
+    "torch._foreach_norm(dtype=)": (
+        "2.11",
+        "asked for in pytorch#125040 (Apr 2024), so 2.4 or later; the declared minimum's schema has it "
+        "(aten::_foreach_norm.Scalar(Tensor[] self, Scalar ord=2, ScalarType? dtype=None), read on 2.11.0)",
+    ),
+    "torch._foreach_mul_": (
+        "2.3",
+        "the 0-dim Tensor overload (no host sync): missing in Aug 2023 (pytorch#106427), used by "
+        "pytorch#120910's DTensor clip_grad_norm_ (Feb 2024, before the 2.3 cut)",
+    ),
     "torch._int_mm": ("2.1", "int8 x int8 -> int32 matmul (CUDA 2.1; CPU by 2.3)"),
     "torch.float8_e4m3fn": ("2.1", "float8 dtypes, 2.1 release notes"),
     "torch.float8_e5m2": ("2.1", "float8 dtypes, 2.1 release notes"),
