@@ -8,12 +8,12 @@ lazily so `bigclip --help` is instant.
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 import sys
 
 from bigclip import __version__
 from bigclip.errors import BigclipError
+from bigclip.named_objects import import_named
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("bigclip.train.entry", "Train a CLIP model (the same entry as `python -m bigclip.train`)."),
@@ -73,8 +73,7 @@ def _dispatch(argv: list[str]) -> int:
         print(f"{_usage()}\n\nbigclip: error: unknown command {name!r}; {hint}(the commands are listed above)",
               file=sys.stderr)  # fmt: skip
         return 2
-    module_name, _, function = COMMANDS[name][0].partition(":")
-    entry = getattr(importlib.import_module(module_name), function or "main")
+    entry = import_named(COMMANDS[name][0], default="main")
     try:
         return int(entry(rest) or 0)
     except BigclipError as e:

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "bigclip"
 LAYER = {
     "bigclip": 0,
     "bigclip.errors": 0,
+    "bigclip.named_objects": 0,
     "bigclip.config": 0,
     "bigclip.cli_args": 0,
     "bigclip.cli_help": 0,

@@ -5,13 +5,12 @@ May import models, ops, config, distributed and errors; DeepSpeed and bitsandbyt
 
 from __future__ import annotations
 
-import importlib
-
 from bigclip.config import TrainConfig
 from bigclip.config.engine import ENGINES
 from bigclip.distributed import Runtime
 from bigclip.engines.base import Engine, StepStats
 from bigclip.errors import ConfigError
+from bigclip.named_objects import import_named
 
 __all__ = ["Engine", "StepStats", "build_engine", "engine_class"]
 
@@ -20,8 +19,7 @@ def engine_class(name: str) -> type[Engine]:
     """The Engine subclass registered as --engine `name` (config/engine.py), imported now."""
     if name not in ENGINES:
         raise ConfigError(f"--engine {name!r} is unknown; choose from {', '.join(ENGINES)}")
-    module, _, attribute = ENGINES[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return import_named(ENGINES[name])
 
 
 def build_engine(cfg: TrainConfig, runtime: Runtime) -> Engine:

@@ -22,6 +22,7 @@ from bigclip.models.contract import LinearSlot, TrainableModel
 from bigclip.models.families import family_of, model_shape
 from bigclip.models.named_configs import CLIPConfig
 from bigclip.models.run_options import model_options
+from bigclip.named_objects import import_named
 
 
 def model_config(cfg: TrainConfig) -> CLIPConfig:
@@ -35,8 +36,7 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> nn.
 
     On the meta device by default; an engine that must construct parameters itself (DeepSpeed
     ZeRO-3 under `deepspeed.zero.Init`) calls this again with a real device."""
-    module, _, function = family_of(cfg.model.model).build.partition(":")
-    build = getattr(importlib.import_module(module), function)
+    build = import_named(family_of(cfg.model.model).build)
     model = build(cfg.model, model_options(cfg), device=device, seed=cfg.optim.seed)
     apply_linear_kind(model, cfg)
     return model

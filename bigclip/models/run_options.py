@@ -10,21 +10,18 @@ from bigclip.models.families import model_shape
 from bigclip.models.shape import ModelOptions
 
 if TYPE_CHECKING:
-    from bigclip.config import ModelConfig, TrainConfig
+    from bigclip.config import TrainConfig
 
 
 def model_options(cfg: TrainConfig) -> ModelOptions:
     """A training configuration's model options (its --force-* flags, loss and cache)."""
-    return options_of(cfg.model, loss=cfg.loss.loss)
-
-
-def options_of(m: ModelConfig, *, loss: str = "clip") -> ModelOptions:
+    m = cfg.model
     return ModelOptions(
         patch_dropout=m.force_patch_dropout,
         image_size=m.force_image_size[0] if m.force_image_size else 0,
         context_length=m.force_context_length,
         quick_gelu=m.force_quick_gelu,
-        loss=loss,
+        loss=cfg.loss.loss,
         cache_dir=m.cache_dir,
     )
 

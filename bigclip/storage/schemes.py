@@ -17,11 +17,12 @@ This is the only module that takes a URI apart by scheme; everything else asks i
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from bigclip.named_objects import import_named
 
 SEPARATOR = "://"
 LOCAL_URL = "file"
@@ -93,13 +94,5 @@ def opener_for(scheme: str) -> Opener | None:
     """The registered opener of `scheme`, imported now if it was registered by name."""
     opener = _openers.get(scheme)
     if isinstance(opener, str):
-        module, _, attribute = opener.partition(":")
-        opener = _resolve(importlib.import_module(module), attribute)
+        opener = import_named(opener)
     return opener
-
-
-def _resolve(module: Any, dotted: str) -> Opener:
-    found = module
-    for part in dotted.split("."):
-        found = getattr(found, part)
-    return found
