@@ -285,7 +285,7 @@ def test_the_scheme_check_finds_scheme_tests_and_s3_imports():
         'a = uri.startswith(("s3://", "gs://"))\nb = "://" in uri\nc = f"s3://{bucket}/x"\nd = x == "env://"'
     )
     assert scheme_tests(code) == ["line 1: 's3://'", "line 1: 'gs://'", "line 2: '://'"]
-    assert is_s3_module("bigclip.storage.s3_boto") and is_s3_module("bigclip.storage.s3")
+    assert is_s3_module("bigclip.storage.s3_location") and is_s3_module("bigclip.storage.s3")
     assert not is_s3_module("bigclip.storage.sinks") and not is_s3_module("bigclip.storage.schemes")
 
 

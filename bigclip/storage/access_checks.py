@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from bigclip.errors import StorageError
 from bigclip.storage.full_disk import disk_full
 from bigclip.storage.locations import LocalLocation, Location
-from bigclip.storage.s3_boto import BotoS3Location  # (neither imports an S3 library until used)
-from bigclip.storage.s3_location import S3Location
+from bigclip.storage.s3_location import S3Location  # (imports no S3 library until used)
 
 # Probe objects sit beside the checkpoints, each under its own name: no shared folder that one
 # node could delete while another is writing into it (all nodes probe a shared filesystem at once).
@@ -141,10 +140,8 @@ def access_checks(location: Location) -> list[tuple[str, Callable[[], str]]]:
     """(name, check) pairs in the order they are run; each check returns a detail line."""
     if isinstance(location, LocalLocation):
         return [("folder", lambda: _make_folder(location)), *_object_checks(location)]
-    if isinstance(location, S3Location):  # checkpoints' CRT client
+    if isinstance(location, S3Location):
         return _s3_checks(location)
-    if isinstance(location, BotoS3Location):  # the remote sync's client
-        return [("credentials", _credentials), ("list", lambda: _list(location)), *_object_checks(location)]
     return [("list", lambda: _list(location)), *_object_checks(location)]  # fsspec, a registered scheme
 
 
@@ -192,30 +189,19 @@ def _credentials() -> str:
 def _s3_checks(location: S3Location) -> list[tuple[str, Callable[[], str]]]:
     settings = location.settings
     # Two attempts only: a wrong bucket or endpoint should fail now, not after ten back-offs.
-    probe = S3Location(location.uri, settings=settings, max_attempts=2)
-    key = probe_name()
-    payload = uuid.uuid4().bytes * 64
+    probe = S3Location(location.uri, settings=settings, fast_fail=True, fork_safe=location.fork_safe)
 
     def listing() -> str:
-        next(iter(probe.client.list_objects(probe.bucket, probe._key(""), "/", 1)), None)
+        probe.client.list_objects_v2(Bucket=probe.bucket, Prefix=probe._key(""), Delimiter="/", MaxKeys=1)
         return f"bucket {probe.bucket} answers (endpoint {settings.endpoint or 'AWS'}, region {settings.region_name})"
 
-    def put() -> str:
-        probe.write_bytes(key, payload)
-        return f"wrote {probe.child_uri(key)}"
+    def checkpoint_client() -> str:
+        # Checkpoint shards go through s3torchconnector, whose credentials and endpoint are its own.
+        next(iter(probe.crt_client.list_objects(probe.bucket, probe._key(""), "/", 1)), None)
+        return "s3torchconnector answers"
 
-    def get() -> str:
-        if probe.read_bytes(key) != payload:
-            raise StorageError("read back different bytes than were written")
-        return "read back intact"
-
-    def delete() -> str:
-        probe.delete(key)
-        if probe.exists(key):
-            raise StorageError("the probe object is still there after DELETE")
-        return "deleted"
-
-    return [("credentials", _credentials), ("list", listing), ("put", put), ("get", get), ("delete", delete)]
+    checks = [("credentials", _credentials), ("list", listing), *_object_checks(probe)]
+    return checks if location.fork_safe else [*checks, ("checkpoint client", checkpoint_client)]
 
 
 def _make_folder(location: LocalLocation) -> str:

@@ -1,8 +1,6 @@
 """DCP readers and writers for an S3 prefix, on s3torchconnector's CRT client.
 
-Both S3 locations read checkpoints this way: `S3Location` (s3_location.py) and the boto3 one
-(`BotoS3Location`, s3_boto.py, whose own transfers never use the CRT client). It lives below
-both, so neither imports the other for it. The DCP classes
+`S3Location` (s3_location.py) reads and writes checkpoints this way. The DCP classes
 take no endpoint argument, so their `.fs` is replaced by one built on our client (endpoint and
 path-style addressing from `S3Settings`). The writer is s3_dcp_writer.py's: each rank under a
 prefix of its own, few requests, throttled objects written again. Imported only for S3 checkpoints.

@@ -17,7 +17,7 @@ it goes up as NAME.attempt-<UTC time>.EXT beside it (a new machine after a spot 
 
 The target is opened `fork_safe` (on S3: boto3, not s3torchconnector, whose CRT clients are torn
 down at every fork, while the training process forks data workers as this thread may be
-uploading: storage/s3_boto.py). --remote-sync-protocol s3 takes the URI's own scheme and refuses
+uploading: storage/s3_location.py). --remote-sync-protocol s3 takes the URI's own scheme and refuses
 any other; "fsspec" reaches any fsspec scheme (gcsfs for gs://, s3fs for s3://, file:// everywhere).
 """
 
