@@ -120,11 +120,32 @@ def checkpoint_io(d: Json) -> str:
 
 def consolidate(d: Json) -> str:
     rows = [
-        [r["checkpoint"], r["tool"], f"{r['peak_rss_gb']:.2f}", x(r["rss_vs_bigclip"]), f"{r['seconds']:.1f}",
-         r["identical"]]
+        [r["checkpoint"], r["tool"], f"{r['peak_rss_gb']:.2f}", x(r["rss_vs_bigclip"]) if r.get("rss_vs_bigclip") else "-",
+         f"{r['seconds']:.1f}", _same_bytes(r), r.get("checksums_while_reading")]
         for r in d["rows"]
     ]  # fmt: skip
-    return table(["checkpoint", "tool", "peak RSS GB", "RSS vs bigclip", "seconds", "same bytes"], rows)
+    head = ["checkpoint", "tool", "peak RSS GB", "RSS vs bigclip", "seconds", "same bytes", "checksums read"]
+    notes = [f"{r['tool']}: peak is {r['peak_is']} (rank {r['rank_rss_before_gb']:.2f} GB before it; the same"
+             f" save without consolidation peaks at {r['sharded_save']['peak_rss_gb']:.2f} GB)."
+             for r in d["rows"] if r.get("peak_is")]  # fmt: skip
+    dates = {r["date"][:10] + " at " + r["commit"] for r in d["rows"] if r.get("date")}
+    if len(dates) > 1:  # rows merged from runs at different dates (`--only`)
+        notes.append("Rows measured " + ", ".join(sorted(dates)) + " (see each row's `date` and `commit`).")
+    return table(head, rows) + "".join(f"\n\n{n}" for n in notes)
+
+
+def _same_bytes(r: Json) -> str:
+    if r["identical"] or not r.get("differing"):
+        return cell(r["identical"])
+
+    def why(value: Any) -> str:
+        if isinstance(value, dict):  # both values of a small tensor
+            return ", ".join(
+                f"{tool} {v:.4g}" if isinstance(v, float) else f"{tool} {v}" for tool, v in value.items()
+            )
+        return str(value)
+
+    return "no: " + "; ".join(f"{name} ({why(value)})" for name, value in r["differing"].items())
 
 
 def data_loader(d: Json) -> str:
