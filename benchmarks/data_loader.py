@@ -48,10 +48,13 @@ from support.photos import write_photo_shards  # noqa: E402
 from benchmarks.common import print_table, write_results  # noqa: E402
 from benchmarks.openclip_wds_peer import get_wds_loader  # noqa: E402
 from bigclip.config import DataConfig  # noqa: E402
-from bigclip.data import build_tokenizer, build_train_loader, image_normalizer, validate_shards  # noqa: E402
 from bigclip.data.decode import decode_image  # noqa: E402
+from bigclip.data.device import image_normalizer  # noqa: E402
+from bigclip.data.loader import build_train_loader  # noqa: E402
 from bigclip.data.resume.position import DataPosition  # noqa: E402
+from bigclip.data.shards import validate_shards  # noqa: E402
 from bigclip.data.tar_samples import Cursor, ShardSamples  # noqa: E402
+from bigclip.data.tokenizer import build_tokenizer  # noqa: E402
 from bigclip.data.transforms import train_transform  # noqa: E402
 from bigclip.distributed import cpu_group, spawn  # noqa: E402
 

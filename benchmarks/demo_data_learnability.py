@@ -21,7 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import print_table, write_results  # noqa: E402
 from bigclip.config import DataConfig  # noqa: E402
-from bigclip.data import build_tokenizer, build_train_loader, image_normalizer, load_eval_set  # noqa: E402
+from bigclip.data.device import image_normalizer  # noqa: E402
+from bigclip.data.eval import load_eval_set  # noqa: E402
+from bigclip.data.loader import build_train_loader  # noqa: E402
+from bigclip.data.tokenizer import build_tokenizer  # noqa: E402
 from bigclip.demo.shapes_data import write_demo_data  # noqa: E402
 from bigclip.models.factory import create_model  # noqa: E402
 from bigclip.ops.loss.contrastive import ClipLoss  # noqa: E402

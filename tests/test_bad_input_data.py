@@ -28,8 +28,8 @@ from PIL import Image
 from support.bad_input import Case, bigclip, check
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, good_sample, write_dataset
 
-from bigclip.data import build_train_loader
 from bigclip.data.accounting import MORE_THAN_LISTED
+from bigclip.data.loader import build_train_loader
 from bigclip.demo.shapes_data import tar_bytes
 
 # `bigclip train` imports torch before the data is checked (4-6 s on a busy 2-core box); `index-shards`

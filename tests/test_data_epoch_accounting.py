@@ -14,10 +14,11 @@ import random
 import pytest
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, valid_keys, write_dataset
 
-from bigclip.data import build_train_loader, validate_data
+from bigclip.data.loader import build_train_loader
 from bigclip.data.resume.assignment import ShardTask, balanced
 from bigclip.data.resume.position import DataPosition, RankProgress
 from bigclip.data.tar_samples import START, Cursor
+from bigclip.data.validation import validate_data
 from bigclip.distributed import spawn
 from bigclip.errors import DataError
 

@@ -61,7 +61,7 @@ class Probe:
 
 
 def epochs_on_one_pool(rank: int, world_size: int, pattern: str, probe: str) -> dict:
-    from bigclip.data import TrainData
+    from bigclip.data.train_data import TrainData
 
     def counters() -> dict | None:  # once every rank is between epochs
         dist.barrier()

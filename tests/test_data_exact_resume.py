@@ -17,9 +17,9 @@ import pytest
 import torch
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, noise_image_bytes, write_dataset
 
-from bigclip.data import build_train_loader
 from bigclip.data.batching import WorkerOrder
 from bigclip.data.decode import decode_image
+from bigclip.data.loader import build_train_loader
 from bigclip.data.resume.rank_state import merge_rank_states
 from bigclip.data.transforms import train_transform
 from bigclip.distributed import spawn

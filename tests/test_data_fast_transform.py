@@ -11,9 +11,9 @@ from PIL import Image
 from support.photos import photo, photo_jpeg
 
 from bigclip.config import DataConfig
-from bigclip.data import Augmentation, ImageNormalizer, image_normalizer
-from bigclip.data.augment import erase_boxes
+from bigclip.data.augment import Augmentation, erase_boxes
 from bigclip.data.decode import decode_image
+from bigclip.data.device import ImageNormalizer, image_normalizer
 from bigclip.data.transforms import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,

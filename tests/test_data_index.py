@@ -10,8 +10,8 @@ import pytest
 from test_data_common import bad_sample, good_sample, write_dataset, write_shard
 
 from bigclip.cli import main as cli_main
-from bigclip.data import validate_shards
 from bigclip.data.index import count_samples, index_shards, write_sizes
+from bigclip.data.shards import validate_shards
 from bigclip.data.tar_samples import ShardSamples
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.demo.shapes_data import tar_bytes

@@ -12,7 +12,9 @@ import torch
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, noise_image_bytes, write_shard
 
 from bigclip.cli_args import parse_train_args
-from bigclip.data import SampleKeys, build_train_loader, iter_eval_samples
+from bigclip.data.decode import SampleKeys
+from bigclip.data.eval import iter_eval_samples
+from bigclip.data.loader import build_train_loader
 from bigclip.errors import ConfigError, DataError
 
 

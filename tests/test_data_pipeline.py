@@ -17,9 +17,11 @@ from test_data_common import (
     write_shard,
 )
 
-from bigclip.data import build_train_loader, iter_eval_samples, load_eval_set, validate_data, validate_shards
-from bigclip.data.shards import expand_pattern
+from bigclip.data.eval import iter_eval_samples, load_eval_set
+from bigclip.data.loader import build_train_loader
+from bigclip.data.shards import expand_pattern, validate_shards
 from bigclip.data.tar_samples import key_and_ext
+from bigclip.data.validation import validate_data
 from bigclip.errors import DataError
 
 

@@ -15,7 +15,7 @@ import json
 import pytest
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, write_dataset
 
-from bigclip.data import build_train_loader
+from bigclip.data.loader import build_train_loader
 from bigclip.data.resume.assignment import assign_readers
 from bigclip.data.resume.position import DataPosition, RankProgress
 from bigclip.data.resume.rank_state import RankState, continues_alone, merge_rank_states

@@ -15,10 +15,11 @@ from collections import Counter
 import pytest
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, valid_keys, write_dataset
 
-from bigclip.data import build_train_loader, validate_data
+from bigclip.data.loader import build_train_loader
 from bigclip.data.resume.assignment import draw_shard
 from bigclip.data.resume.position import decode_bitmap
 from bigclip.data.resume.rank_state import merge_rank_states
+from bigclip.data.validation import validate_data
 from bigclip.distributed import spawn
 from bigclip.errors import ConfigError, DataError
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, write_dataset
 
-from bigclip.data import build_train_loader, iter_eval_samples, validate_shards
+from bigclip.data.eval import iter_eval_samples
+from bigclip.data.loader import build_train_loader
+from bigclip.data.shards import validate_shards
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.demo.shapes_data import write_demo_data
 from bigclip.errors import DataError

@@ -22,8 +22,8 @@ from test_engine_deepspeed import config
 
 from bigclip.checkpoint import CheckpointStore
 from bigclip.config import TrainConfig
-from bigclip.data import ImageNormalizer
 from bigclip.data.bpe_tokenizer import ClipBpeTokenizer
+from bigclip.data.device import ImageNormalizer
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, eval_transform
 from bigclip.demo.shapes_data import Attributes, draw
 from bigclip.distributed import spawn

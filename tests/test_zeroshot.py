@@ -22,8 +22,9 @@ from support.train_harness import train_worker
 from test_engine_deepspeed import config
 
 from bigclip.config import TrainConfig
-from bigclip.data import HashingTokenizer, ImageNormalizer
 from bigclip.data.classification import open_classification_set
+from bigclip.data.device import ImageNormalizer
+from bigclip.data.tokenizer import HashingTokenizer
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, eval_transform
 from bigclip.demo.runner import recipe_argv
 from bigclip.demo.shapes_data import SHAPES, Attributes, draw, encode, write_demo_data

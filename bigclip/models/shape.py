@@ -97,7 +97,7 @@ class ModelFamily:
     # device, seed) returns the model (the contract's nn.Module; on the meta device its weights are
     # left to the engine) with the family's own model flags applied (checkpointing, locks).
     build: str
-    # data.build_tokenizer's keyword arguments for a name: what its text tower reads.
+    # bigclip.data.tokenizer.build_tokenizer's keyword arguments for a name: what its text tower reads.
     tokenizer: Callable[[str, ModelOptions], dict[str, Any]]
     # Refuses (ConfigError, at parse time, torch-free) the flags of a run's ModelConfig that this
     # family cannot honour for its --model: --pretrained tags, --force-* sizes, checkpointing, locks.

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bigclip import data
 from bigclip.config import DataConfig, TrainConfig
-from bigclip.data import EvalSample, ImageNormalizer, Tokenizer
+from bigclip.data.decode import SampleKeys
+from bigclip.data.device import ImageNormalizer
+from bigclip.data.eval import EvalSample, iter_eval_samples
+from bigclip.data.tokenizer import Tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import DataError
@@ -136,9 +138,9 @@ def evaluate_retrieval(
     fp32: bool = True,
 ) -> dict[str, float]:
     """`my_samples`: this rank's share of the held-out set, indices rank, rank + world, ... in order
-    (as `bigclip.data.iter_eval_samples(..., rank=, world_size=)` yields them); `normalize` puts
-    their uint8 images on the device, as the training loader does (`data.image_normalizer`).
-    `batch_size` (per rank) sets the forwards and clip_val_loss's batches."""
+    (as `iter_eval_samples(..., rank=, world_size=)` in bigclip.data.eval yields them); `normalize`
+    puts their uint8 images on the device, as the training loader does (`image_normalizer` in
+    bigclip.data.device). `batch_size` (per rank) sets the forwards and clip_val_loss's batches."""
     share, total = _padded_share(list(my_samples), runtime)
     was_training = engine.module.training
     engine.eval()
@@ -164,11 +166,11 @@ def held_out_retrieval(
 ) -> dict[str, float]:
     """evaluate_retrieval on --val-data: this rank's share of the pairs, read with the exact eval
     transform (resize + center crop, as OpenCLIP)."""
-    mine = data.iter_eval_samples(
+    mine = iter_eval_samples(
         cfg.val_data, image_size=image_size, tokenizer=tokenizer, limit=cfg.val_num_samples,
         rank=runtime.rank, world_size=runtime.world_size,
         resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
-        keys=data.SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),
+        keys=SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),
     )  # fmt: skip
     return evaluate_retrieval(
         engine, list(mine), runtime, normalize=normalize, batch_size=cfg.batch_size,

@@ -10,7 +10,7 @@ from typing import Any
 
 from bigclip.checkpoint import LATEST, CheckpointStore, Manifest
 from bigclip.config import TrainConfig
-from bigclip.data import continues_alone, merge_rank_states
+from bigclip.data.resume.rank_state import continues_alone, merge_rank_states
 from bigclip.data.tokenizer import check_tokenizer, saved_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine

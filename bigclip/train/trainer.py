@@ -30,8 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bigclip import data
 from bigclip.config import EngineConfig, TrainConfig
+from bigclip.data.device import image_normalizer
+from bigclip.data.loader import TrainLoader
+from bigclip.data.shards import ShardList
+from bigclip.data.tokenizer import build_tokenizer as build_data_tokenizer
+from bigclip.data.train_data import TrainData
+from bigclip.data.validation import validate_data
 from bigclip.distributed import cpu_group, init_distributed
 from bigclip.engines import build_engine
 from bigclip.engines.base import Engine, StepStats
@@ -127,7 +132,7 @@ class Run:
     engine: Engine
     loss_fn: torch.nn.Module
     tokenizer: Any
-    shards: data.ShardList
+    shards: ShardList
     checkpointer: Checkpointer
     scalars: Scalars  # --report-to: TensorBoard, wandb
     guards: Guards
@@ -158,7 +163,7 @@ def setup(cfg: TrainConfig) -> Run:
     apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
     tokenizer = build_tokenizer(cfg)
     configure_storage(s3_endpoint=cfg.checkpoint.s3_endpoint, s3_region=cfg.checkpoint.s3_region)
-    shards = data.validate_data(cfg.data, world_size=runtime.world_size, evaluation_only=cfg.evaluates_only)
+    shards = validate_data(cfg.data, world_size=runtime.world_size, evaluation_only=cfg.evaluates_only)
     zeroshot = ZeroShot.open(cfg)
     store = open_store(cfg, run_dir)
     run_lock = RunLock(run_dir)
@@ -213,7 +218,7 @@ def requested_device(engine: EngineConfig) -> str:
 
 def build_tokenizer(cfg: TrainConfig) -> Any:
     text = family_of(cfg.model.model).tokenizer(cfg.model.model, model_options(cfg))
-    return data.build_tokenizer(
+    return build_data_tokenizer(
         cfg.data.tokenizer, cache_dir=cfg.model.cache_dir, model=cfg.model.model, **text
     )
 
@@ -282,7 +287,7 @@ def fit(run: Run) -> dict[str, Any]:
         return fit_epochs(run, train_data)
 
 
-def fit_epochs(run: Run, train_data: data.TrainData) -> dict[str, Any]:
+def fit_epochs(run: Run, train_data: TrainData) -> dict[str, Any]:
     cfg, progress, state = run.cfg, run.progress, run.progress.state
     loader = build_loader(run, train_data)
     progress.steps_per_epoch = max(1, loader.steps_per_epoch // cfg.optim.accum_freq)  # planned
@@ -311,19 +316,19 @@ def fit_epochs(run: Run, train_data: data.TrainData) -> dict[str, Any]:
     return finish(run, loader, metrics)
 
 
-def open_train_data(run: Run) -> data.TrainData:
+def open_train_data(run: Run) -> TrainData:
     """The run's data workers, started once: every epoch's loader runs on them."""
     # They are forked when the first epoch starts, and s3torchconnector tears its clients down
     # before a fork: an upload in flight must finish first. Later epochs fork nothing.
     wait_for_upload(run)
-    return data.TrainData(
+    return TrainData(
         run.cfg.data, rank=run.runtime.rank, world_size=run.runtime.world_size, seed=run.cfg.optim.seed,
         image_size=image_size(run.cfg), tokenizer=run.tokenizer, device=run.runtime.device,
         image_dtype=run.engine.image_dtype, shards=run.shards,
     )  # fmt: skip
 
 
-def build_loader(run: Run, train_data: data.TrainData) -> data.TrainLoader:
+def build_loader(run: Run, train_data: TrainData) -> TrainLoader:
     with between_steps(run):
         return train_data.epoch(run.progress.state.epoch, position=run.progress.data_position)
 
@@ -353,7 +358,7 @@ def epochs_left(run: Run) -> bool:
     return run.cfg.optim.epochs < 1 or run.progress.state.epoch < run.cfg.optim.epochs
 
 
-def train_one_epoch(run: Run, loader: data.TrainLoader) -> bool:
+def train_one_epoch(run: Run, loader: TrainLoader) -> bool:
     """Train until the epoch's data ends (True) or the step budget does (False, unless at the epoch end)."""
     cfg, progress, state = run.cfg, run.progress, run.progress.state
     timer, loss_avg = StepTimer(), Average()
@@ -435,7 +440,7 @@ def evaluate(run: Run, *, retrieval: bool = True, final: bool = False) -> dict[s
     zeroshot = run.zeroshot.due(run.progress.state.epoch, final=final)
     if not retrieval and not zeroshot:
         return None
-    normalize = data.image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
+    normalize = image_normalizer(cfg, device=run.runtime.device, dtype=run.engine.image_dtype)
     metrics: dict[str, float] = {}
     what = " and ".join(["zero-shot classification"] * zeroshot + ["retrieval on --val-data"] * retrieval)
     with between_steps(run), phase("evaluation", detail=what):
@@ -472,7 +477,7 @@ def report(run: Run, metrics: dict[str, float]) -> None:
         f.write(json.dumps(metrics) + "\n")
 
 
-def finish(run: Run, loader: data.TrainLoader, metrics: dict | None) -> dict[str, Any]:
+def finish(run: Run, loader: TrainLoader, metrics: dict | None) -> dict[str, Any]:
     state = run.progress.state
     begin("finishing", on_stop=OnStop.FINISH, announce=False, base=True)  # a stop now: the run completes
     run.guards.watchdog.close()  # no steps from here on (the last upload may take long)
@@ -664,7 +669,7 @@ def wait_for_upload(run: Run) -> None:
         run.checkpointer.wait()
 
 
-def stop_at_epoch_end(run: Run, loader: data.TrainLoader) -> None:
+def stop_at_epoch_end(run: Run, loader: TrainLoader) -> None:
     """An epoch's end is a step boundary too: a stop request that came during its evaluation or
     save is honoured now (collective; the Checkpointer's per-step decision, at the next epoch's start)."""
     signum = run.checkpointer.maybe_save(run.progress.state, data_position=lambda: None)
@@ -672,7 +677,7 @@ def stop_at_epoch_end(run: Run, loader: data.TrainLoader) -> None:
         stop_for_requeue(run, loader, signum)
 
 
-def stop_for_requeue(run: Run, loader: data.TrainLoader, signum: int) -> None:
+def stop_for_requeue(run: Run, loader: TrainLoader, signum: int) -> None:
     """After the checkpoint of a stop request (SIGUSR1/SIGTERM/SIGINT on any rank): wait for its
     upload, leave the requeue marker, stop."""
     step = run.progress.state.step

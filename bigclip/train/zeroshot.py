@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from bigclip.config import TrainConfig
-from bigclip.data import ImageNormalizer, Tokenizer
 from bigclip.data.classification import SKIPPED, ClassificationSet, open_classification_set
+from bigclip.data.device import ImageNormalizer
+from bigclip.data.tokenizer import Tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.models.run_options import image_size

@@ -167,7 +167,7 @@ def own_assignment(
         )  # fmt: skip
         raise DataError(
             f"rank {rank}: a rank's own data state continues only its exact stream, and this one cannot ({why}): "
-            "merge every rank's state (bigclip.data.merge_rank_states) and resume from the merged position"
+            "merge every rank's state (bigclip.data.resume.rank_state.merge_rank_states) and resume from the merged position"
         )
     if rank == 0:
         log.info("data: continuing the saved stream exactly from each rank's own state (epoch %d, %d samples in)",
