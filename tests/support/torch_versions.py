@@ -30,6 +30,8 @@ _STAGER = (
     "DefaultStager/StagingOptions: `.. versionadded:: 2.9` (pytorch/tutorials#3711, async checkpoint recipe)"
 )
 
+_HF_DCP = "HuggingFaceStorageWriter(save_distributed=, enable_consolidation=) and consolidation: torch >= 2.9 (ByteDance-Seed/VeOmni#461)"
+
 _SAC = "selective activation checkpointing public in torch.utils.checkpoint (torch 2.4 release notes, pytorch#125795)"
 
 SINCE: dict[str, tuple[str, str]] = {
@@ -83,6 +85,16 @@ SINCE: dict[str, tuple[str, str]] = {
     # -- distributed checkpoint
     f"{_DCP}.load(no_dist=)": ("2.3", "no_dist on save/load, torch 2.3 docs"),
     f"{_DCP}.load": ("2.2", _DCP_2_2),
+    f"{_DCP}.save": ("2.2", _DCP_2_2),
+    f"{_DCP}.save(storage_writer=)": ("2.2", _DCP_2_2),
+    f"{_DCP}.save(no_dist=)": ("2.3", "no_dist on save/load, torch 2.3 docs"),
+    f"{_DCP}.HuggingFaceStorageWriter(save_distributed=)": ("2.9", _HF_DCP),
+    f"{_DCP}.HuggingFaceStorageWriter(enable_consolidation=)": ("2.9", _HF_DCP),
+    # DCP's own Hugging Face safetensors path (benchmarks/consolidate.py measures it): public as
+    # HuggingFaceStorageWriter after pytorch#148361 (Mar 2025, private-prefixed then); its
+    # distributed save with consolidation is gated on torch >= 2.9 by its users (VeOmni#461).
+    f"{_DCP}.HuggingFaceStorageWriter": ("2.9", _HF_DCP),
+    f"{_DCP}._consolidate_hf_safetensors.consolidate_safetensors_files": ("2.9", _HF_DCP),
     f"{_DCP}.load(storage_reader=)": ("2.2", _DCP_2_2),
     f"{_DCP}.load(process_group=)": ("2.2", _DCP_2_2),
     f"{_DCP}.load(planner=)": ("2.2", _DCP_2_2),
@@ -128,6 +140,10 @@ SINCE: dict[str, tuple[str, str]] = {
     "torch._foreach_norm": (
         "2.0",
         "clip_grad_norm_'s foreach path calls it (pytorch#91846, merged Jan 2023, before the 2.0 cut)",
+    ),
+    "torch.arange(dtype=)": (
+        "2.0",
+        "a factory function's dtype keyword, as torch.arange(device=) (torch 2.0 docs)",
     ),
     "torch._foreach_norm(dtype=)": (
         "2.11",
