@@ -173,3 +173,29 @@ def test_a_checkpoint_of_foreach_adamw_resumes_with_the_fused_kernel(tmp_path):
     old, new = result["losses"]
     assert new == pytest.approx(old, rel=FP32_RTOL)
     assert_same_weights(*result["weights"], rtol=FP32_RTOL)
+
+
+def amsgrad_worker(rank: int, world: int, root: str) -> dict:
+    """AMSGrad (--opt-kwargs amsgrad=True) stepped over local shards beside torch's AdamW stepping
+    the DTensors themselves; then a checkpoint of it, resumed by a fresh engine."""
+    cfg, batch = tiny_config(**{"optim.opt_kwargs": {"amsgrad": True}}), 8
+    ours, reference = make_engine(rank, world, cfg), make_engine(rank, world, cfg)
+    reference.optimizer = make_optimizer(param_groups(reference.module, weight_decay=cfg.optim.wd), cfg.optim)
+    losses = [run_steps(engine, cfg, range(3), batch) for engine in (ours, reference)]
+    dcp.save(ours.checkpoint_state(), checkpoint_id=root)
+    keys = sorted(dcp.FileSystemReader(root).read_metadata().state_dict_metadata)
+    straight = run_steps(ours, cfg, range(3, 6), batch)
+    resumed = make_engine(rank, world, cfg)
+    dcp.load(resumed.checkpoint_state(), checkpoint_id=root)
+    return {"losses": losses, "keys": keys, "resumed": (straight, run_steps(resumed, cfg, range(3, 6), batch)),
+            "weights": (ours.full_state_dict(), resumed.full_state_dict())}  # fmt: skip
+
+
+def test_the_optimizer_steps_local_shards_as_torch_steps_dtensors_and_resumes_amsgrad(tmp_path):
+    result = spawn(amsgrad_worker, 2, str(tmp_path / "ckpt"))[0]
+    ours, reference = result["losses"]
+    assert ours == pytest.approx(reference, rel=FP32_RTOL)
+    assert any(k.endswith(".max_exp_avg_sq") for k in result["keys"]), result["keys"][:5]
+    straight, resumed = result["resumed"]
+    assert resumed == pytest.approx(straight, rel=FP32_RTOL)
+    assert_same_weights(*result["weights"], rtol=FP32_RTOL)

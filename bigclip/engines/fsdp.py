@@ -48,7 +48,6 @@ from bigclip.engines.optimizer import (
     is_finite,
     keep_kernel_choice,
     local_tensor,
-    make_optimizer,
     param_groups,
     read_moments,
     set_lr,
@@ -87,10 +86,12 @@ class FSDPEngine(Engine):
         init_sharded_weights(model, seed=self.cfg.optim.seed, device=self.runtime.device)
         self.module = model
         self.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-        groups = param_groups(model, weight_decay=self.cfg.optim.wd)
-        # bitsandbytes' optimizers cannot step DTensors: they run over the local shards instead.
-        local = self.cfg.optim.optimizer == "adamw8bit"
-        self.optimizer = (LocalShardOptimizer if local else make_optimizer)(groups, self.cfg.optim)
+        # Stepped over each parameter's local shard, not the DTensors: the update is element-wise,
+        # and DTensor's dispatch for ~1,000 parameters cost a fifth of the optimizer step's host
+        # time (benchmarks/host_overhead.py); bitsandbytes' optimizers cannot step DTensors at all.
+        self.optimizer = LocalShardOptimizer(
+            param_groups(model, weight_decay=self.cfg.optim.wd), self.cfg.optim
+        )
         self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
 
     def _shard(self, model: TrainableModel) -> None:
@@ -247,6 +248,14 @@ class _OptimState(Stateful):
             self.engine.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
+def _saved_moments(state: dict) -> dict[str, torch.Tensor]:
+    """A parameter's state a checkpoint holds besides its step, fp32, shaped like its shard (8-bit:
+    flat): torch AdamW's tensors as they are (amsgrad adds max_exp_avg_sq), bitsandbytes' dequantised."""
+    if "state1" in state:
+        return read_moments(state)
+    return {key: value.detach() for key, value in state.items() if key != "step" and torch.is_tensor(value)}
+
+
 def _local_shard_state_dict(model: nn.Module, optimizer: LocalShardOptimizer) -> dict[str, Any]:
     """`get_optimizer_state_dict`'s layout for an optimizer stepped over local shards: fp32
     moments (dequantised for 8-bit) as DTensors placed like their parameters, keyed by name."""
@@ -258,7 +267,7 @@ def _local_shard_state_dict(model: nn.Module, optimizer: LocalShardOptimizer) ->
     for p in optimizer.params:
         shard_state = inner.state[optimizer.shard(p)]
         entry: dict[str, Any] = {"step": torch.tensor(float(get_step(shard_state)))}
-        for key, moment in read_moments(shard_state).items():
+        for key, moment in _saved_moments(shard_state).items():
             local_moment = moment.view(optimizer.shard(p).shape)
             entry[key] = (
                 DTensor.from_local(
@@ -281,7 +290,7 @@ def _load_local_shard_state(model: nn.Module, optimizer: LocalShardOptimizer, sa
     names = {id(p): n for n, p in model.named_parameters()}
     for p in optimizer.params:
         shard_state, entry = optimizer.inner.state[optimizer.shard(p)], saved["state"][names[id(p)]]
-        moments = read_moments(shard_state)
+        moments = _saved_moments(shard_state)
         for key, moment in moments.items():
             moment.copy_(local_tensor(entry[key]).reshape(-1).view_as(moment))
         write_moments(shard_state, moments)
