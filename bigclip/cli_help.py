@@ -62,9 +62,9 @@ def describe(owner: type) -> str:
     return (sys.modules[owner.__module__].__doc__ or "").strip().splitlines()[0]
 
 
-def train_help(*, section: str = "", prog: str = "bigclip train", width: int = 0) -> str:
+def train_help(*, section: str = "", prog: str = "bigclip train") -> str:
     """`--help` (every section) or `--help SECTION`."""
-    width = width or columns()
+    width = columns()
     known = sections()
     if section and section not in known:
         close = difflib.get_close_matches(section, known, n=1)
@@ -119,10 +119,10 @@ def default_note(f: dataclasses.Field) -> str:
     return f" (default: {'on' if value is True else value})"
 
 
-def openclip_help(*, width: int = 0) -> str:
+def openclip_help() -> str:
     """OpenCLIP's options bigclip refuses and those it ignores (options sharing a reason together),
     the values it refuses, and the other spellings it takes."""
-    width = width or columns()
+    width = columns()
     lines = _wrap("OpenCLIP options bigclip refuses; each fails as it is parsed, with this reason (exit code 2):",
                   width, indent="", hanging="")  # fmt: skip
     by_reason: dict[str, list[str]] = {}

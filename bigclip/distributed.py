@@ -76,16 +76,16 @@ DEFAULT_TIMEOUT_S = 1800
 GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # torch >= 2.11 reads it when a gloo group is made
 
 
-def connect_gloo_lazily(environ: dict[str, str] | Any = None) -> None:
+def connect_gloo_lazily() -> None:
     """Make the gloo groups created from now on connect peer by peer, as collectives need them
     (unless the environment already chose)."""
-    (os.environ if environ is None else environ).setdefault(GLOO_LAZY_INIT, "1")
+    os.environ.setdefault(GLOO_LAZY_INIT, "1")
 
 
-def gloo_connects_lazily(environ: dict[str, str] | None = None) -> bool:
+def gloo_connects_lazily() -> bool:
     """Whether the gloo groups bigclip makes connect lazily (torch's reading of the variable;
     init_distributed sets it where it is unset)."""
-    value = (os.environ if environ is None else environ).get(GLOO_LAZY_INIT, "1")
+    value = os.environ.get(GLOO_LAZY_INIT, "1")
     return value.strip().lower() in ("1", "y", "yes", "t", "true")
 
 

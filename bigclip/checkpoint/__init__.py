@@ -3,9 +3,8 @@ catalog), async saves, their own process group, and loading without trusting the
 May import storage, config, distributed and errors. The loop needs `CheckpointStore`.
 """
 
-from bigclip.checkpoint.async_save import AsyncSave
 from bigclip.checkpoint.catalog import keep_last_for
 from bigclip.checkpoint.manifest import Manifest
 from bigclip.checkpoint.store import LATEST, CheckpointStore
 
-__all__ = ["LATEST", "AsyncSave", "CheckpointStore", "Manifest", "keep_last_for"]
+__all__ = ["LATEST", "CheckpointStore", "Manifest", "keep_last_for"]

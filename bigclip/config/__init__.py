@@ -17,16 +17,8 @@ May import errors and openclip_flags; models only lazily (ModelConfig checks --m
 
 from bigclip.config.checkpoint import CheckpointConfig
 from bigclip.config.data import DataConfig
-from bigclip.config.engine import ENGINES, EngineConfig
-from bigclip.config.fields import (
-    LOSS_EXCHANGES,
-    LOSSES,
-    LR_SCHEDULERS,
-    METRIC_SINKS,
-    OPTIMIZERS,
-    TOKENIZERS,
-)
-from bigclip.config.linear_kinds import LINEAR_KINDS
+from bigclip.config.engine import EngineConfig
+from bigclip.config.fields import TOKENIZERS
 from bigclip.config.log import LogConfig
 from bigclip.config.loss import LossConfig
 from bigclip.config.model import ModelConfig
@@ -37,17 +29,10 @@ from bigclip.config.train import TrainConfig, section_of
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
-    "ENGINES",
     "EngineConfig",
-    "LINEAR_KINDS",
-    "LOSSES",
-    "LOSS_EXCHANGES",
-    "LR_SCHEDULERS",
     "LogConfig",
     "LossConfig",
-    "METRIC_SINKS",
     "ModelConfig",
-    "OPTIMIZERS",
     "OptimConfig",
     "PRECISIONS",
     "PRECISION_KINDS",

@@ -39,7 +39,6 @@ BAD_IMAGE = "bad_image"  # image bytes PIL cannot decode
 BAD_TEXT = "bad_text"  # caption that is not UTF-8
 EMPTY_TEXT = "empty_text"  # a caption of nothing but white space
 DUPLICATE = "duplicate_member"  # the shard holds a member of this sample twice (tar_samples.py)
-SKIP_REASONS = (NO_IMAGE, NO_TEXT, BAD_IMAGE, BAD_TEXT, EMPTY_TEXT, DUPLICATE)
 WIDE_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit (or 32-bit integer) grayscale
 
 
@@ -102,7 +101,7 @@ def _eight_bit(image: Image.Image) -> Image.Image:
 
 
 def decode_sample(raw: RawSample, *, load: bool = True, keys: SampleKeys = DEFAULT_KEYS) -> Decoded | str:
-    """A `Decoded` sample (its image only opened unless `load`), or one of SKIP_REASONS."""
+    """A `Decoded` sample (its image only opened unless `load`), or the reason it was skipped (above)."""
     if raw.duplicate:
         return DUPLICATE
     image_bytes = _first(raw.files, keys.image)

@@ -170,7 +170,6 @@ class TrainLoader:
         # Right at least on this rank's pieces: what rank_state() advances by this loader's progress.
         self.base = self._saved.local() if self._saved is not None else self.start
         self.origin, self.initial, self.plans = assignment.origin, assignment.stream, assignment.tasks
-        self.exact_resume = assignment.exact  # continues a saved stream exactly (same settings)
         # Per worker, the reader's state after the last sample consumed from it (as a row of ints).
         self.reader_rows = [r.to_ints() for r in assignment.stream.readers]
         return reader_specs(assignment, seed=self.seed, epoch=self.start.epoch, rank=self.rank)

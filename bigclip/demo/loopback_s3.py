@@ -25,8 +25,8 @@ DUMMY_CREDENTIALS = {
 
 
 class LoopbackS3:
-    def __init__(self, *, port: int = 0, set_environ: bool = True) -> None:
-        self.port = port or free_port()
+    def __init__(self, *, set_environ: bool = True) -> None:
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.set_environ = set_environ
         self._proc: subprocess.Popen | None = None

@@ -167,7 +167,3 @@ def summarise(
         classify_images=CLASSIFY_SAMPLES, zeroshot_top1=final.get("imagenet-zeroshot-val-top1"),
         global_batch=GLOBAL_BATCH,
     )  # fmt: skip
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -8,11 +8,11 @@ from __future__ import annotations
 from bigclip.config import TrainConfig
 from bigclip.config.engine import ENGINES
 from bigclip.distributed import Runtime
-from bigclip.engines.base import Engine, StepStats
+from bigclip.engines.base import Engine
 from bigclip.errors import ConfigError
 from bigclip.named_objects import import_named
 
-__all__ = ["Engine", "StepStats", "build_engine", "engine_class"]
+__all__ = ["Engine", "build_engine", "engine_class"]
 
 
 def engine_class(name: str) -> type[Engine]:

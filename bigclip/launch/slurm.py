@@ -256,7 +256,3 @@ def _check_output(path: Path, *, force: bool) -> None:
     folder = next(p for p in path.absolute().parents if p.exists())  # the one mkdir would start from
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"-o {path}: cannot create it under {folder}; give a path in a writable folder")
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

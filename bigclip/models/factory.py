@@ -10,13 +10,13 @@ import torch
 from bigclip.models.clip import CLIP, init_weights
 from bigclip.models.clip_family import SIGLIP_INIT
 from bigclip.models.lock import apply_locks
-from bigclip.models.named_configs import get_model_config, list_models
+from bigclip.models.named_configs import get_model_config
 from bigclip.models.shape import ModelOptions
 
 if TYPE_CHECKING:
     from bigclip.config import ModelConfig
 
-__all__ = ["build_clip", "count_parameters", "create_model", "get_model_config", "list_models"]
+__all__ = ["build_clip", "count_parameters", "create_model", "get_model_config"]
 
 
 def create_model(

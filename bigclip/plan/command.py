@@ -26,7 +26,3 @@ def main(argv: list[str]) -> int:
     code = print_plan(options)
     print(f"bigclip plan: planned in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

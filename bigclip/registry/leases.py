@@ -44,9 +44,8 @@ class Lease:
     created: float  # seconds since the epoch
     expires: float
 
-    def stale(self, *, now: float | None = None) -> bool:
-        now = time.time() if now is None else now
-        if self.expires < now:
+    def stale(self) -> bool:
+        if self.expires < time.time():
             return True
         return self.host == socket.gethostname() and not pid_alive(self.pid)
 

@@ -64,15 +64,15 @@ class FsspecLocation:
     def child_uri(self, name: str) -> str:
         return f"{self.uri}/{name.strip('/')}"
 
-    def _ls(self, relative: str) -> list[dict]:
+    def _ls(self) -> list[dict]:
         try:
-            return self.fs.ls(self._path(relative), detail=True)
+            return self.fs.ls(self._path(""), detail=True)
         except FileNotFoundError:
             return []
 
     def list_folders(self) -> list[str]:
         return sorted(
-            e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self._ls("") if e["type"] == "directory"
+            e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self._ls() if e["type"] == "directory"
         )
 
     def list_files(self, folder: str) -> dict[str, int]:

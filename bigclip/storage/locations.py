@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from bigclip.errors import ConfigError, StorageError
-from bigclip.storage.local_location import LocalLocation, fsync_dir
+from bigclip.storage.local_location import LocalLocation
 from bigclip.storage.schemes import OpenOptions, is_local, local_path, opener_for, scheme_of
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from bigclip.storage.hashing import HashingFileSystem
     from bigclip.storage.sinks import Sink
 
-__all__ = ["FSSPEC", "LocalLocation", "Location", "fsync_dir", "open_location", "open_parent"]
+__all__ = ["FSSPEC", "LocalLocation", "Location", "open_location", "open_parent"]
 
 FSSPEC = "fsspec"  # `protocol=` that opens a URI through fsspec's filesystem for its scheme
 

@@ -67,15 +67,15 @@ class Phase:
         self.next_beat = now + HEARTBEAT_S
         return f"{self.name}: still running after {self.elapsed(now):.0f} s{self._progress()}"
 
-    def end(self, *, say_done: bool = True) -> float:
+    def end(self) -> float:
         """Close this phase (and any left open inside it); returns its seconds. Logs the end line
-        if it said anything before (and `say_done`)."""
+        if it said anything before."""
         seconds = self.elapsed()
         if not self.ended:
             self.ended = True
             if self in _STACK:
                 del _STACK[_STACK.index(self) :]
-            if say_done and (self.announced or self.beats):
+            if self.announced or self.beats:
                 say(f"{self.name}: done in {seconds:.1f} s{self._progress()}")
         _transition()
         return seconds
@@ -174,12 +174,12 @@ def launcher_rank() -> int:
     return 0
 
 
-def say(text: str, level: int = logging.INFO) -> None:
+def say(text: str) -> None:
     """One line through the run's logger; before the logger is set up (the first seconds of
     start-up), on stdout in its format, on rank 0 only."""
     logger = logging.getLogger(LOGGER_NAME)
     if logger.handlers:
-        logger.log(level, text)
+        logger.info(text)
     elif launcher_rank() == 0:
         stamp = time.strftime("%Y-%m-%d,%H:%M:%S")
-        print(f"{stamp} | {logging.getLevelName(level)} | {text}", file=sys.stdout, flush=True)
+        print(f"{stamp} | INFO | {text}", file=sys.stdout, flush=True)

@@ -61,10 +61,10 @@ def check_evaluation_only(cfg: TrainConfig) -> None:
         )
 
 
-def launch_world_size(env: dict[str, str] | None = None) -> int:
+def launch_world_size() -> int:
     """The world size the launcher's environment declares, read as bigclip.distributed.launch_env
     reads it (both use rank_env.py; tests/test_bad_input_flags.py checks the two agree)."""
-    return read_launch_env(dict(os.environ) if env is None else env)[1]
+    return read_launch_env(dict(os.environ))[1]
 
 
 def _check_tag_tokenizer(cfg: TrainConfig) -> None:

@@ -45,7 +45,6 @@ from bigclip.train import phases
 from bigclip.train.phases import OnStop, say
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-PREEMPTION_SIGNALS = STOP_SIGNALS
 REQUEUE_EXIT_CODE = 85
 REQUEUE_MARKER = "requeue.json"  # in the run directory; read by the sbatch scripts
 GRACE_ENV = "BIGCLIP_STOP_GRACE_S"
@@ -104,10 +103,6 @@ class SignalFlag:
         self._old_wakeup = -1
         self._watcher: threading.Thread | None = None
         self._quit = threading.Event()
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
 
     @property
     def said(self) -> bool:

@@ -42,7 +42,6 @@ from bigclip.weights.sources import WeightSource, open_weights, weights_tokenize
 log = logging.getLogger("bigclip.consolidate")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-OPTIMIZER_PREFIX = "optim."
 
 
 def output_tensors(

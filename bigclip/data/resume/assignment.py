@@ -178,7 +178,6 @@ class ReaderAssignment:
     origin: DataPosition
     tasks: list[list[ShardTask]]  # per worker, in reading order
     stream: RankStream  # readers' states, the round robin's place, the re-batcher's carry
-    exact: bool  # continues the saved stream exactly
     tails: list[Tail | None]  # per worker: the draws after its plan (--dataset-resampled)
 
 
@@ -193,7 +192,7 @@ def assign_readers(
     tasks = assign(
         remaining, shards, world_size=settings.world_size, workers=settings.workers, resampled=start.resampled
     )[rank]
-    return ReaderAssignment(origin, tasks, stream, exact, reader_tails(origin, settings, rank=rank))
+    return ReaderAssignment(origin, tasks, stream, reader_tails(origin, settings, rank=rank))
 
 
 def reader_tails(origin: DataPosition, settings: StreamSettings, *, rank: int) -> list[Tail | None]:

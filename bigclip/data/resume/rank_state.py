@@ -109,7 +109,7 @@ class RankState:
         seed, epoch, resampled = self.settings.seed, self.epoch, self.resampled
         tasks = [tasks_of(shards, plan, seed=seed, epoch=epoch, resampled=resampled) for plan in self.plans]
         tails = reader_tails(origin, self.settings, rank=self.rank)
-        return ReaderAssignment(origin, tasks, self.stream, True, tails)
+        return ReaderAssignment(origin, tasks, self.stream, tails)
 
     def to_json(self) -> dict[str, Any]:
         return {

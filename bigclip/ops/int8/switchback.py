@@ -40,7 +40,6 @@ from bigclip.errors import ConfigError
 from bigclip.models.contract import LinearSlot
 from bigclip.ops.int8 import custom_ops as ops
 
-QUANTIZATIONS = ("global", "vectorwise", "memefficient")
 INT8_MODES = {name: LINEAR_KINDS[name].variant for name in INT8_KINDS}  # --linear-kind -> quantisation
 _ALIGNMENT = 16  # kernel tiles and cuBLASLt int8 need sizes in multiples of 16 (resp. 8)
 _MAX_FEATURES = 65536  # the row-wise quantiser holds one row per program

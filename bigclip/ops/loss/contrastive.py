@@ -154,9 +154,8 @@ class ClipLoss(ContrastiveLoss):
         local_loss: bool = False,
         gather_with_grad: bool = False,
         group: dist.ProcessGroup | None = None,
-        check_inputs: bool = True,
     ) -> None:
-        super().__init__(group=group, check_inputs=check_inputs)
+        super().__init__(group=group)
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
 

@@ -31,8 +31,6 @@ import torch.distributed as dist
 
 from bigclip.ops.loss.collectives import all_gather_single, reduce_scatter_single
 
-REDUCTIONS = ("sum", "logaddexp")
-
 
 def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank, world_size) in `group`; (0, 1) when torch.distributed is not initialised."""
