@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.dual_encoder import CONTEXT, FAMILY, IMAGE_SIZE, NAME, WIDTH, DualEncoder, MLPBlock
+from support.dual_encoder import (
+    CONTEXT,
+    FAMILY,
+    IMAGE_SIZE,
+    NAME,
+    WIDTH,
+    DualEncoder,
+    MLPBlock,
+    dual_encoder_shape,
+)
 from support.engine_harness import global_batch, run_steps, tiny_config
 from test_plan import saved_bytes_per_token
 from torch.distributed.tensor import DTensor
@@ -30,6 +39,7 @@ from bigclip.models import families, listing
 from bigclip.models.contract import TrainableModel, param_shapes
 from bigclip.models.from_config import build_model, model_factory
 from bigclip.models.run_options import image_size
+from bigclip.models.shape import ModelOptions
 from bigclip.plan.memory import block_saved_per_token
 from bigclip.plan.planner import Hardware, build_plan
 from bigclip.plan.spec import PlanSpec
@@ -158,6 +168,8 @@ def test_the_command_line_reaches_a_model_that_is_not_clip_through_its_family(re
     with pytest.raises(ConfigError, match="takes no --grad-checkpointing"):
         parse_train_args(["--model", NAME, "--train-data", "shards", "--grad-checkpointing"])
     listing.main([])
-    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines() if NAME in line] == [
-        [NAME, str(IMAGE_SIZE)]
-    ]
+    shape, image = dual_encoder_shape(NAME, ModelOptions()), ("patch_embed.", "image_blocks.")
+    image_m = sum(p.numel for p in shape.params if p.name.startswith(image)) / 1e6
+    rows = [line.split()[:4] for line in capsys.readouterr().out.splitlines() if NAME in line]
+    assert rows == [[NAME, str(IMAGE_SIZE), f"{shape.numel / 1e6:.2f}", f"{image_m:.2f}"]]
+    assert image_m > 0

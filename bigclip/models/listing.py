@@ -8,7 +8,7 @@ tests/test_model_shape.py holds equal to the built model's parameters.
 from __future__ import annotations
 
 from bigclip.errors import ConfigError
-from bigclip.models.families import all_configs, model_shape
+from bigclip.models.families import all_configs, family_of, model_shape
 from bigclip.models.pretrained_tags import QUICKGELU, tags_for
 
 
@@ -26,12 +26,9 @@ def main(argv: list[str]) -> int:
         f"{'model':<{width}}{'image px':>9}{'params (M)':>12}{'image (M)':>12}{'text (M)':>12}  OpenCLIP tags"
     )
     for name in names:
-        shape = model_shape(name)
-        params = shape.params  # OpenCLIP's split: the image tower, the rest
-        total, image = (
-            sum(p.numel for p in params),
-            sum(p.numel for p in params if p.name.startswith("visual.")),
-        )
+        shape, is_image = model_shape(name), family_of(name).image_param
+        total = sum(p.numel for p in shape.params)
+        image = sum(p.numel for p in shape.params if is_image(p.name))  # the rest: text, scalars
         tags = ", ".join(tags_for(name) + [f"{t} (-quickgelu)" for t in tags_for(name + QUICKGELU)])
         print(
             f"{name:<{width}}{shape.image_size:>9}"

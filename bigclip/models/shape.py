@@ -107,3 +107,5 @@ class ModelFamily:
     # has no such model, so its weights export as safetensors only.
     open_clip_config: Callable[[str, ModelOptions], dict[str, Any]] | None = None
     other_names: str = ""  # names it takes beyond its configs, for messages (e.g. hf-hub:ORG/REPO)
+    # Whether a parameter (by name) is the image tower's, for `bigclip models`' image/text split.
+    image_param: Callable[[str], bool] = lambda name: name.startswith("visual.")  # OpenCLIP's layout

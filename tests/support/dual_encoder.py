@@ -142,5 +142,5 @@ def check(model: ModelConfig) -> None:
 FAMILY = ModelFamily(
     name="dual-encoder", configs=lambda: [NAME], owns=lambda n: n == NAME, shape=dual_encoder_shape,
     build="support.dual_encoder:build", tokenizer=lambda name, options: {"context_length": CONTEXT, "vocab_size": VOCAB},
-    check=check,
+    check=check, image_param=lambda name: name.startswith(("patch_embed.", "image_blocks.")),
 )  # fmt: skip
