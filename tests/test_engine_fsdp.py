@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from bigclip.distributed import Runtime, spawn
 from bigclip.engines import build_engine
-from bigclip.engines.optimizer import make_optimizer, param_groups, set_lr
+from bigclip.engines.optimizer import LocalShardOptimizer, make_optimizer, param_groups, set_lr
 from bigclip.models.factory import create_model
 from bigclip.ops.loss.contrastive import build_loss
 from bigclip.train.trainer import contrastive_loss, train_step
@@ -153,9 +153,9 @@ def foreach_checkpoint_worker(rank: int, world: int, root: str) -> dict:
     """A checkpoint written by a run whose engine stepped foreach AdamW (bigclip before it switched
     to fused), then resumed by today's engine."""
     cfg, batch = tiny_config(), 8
-    old, o = make_engine(rank, world, cfg), cfg.optim
-    groups = param_groups(old.module, weight_decay=o.wd)
-    old.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+    old = make_engine(rank, world, cfg)
+    foreach = tiny_config(**{"optim.opt_kwargs": {"foreach": True, "fused": False}}).optim
+    old.optimizer = LocalShardOptimizer(param_groups(old.module, weight_decay=foreach.wd), foreach)
     run_steps(old, cfg, range(3), batch)
     dcp.save(old.checkpoint_state(), checkpoint_id=root)
     old_losses = run_steps(old, cfg, range(3, 6), batch)
@@ -176,25 +176,21 @@ def test_a_checkpoint_of_foreach_adamw_resumes_with_the_fused_kernel(tmp_path):
 
 
 def amsgrad_worker(rank: int, world: int, root: str) -> dict:
-    """AMSGrad (--opt-kwargs amsgrad=True) stepped over local shards beside torch's AdamW stepping
-    the DTensors themselves; then a checkpoint of it, resumed by a fresh engine."""
+    """AMSGrad (--opt-kwargs amsgrad=True) on local shards, checkpointed and resumed by a fresh engine."""
     cfg, batch = tiny_config(**{"optim.opt_kwargs": {"amsgrad": True}}), 8
-    ours, reference = make_engine(rank, world, cfg), make_engine(rank, world, cfg)
-    reference.optimizer = make_optimizer(param_groups(reference.module, weight_decay=cfg.optim.wd), cfg.optim)
-    losses = [run_steps(engine, cfg, range(3), batch) for engine in (ours, reference)]
+    ours = make_engine(rank, world, cfg)
+    run_steps(ours, cfg, range(3), batch)
     dcp.save(ours.checkpoint_state(), checkpoint_id=root)
     keys = sorted(dcp.FileSystemReader(root).read_metadata().state_dict_metadata)
     straight = run_steps(ours, cfg, range(3, 6), batch)
     resumed = make_engine(rank, world, cfg)
     dcp.load(resumed.checkpoint_state(), checkpoint_id=root)
-    return {"losses": losses, "keys": keys, "resumed": (straight, run_steps(resumed, cfg, range(3, 6), batch)),
+    return {"keys": keys, "resumed": (straight, run_steps(resumed, cfg, range(3, 6), batch)),
             "weights": (ours.full_state_dict(), resumed.full_state_dict())}  # fmt: skip
 
 
-def test_the_optimizer_steps_local_shards_as_torch_steps_dtensors_and_resumes_amsgrad(tmp_path):
+def test_an_amsgrad_checkpoint_holds_its_extra_moment_and_resumes_the_same_run(tmp_path):
     result = spawn(amsgrad_worker, 2, str(tmp_path / "ckpt"))[0]
-    ours, reference = result["losses"]
-    assert ours == pytest.approx(reference, rel=FP32_RTOL)
     assert any(k.endswith(".max_exp_avg_sq") for k in result["keys"]), result["keys"][:5]
     straight, resumed = result["resumed"]
     assert resumed == pytest.approx(straight, rel=FP32_RTOL)

@@ -3,13 +3,10 @@ earlier checkpoints, and able to resume from their optimizer state."""
 
 from __future__ import annotations
 
-import copy
-import io
-
 import torch
 
 from bigclip.config import OptimConfig
-from bigclip.engines.optimizer import keep_kernel_choice, make_optimizer, param_groups
+from bigclip.engines.optimizer import make_optimizer, param_groups
 
 OPTIM = OptimConfig(lr=1e-2, wd=0.2)
 
@@ -50,29 +47,6 @@ def test_engines_step_fused_adamw_with_foreach_results() -> None:
     _steps(reference, _foreach(reference), range(5))
     _steps(model, optimizer, range(5))
     _assert_same(reference, model)
-
-
-def _checkpointed(state: dict) -> dict:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer)
-
-
-def test_optimizer_state_written_by_foreach_adamw_resumes_under_fused() -> None:
-    """Checkpoints from before the switch hold foreach AdamW's state and kernel choice."""
-    old = _model()
-    old_optimizer = _foreach(old)
-    _steps(old, old_optimizer, range(3))
-    resumed = copy.deepcopy(old)
-    resumed_optimizer = _fused(resumed)
-    saved = _checkpointed(old_optimizer.state_dict())
-    keep_kernel_choice(saved["param_groups"], resumed_optimizer)
-    resumed_optimizer.load_state_dict(saved)
-    assert all(g["fused"] and not g["foreach"] for g in resumed_optimizer.param_groups)
-    _steps(old, old_optimizer, range(3, 6))
-    _steps(resumed, resumed_optimizer, range(3, 6))
-    _assert_same(old, resumed)
 
 
 def test_parameters_without_a_fused_kernel_get_the_foreach_step() -> None:

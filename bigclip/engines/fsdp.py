@@ -27,9 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
@@ -46,7 +44,6 @@ from bigclip.engines.optimizer import (
     create_optimizer_state,
     get_step,
     is_finite,
-    keep_kernel_choice,
     local_tensor,
     param_groups,
     read_moments,
@@ -138,11 +135,11 @@ class FSDPEngine(Engine):
 
     def step(self, *, lr: float) -> StepStats:
         self._average_replicated_grads()
-        grads = [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
+        sharded, replicated = self.optimizer.take_grads()
+        grads = sharded + replicated
         if self.scaler:
-            for g in grads:
-                g.mul_(1.0 / self.scaler.scale)
-        norm = self._global_grad_norm()
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        norm = self._global_grad_norm(sharded, replicated)
         skipped = False
         if self.scaler:
             skipped = not is_finite(norm)  # a host sync, only in fp16 mode
@@ -163,10 +160,8 @@ class FSDPEngine(Engine):
             if p.grad is not None and self.runtime.world_size > 1:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.group)
 
-    def _global_grad_norm(self) -> torch.Tensor:
+    def _global_grad_norm(self, sharded: list[torch.Tensor], replicated: list[torch.Tensor]) -> torch.Tensor:
         """Norm over all gradients: sharded parts summed across ranks, replicated ones counted once."""
-        sharded = [local_tensor(p.grad) for p in self.module.parameters() if isinstance(p.grad, DTensor)]
-        replicated = [p.grad for p in self.replicated if p.grad is not None]
         sq = squared_norm(sharded, device=self.runtime.device)
         if self.runtime.world_size > 1:
             dist.all_reduce(sq, group=self.group)
@@ -189,13 +184,11 @@ class FSDPEngine(Engine):
         param.copy_(full)
 
     def _param_state(self, param: nn.Parameter) -> dict:
-        """The optimizer's state of a parameter (of its local shard for bitsandbytes), created if new."""
-        optimizer = self.optimizer
-        if isinstance(optimizer, LocalShardOptimizer):
-            optimizer, param = optimizer.inner, optimizer.shard(param)
-        if not optimizer.state.get(param):
-            create_optimizer_state(optimizer, [param])
-        return optimizer.state[param]
+        """The optimizer's state of a parameter's local shard, created if new."""
+        optimizer, shard = self.optimizer.inner, self.optimizer.shard(param)
+        if not optimizer.state.get(shard):
+            create_optimizer_state(optimizer, [shard])
+        return optimizer.state[shard]
 
     def _set_full_moments(self, name: str, moments: dict[str, torch.Tensor]) -> None:
         param = self.module.get_parameter(name)
@@ -228,22 +221,15 @@ class _OptimState(Stateful):
         self.engine = engine
 
     def state_dict(self) -> dict[str, Any]:
-        model, optimizer = self.engine.module, self.engine.optimizer
-        if isinstance(optimizer, LocalShardOptimizer):
-            state = {"optimizer": _local_shard_state_dict(model, optimizer)}
-        else:
-            state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        state = {"optimizer": _local_shard_state_dict(self.engine.module, self.engine.optimizer)}
         if self.engine.scaler:
             state["loss_scaler"] = self.engine.scaler.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        model, optimizer = self.engine.module, self.engine.optimizer
-        if isinstance(optimizer, LocalShardOptimizer):
-            _load_local_shard_state(model, optimizer, state_dict["optimizer"])
-        else:
-            keep_kernel_choice(state_dict["optimizer"]["param_groups"], optimizer)
-            set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
+        # A checkpoint's param groups are not loaded: lr is set every step, the rest comes from
+        # the flags, and the kernel (fused AdamW) stays this run's whatever wrote the checkpoint.
+        _load_local_shard_state(self.engine.module, self.engine.optimizer, state_dict["optimizer"])
         if self.engine.scaler and "loss_scaler" in state_dict:
             self.engine.scaler.load_state_dict(state_dict["loss_scaler"])
 

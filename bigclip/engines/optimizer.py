@@ -87,17 +87,6 @@ def _make(groups: list[dict], name: str, kwargs: dict) -> torch.optim.Optimizer:
     raise ConfigError(f"unknown --optimizer {name!r}")
 
 
-# Param-group keys that pick torch's kernel rather than the optimisation: a checkpoint's groups
-# carry the choice of the run that wrote it (foreach AdamW before bigclip switched to fused).
-KERNEL_KEYS = ("foreach", "fused", "capturable", "differentiable")
-
-
-def keep_kernel_choice(saved_groups: list[dict], optimizer: torch.optim.Optimizer) -> None:
-    """Make a checkpoint's param groups, about to be loaded, keep this optimizer's kernel."""
-    for saved, current in zip(saved_groups, optimizer.param_groups):
-        saved.update({k: current[k] for k in KERNEL_KEYS if k in current})
-
-
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -235,9 +224,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 class LocalShardOptimizer:
-    """An optimizer that understands only plain tensors (bitsandbytes' AdamW8bit), stepped over
-    each parameter's local shard: FSDP2's parameters are DTensors, and element-wise optimizers
-    need nothing but the shard. The shards are views of the DTensors' storage, made once."""
+    """The FSDP2 engine's optimizer: --optimizer stepped over each parameter's local shard, as
+    plain tensors. FSDP2's parameters are DTensors and the update is element-wise, so it needs
+    nothing but the shard; DTensor's dispatch per parameter is host time saved, and bitsandbytes'
+    AdamW8bit cannot step DTensors at all. The shards are views of the DTensors' storage, made once."""
 
     def __init__(self, groups: list[dict], cfg: OptimConfig) -> None:
         self.groups = [list(g["params"]) for g in groups]
@@ -245,6 +235,7 @@ class LocalShardOptimizer:
         self.shards = {id(p): local_tensor(p).detach() for p in self.params}
         local_groups = [{**g, "params": [self.shards[id(p)] for p in g["params"]]} for g in groups]
         self.inner = make_optimizer(local_groups, cfg)
+        self._taken = False  # whether take_grads set the shards' gradients for this step
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -253,13 +244,24 @@ class LocalShardOptimizer:
     def shard(self, param: torch.Tensor) -> torch.Tensor:
         return self.shards[id(param)]
 
+    def take_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each parameter's gradient as a plain tensor, now also its shard's `.grad` for `step`:
+        (sharded ones, replicated ones), for the engine's norm and clipping (one view each)."""
+        sharded, replicated = [], []
+        for p in self.params:
+            grad = None if p.grad is None else local_tensor(p.grad)
+            self.shard(p).grad = grad
+            if grad is not None:
+                (sharded if isinstance(p.grad, DTensor) else replicated).append(grad)
+        self._taken = True
+        return sharded, replicated
+
     def step(self) -> None:
-        for p in self.params:
-            self.shard(p).grad = None if p.grad is None else local_tensor(p.grad)
+        if not self._taken:
+            self.take_grads()
         self.inner.step()
-        for p in self.params:
-            self.shard(p).grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            p.grad = None
+            p.grad = self.shard(p).grad = None
+        self._taken = False

@@ -128,9 +128,7 @@ SINCE: dict[str, tuple[str, str]] = {
     f"{_DCP}.state_dict.StateDictOptions(full_state_dict=)": ("2.2", "StateDictOptions field"),
     f"{_DCP}.state_dict.get_model_state_dict": ("2.2", "torch.distributed.checkpoint.state_dict, 2.2"),
     f"{_DCP}.state_dict.get_model_state_dict(options=)": ("2.2", "get_model_state_dict's signature"),
-    f"{_DCP}.state_dict.get_optimizer_state_dict": ("2.2", "torch.distributed.checkpoint.state_dict, 2.2"),
     f"{_DCP}.state_dict.set_model_state_dict": ("2.2", "torch.distributed.checkpoint.state_dict, 2.2"),
-    f"{_DCP}.state_dict.set_optimizer_state_dict": ("2.2", "torch.distributed.checkpoint.state_dict, 2.2"),
     # -- core
     "torch.OutOfMemoryError": (
         "2.5",
