@@ -28,7 +28,7 @@ PER_RANK_S = 2e-4  # rank 0 per rank of the world: its gathered report and manif
 RECORD_TRAIN_BYTES = 32 << 10  # a rank's training state in its record (RNG, data position)
 NODE_UPLOAD_BYTES_PER_S = 500e6  # one node's S3 upload rate, as the recipes plan it
 PREEMPTION_WINDOW_S = 120  # the shipped recipes' grace: SIGTERM to kill, at its shortest
-STEP_FOLDER_REQUESTS = 1 + 3  # rank 0's listing of the step folder, and the manifest
+STEP_FOLDER_REQUESTS = 1 + 1  # rank 0's listing of the step folder, and the manifest (one PUT)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class FSDPPlan(EnginePlan):
         from torch.distributed.tensor import DTensor
 
         from bigclip.engines.fsdp import FSDPEngine
-        from bigclip.engines.optimizer import Precision, make_optimizer, param_groups
+        from bigclip.engines.optimizer import LocalShardOptimizer, Precision, param_groups
         from bigclip.models.from_config import build_model, synthetic_batch
         from bigclip.train.trainer import contrastive_loss
 
@@ -108,7 +108,7 @@ class FSDPPlan(EnginePlan):
             model.to_empty(device=CPU)
             engine.module = model
             engine.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-            engine.optimizer = make_optimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
+            engine.optimizer = LocalShardOptimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
             engine.scaler = None
             phase(1)
             loss = contrastive_loss(dot_loss, engine.forward(*synthetic_batch(cfg)))
@@ -119,7 +119,7 @@ class FSDPPlan(EnginePlan):
             return {
                 "parameters": tensor_bytes(model.parameters()),
                 "gradients": grads,
-                "optimizer": optimizer_state_bytes(engine.optimizer),
+                "optimizer": optimizer_state_bytes(engine.optimizer.inner),
             }
 
     def communication_remedies(self) -> list:
