@@ -88,7 +88,7 @@ class S3Location:
             from s3torchconnector import S3Exception
 
             self.read_errors += (S3Exception,)
-        self._sizes: dict[str, int] = {}  # object sizes seen, so ranged reads skip a HEAD each
+        self._sizes: dict[str, int] = {}  # checkpoint objects' sizes, so ranged reads skip a HEAD each
 
     @property
     def client(self) -> Any:
@@ -157,10 +157,8 @@ class S3Location:
             raise StorageError(f"checking {self.child_uri(relative)} failed: {_short(e)}") from e
 
     def size(self, relative: str) -> int:
-        if relative not in self._sizes:
-            response = self._call("reading", relative, self.client.head_object, Key=self._key(relative))
-            self._sizes[relative] = int(response["ContentLength"])
-        return self._sizes[relative]
+        response = self._call("reading", relative, self.client.head_object, Key=self._key(relative))
+        return int(response["ContentLength"])
 
     def read_bytes(self, relative: str) -> bytes:
         return self._call("reading", relative, self.client.get_object, Key=self._key(relative))["Body"].read()
@@ -192,7 +190,7 @@ class S3Location:
         reader = self.crt_client.get_object(
             self.bucket,
             self._key(relative),
-            object_info=SimpleNamespace(size=self.size(relative)),
+            object_info=SimpleNamespace(size=self._checkpoint_object_size(relative)),
             reader_constructor=S3ReaderConstructor.range_based(0),
         )
         reader.seek(offset)
@@ -203,6 +201,12 @@ class S3Location:
                 break
             done += n
         return done
+
+    def _checkpoint_object_size(self, relative: str) -> int:
+        # Checkpoint objects never change once written: one HEAD per object, not one per read.
+        if relative not in self._sizes:
+            self._sizes[relative] = self.size(relative)
+        return self._sizes[relative]
 
     def write_bytes(self, relative: str, data: bytes) -> None:
         # One PUT: readers see the old object, no object, or all of the new one.
