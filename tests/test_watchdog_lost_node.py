@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.store_sim import QUICK_RESOLVER, SERVER
+from support.store_sim import QUICK_RESOLVER, SERVER, freeze
 
 from bigclip.distributed import store_client
 from bigclip.train.bounded_store import BoundedStore, StoreUnresponsive
@@ -79,7 +79,7 @@ def test_a_stopped_store_bounds_every_call_and_a_fresh_connection_resumes(server
         lambda: store_client("127.0.0.1", port, prefix="stopped", timeout_s=2.0), deadline_s=2.0
     )
     assert store.add("n", 1) == 1
-    os.kill(proc.pid, signal.SIGSTOP)
+    freeze(proc.pid)  # every thread stopped, the store's event loop included
     try:
         for call in (lambda: store.add("n", 0), lambda: store.check(["n"]), lambda: store.get("n")):
             started = time.monotonic()

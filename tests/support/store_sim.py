@@ -138,7 +138,7 @@ def _run(
     os.kill(lost.pid, signal.SIGKILL if s.fault == "kill" else signal.SIGSTOP)
     fault_at = time.monotonic()
     if s.store_stop_s:
-        os.kill(server.pid, signal.SIGSTOP)
+        freeze(server.pid)
     fail.set()
     if s.store_stop_s:
         time.sleep(s.store_stop_s)
@@ -155,6 +155,24 @@ def _run(
             result.exits[value.rank] = value
     result.missing = sorted(survivors - set(result.exits))
     return result
+
+
+def freeze(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP a process and return once every thread of it has stopped. kill() returns when the
+    signal is queued: one thread takes it and only then stops the others, so on a loaded machine
+    the store's event-loop thread could still answer a request sent just after kill()."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + timeout_s
+    while not all(_stopped(task) for task in Path(f"/proc/{pid}/task").iterdir()):
+        assert time.monotonic() < end, f"process {pid} did not stop within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def _stopped(task: Path) -> bool:
+    try:  # the state follows the parenthesised command name, which may hold spaces
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except FileNotFoundError:  # a thread that ended
+        return True
 
 
 def _process_ranks(s: Scenario) -> list[list[int]]:
