@@ -73,25 +73,19 @@ class FSDPEngine(Engine):
     def build(
         self, model: TrainableModel, *, rebuild: Callable[[torch.device], TrainableModel] | None = None
     ) -> None:
-        self.precision = Precision.from_name(self.cfg.engine.precision)
-        if self.precision.param_dtype != torch.float32:
-            model.to(self.precision.param_dtype)
         if self.cfg.model.torchcompile:
             compile_blocks(list(model.blocks()), self.cfg.model)
         self._shard(model)
         model.to_empty(device=self.runtime.device)
         init_sharded_weights(model, seed=self.cfg.optim.seed, device=self.runtime.device)
-        self.module = model
-        self.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-        # Stepped over each parameter's local shard, not the DTensors: the update is element-wise,
-        # and DTensor's dispatch for ~1,000 parameters cost a fifth of the optimizer step's host
-        # time (benchmarks/host_overhead.py); bitsandbytes' optimizers cannot step DTensors at all.
-        self.optimizer = LocalShardOptimizer(
-            param_groups(model, weight_decay=self.cfg.optim.wd), self.cfg.optim
-        )
-        self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
+        self._adopt(model)
 
     def _shard(self, model: TrainableModel) -> None:
+        """The precision's parameter dtype, then fully_shard per unit of blocks and on the root,
+        all on the meta device (the planner's dry run shares this and `_adopt`)."""
+        self.precision = Precision.from_name(self.cfg.engine.precision)
+        if self.precision.param_dtype != torch.float32:
+            model.to(self.precision.param_dtype)
         mesh = init_device_mesh(self.runtime.device.type, (self.runtime.world_size,))
         self.group = mesh.get_group()
         p = self.precision
@@ -112,6 +106,18 @@ class FSDPEngine(Engine):
         scalars = {model.get_parameter(name) for name in model.replicated_scalars()}
         # The root's parameters are needed again right at the start of backward: keep them gathered.
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=scalars, reshard_after_forward=False)
+
+    def _adopt(self, model: TrainableModel) -> None:
+        """The sharded, materialised model becomes this engine's, with its optimizer and loss scaler."""
+        self.module = model
+        self.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        # Stepped over each parameter's local shard, not the DTensors: the update is element-wise,
+        # and DTensor's dispatch for ~1,000 parameters cost a fifth of the optimizer step's host
+        # time (benchmarks/host_overhead.py); bitsandbytes' optimizers cannot step DTensors at all.
+        self.optimizer = LocalShardOptimizer(
+            param_groups(model, weight_decay=self.cfg.optim.wd), self.cfg.optim
+        )
+        self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
 
     @property
     def image_dtype(self) -> torch.dtype:
@@ -234,14 +240,6 @@ class _OptimState(Stateful):
             self.engine.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
-def _saved_moments(state: dict) -> dict[str, torch.Tensor]:
-    """A parameter's state a checkpoint holds besides its step, fp32, shaped like its shard (8-bit:
-    flat): torch AdamW's tensors as they are (amsgrad adds max_exp_avg_sq), bitsandbytes' dequantised."""
-    if "state1" in state:
-        return read_moments(state)
-    return {key: value.detach() for key, value in state.items() if key != "step" and torch.is_tensor(value)}
-
-
 def _local_shard_state_dict(model: nn.Module, optimizer: LocalShardOptimizer) -> dict[str, Any]:
     """`get_optimizer_state_dict`'s layout for an optimizer stepped over local shards: fp32
     moments (dequantised for 8-bit) as DTensors placed like their parameters, keyed by name."""
@@ -253,7 +251,7 @@ def _local_shard_state_dict(model: nn.Module, optimizer: LocalShardOptimizer) ->
     for p in optimizer.params:
         shard_state = inner.state[optimizer.shard(p)]
         entry: dict[str, Any] = {"step": torch.tensor(float(get_step(shard_state)))}
-        for key, moment in _saved_moments(shard_state).items():
+        for key, moment in read_moments(shard_state).items():
             local_moment = moment.view(optimizer.shard(p).shape)
             entry[key] = (
                 DTensor.from_local(
@@ -276,7 +274,7 @@ def _load_local_shard_state(model: nn.Module, optimizer: LocalShardOptimizer, sa
     names = {id(p): n for n, p in model.named_parameters()}
     for p in optimizer.params:
         shard_state, entry = optimizer.inner.state[optimizer.shard(p)], saved["state"][names[id(p)]]
-        moments = _saved_moments(shard_state)
+        moments = read_moments(shard_state)
         for key, moment in moments.items():
             moment.copy_(local_tensor(entry[key]).reshape(-1).view_as(moment))
         write_moments(shard_state, moments)

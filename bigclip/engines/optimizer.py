@@ -149,11 +149,14 @@ _BNB_KEYS = {"exp_avg": ("state1", "absmax1", "qmap1"), "exp_avg_sq": ("state2",
 
 
 def read_moments(state: dict) -> dict[str, torch.Tensor]:
-    """A parameter's Adam moments as fp32 tensors: the state itself for torch (and DeepSpeed)
-    Adam; for bitsandbytes' 8-bit AdamW, dequantised copies of its uint8 codes (or its fp32
-    state1/state2 for tensors under min_8bit_size). Change them in place, then `write_moments`."""
+    """A parameter's per-element optimizer state as fp32 tensors, what a checkpoint holds besides
+    its step: the state itself for torch (and DeepSpeed) Adam (AMSGrad adds max_exp_avg_sq); for
+    bitsandbytes' 8-bit AdamW, dequantised copies of its uint8 codes (or its fp32 state1/state2
+    for tensors under min_8bit_size). Change them in place, then `write_moments`."""
     if "state1" not in state:
-        return {key: state[key].detach() for key in MOMENTS}
+        return {
+            key: value.detach() for key, value in state.items() if key != "step" and torch.is_tensor(value)
+        }
     moments = {}
     for key, (codes, absmax, qmap) in _BNB_KEYS.items():
         if state[codes].dtype != torch.uint8:

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.distributed.tensor.placement_types import Shard
 
 from bigclip.models.shape import ParamShape
@@ -89,27 +88,19 @@ class FSDPPlan(EnginePlan):
         dtypes, no storage), the rest of its `build`, one forward and backward on a synthetic
         batch and its real `step`; gradients are counted after backward."""
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.distributed.tensor import DTensor
 
         from bigclip.engines.fsdp import FSDPEngine
-        from bigclip.engines.optimizer import LocalShardOptimizer, Precision, param_groups
         from bigclip.models.from_config import build_model, synthetic_batch
         from bigclip.train.trainer import contrastive_loss
 
         phase(0)
         engine = FSDPEngine(cfg, runtime)
-        engine.precision = Precision.from_name(cfg.engine.precision)
         model = build_model(cfg)
-        if engine.precision.param_dtype != torch.float32:
-            model.to(engine.precision.param_dtype)
         engine._shard(model)  # outside FakeTensorMode: the device mesh reads its rank map
         with FakeTensorMode(allow_non_fake_inputs=True):
-            # FSDPEngine.build from here on (its weight init needs values, which fake tensors lack).
-            model.to_empty(device=CPU)
-            engine.module = model
-            engine.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-            engine.optimizer = LocalShardOptimizer(param_groups(model, weight_decay=cfg.optim.wd), cfg.optim)
-            engine.scaler = None
+            model.to_empty(device=CPU)  # no weight init: it needs values, which fake tensors lack
+            engine._adopt(model)
+            engine.scaler = None  # a loss scale's finiteness check reads a value
             phase(1)
             loss = contrastive_loss(dot_loss, engine.forward(*synthetic_batch(cfg)))
             engine.backward(loss)
