@@ -139,6 +139,7 @@ class FSDPEngine(Engine):
         finally:
             self.module.set_requires_gradient_sync(True)
 
+    @torch.no_grad()  # DTensor.to_local outside no_grad is an autograd op per gradient: host time
     def step(self, *, lr: float) -> StepStats:
         self._average_replicated_grads()
         sharded, replicated = self.optimizer.take_grads()
