@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from bigclip.engines.optimizer import MOMENTS
 from bigclip.plan.engine_plan import Boxes, engine_plan
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 PARAM_GROUPS = 2  # bigclip's: with and without weight decay (engines/optimizer.py)
 
 

@@ -34,14 +34,13 @@ from bigclip.config import TrainConfig
 from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
-from bigclip.engines.optimizer import excluded_from_weight_decay
+from bigclip.engines.optimizer import MOMENTS, excluded_from_weight_decay
 from bigclip.errors import BigclipError, ConfigError, StorageError
 from bigclip.weights.dcp_reader import prefetch
 from bigclip.weights.pretrained import match_weights
 from bigclip.weights.sources import TORCH_SUFFIXES, WeightSource, open_weights
 
 log = logging.getLogger("bigclip.resume")
-MOMENTS = ("exp_avg", "exp_avg_sq")
 OPENCLIP_TOKENIZER = "open_clip"
 
 
