@@ -6,11 +6,12 @@ time is what the step leaves the device idle for when it is not hidden behind ke
 Rows, each in a process of its own, on one thread: bigclip's step as the GPU benchmarks run it
 (FSDP2 at a world of one, amp_bf16, selective checkpointing, eager and with compiled blocks) and
 each lever beside it; the same rows for a baseline commit of bigclip (`--baseline`, by default
-the last commit before the levers, run from a git worktree of it); OpenCLIP's own step at the
-same shape (its CLIP, autocast bf16, full checkpointing, ClipLoss, AdamW) in the same torch.
+the last commit before the levers, run from a git worktree of it); a probe of a lever not yet
+built (no FSDP2 at a world of one: `probe_worker`); OpenCLIP's own step at the same shape (its
+CLIP, autocast bf16, full checkpointing, ClipLoss, AdamW) in the same torch.
 Columns: host ms per step (the best step over `--rounds` runs of every row, which alternate with
-their baseline's, so drifting load hits both alike), aten operators dispatched per step (eager rows: compiled
-blocks run inside inductor's code), and each to the baseline's row of the same kind.
+their baseline's, so drifting load hits both alike), aten operators dispatched per step (eager
+rows: compiled blocks run inside inductor's code), and each to the baseline's row of the same kind.
 
     python benchmarks/host_overhead.py [--steps 9] [--rounds 3] [--baseline REV]
 
@@ -52,6 +53,8 @@ ROWS = {
         "bigclip",
         {"compile": True, "reshard": False, "per_unit": 16},
     ),
+    # A lever measured before it is built: no FSDP2 at a world of one (probe_worker).
+    "probe: no FSDP2, bf16 params, fp32 masters, compiled": ("probe", {}),
     "OpenCLIP": ("openclip", {}),
 }
 
@@ -91,16 +94,13 @@ def timed(step: Any, steps: int, *, ops: bool) -> dict[str, Any]:
     }
 
 
-def bigclip_worker(rank: int, world: int, options: dict[str, Any], steps: int) -> dict[str, Any]:
+def bigclip_config(options: dict[str, Any]) -> Any:
+    """The run's config for a bigclip row, and its model on the meta device."""
     import torch
 
     from bigclip.config import TrainConfig
-    from bigclip.distributed import Runtime
-    from bigclip.engines import build_engine
     from bigclip.models.clip import CLIP
     from bigclip.models.named_configs import get_model_config
-    from bigclip.ops.loss.contrastive import build_loss
-    from bigclip.train.trainer import contrastive_loss
 
     torch.set_num_threads(1)
     cfg = TrainConfig()
@@ -119,6 +119,18 @@ def bigclip_worker(rank: int, world: int, options: dict[str, Any], steps: int) -
     model_cfg.embed_dim = SHAPE["embed_dim"]
     model = CLIP(model_cfg, device="meta")
     model.set_grad_checkpointing(True, policy="ops")
+    return cfg, model
+
+
+def bigclip_worker(rank: int, world: int, options: dict[str, Any], steps: int) -> dict[str, Any]:
+    import torch
+
+    from bigclip.distributed import Runtime
+    from bigclip.engines import build_engine
+    from bigclip.ops.loss.contrastive import build_loss
+    from bigclip.train.trainer import contrastive_loss
+
+    cfg, model = bigclip_config(options)
     engine = build_engine(cfg, Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
     engine.build(model)
     loss_fn = build_loss(cfg.loss)
@@ -129,6 +141,48 @@ def bigclip_worker(rank: int, world: int, options: dict[str, Any], steps: int) -
         engine.step(lr=1e-4)
 
     return timed(step, steps, ops=not options["compile"])
+
+
+def probe_worker(rank: int, world: int, options: dict[str, Any], steps: int) -> dict[str, Any]:
+    """What a world of one without FSDP2 would cost: the same compiled blocks and checkpointing,
+    the module's parameters in bf16 (the compute FSDP2's bf16 policy does), fp32 masters stepped
+    by fused AdamW, the gradients cast into the masters and clipped by their total norm, then the
+    masters copied back into the parameters. Not a bigclip code path: a measure of the lever."""
+    import torch
+
+    from bigclip.engines.compile import compile_blocks
+    from bigclip.models.contract import initial_values
+    from bigclip.ops.loss.contrastive import build_loss
+    from bigclip.train.trainer import contrastive_loss
+
+    cfg, model = bigclip_config({"compile": True, "reshard": False, "per_unit": 1})
+    model.to_empty(device="cpu")
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in initial_values(model, {n: p.shape for n, p in named.items()}, seed=0, device="cpu"):
+            named[name].copy_(full)
+    compile_blocks(list(model.blocks()), cfg.model)
+    masters = [p.detach().clone() for p in model.parameters()]
+    model.to(torch.bfloat16)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(masters, lr=1e-4, fused=True)
+    loss_fn = build_loss(cfg.loss)
+    images, texts = batch()
+    images = images.to(torch.bfloat16)
+
+    def step() -> None:
+        contrastive_loss(loss_fn, model(images, texts)).backward()
+        with torch.no_grad():
+            for master, param in zip(masters, params):
+                master.grad, param.grad = param.grad.float(), None
+            grads = [m.grad for m in masters]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch._foreach_copy_(params, masters)
+
+    return timed(step, steps, ops=False)
 
 
 def openclip_step(steps: int) -> dict[str, Any]:
@@ -168,7 +222,7 @@ def measure_row(name: str, steps: int) -> dict[str, Any]:
         return openclip_step(steps)
     from bigclip.distributed import spawn
 
-    return spawn(bigclip_worker, 1, options, steps)[0]
+    return spawn(probe_worker if kind == "probe" else bigclip_worker, 1, options, steps)[0]
 
 
 def run_row(name: str, steps: int, *, tree: Path) -> dict[str, Any]:

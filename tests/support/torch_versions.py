@@ -153,6 +153,10 @@ SINCE: dict[str, tuple[str, str]] = {
         "the 0-dim Tensor overload (no host sync): missing in Aug 2023 (pytorch#106427), used by "
         "pytorch#120910's DTensor clip_grad_norm_ (Feb 2024, before the 2.3 cut)",
     ),
+    "torch._foreach_copy_": (
+        "2.1",
+        "in-place foreach copy, pytorch#107226 (merged Aug 2023, before the 2.1 cut; fixes pytorch#107162)",
+    ),
     "torch._int_mm": ("2.1", "int8 x int8 -> int32 matmul (CUDA 2.1; CPU by 2.3)"),
     "torch.float8_e4m3fn": ("2.1", "float8 dtypes, 2.1 release notes"),
     "torch.float8_e5m2": ("2.1", "float8 dtypes, 2.1 release notes"),
