@@ -146,26 +146,31 @@ def bigclip_worker(rank: int, world: int, options: dict[str, Any], steps: int) -
 def probe_worker(rank: int, world: int, options: dict[str, Any], steps: int) -> dict[str, Any]:
     """What a world of one without FSDP2 would cost: the same compiled blocks and checkpointing,
     the module's parameters in bf16 (the compute FSDP2's bf16 policy does), fp32 masters stepped
-    by fused AdamW, the gradients cast into the masters and clipped by their total norm, then the
-    masters copied back into the parameters. Not a bigclip code path: a measure of the lever."""
+    by the engine's optimizer, the gradients cast into the masters, their total norm taken (and
+    clipped, under --grad-clip-norm) as the engine's step does, then the masters copied back into
+    the parameters. Not a bigclip code path: a measure of the lever."""
     import torch
 
     from bigclip.engines.compile import compile_blocks
-    from bigclip.models.contract import initial_values
+    from bigclip.engines.fsdp import init_sharded_weights
+    from bigclip.engines.optimizer import clip_by_total_norm_, make_optimizer, param_groups, squared_norm
     from bigclip.ops.loss.contrastive import build_loss
     from bigclip.train.trainer import contrastive_loss
 
     cfg, model = bigclip_config({"compile": True, "reshard": False, "per_unit": 1})
-    model.to_empty(device="cpu")
-    named = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, full in initial_values(model, {n: p.shape for n, p in named.items()}, seed=0, device="cpu"):
-            named[name].copy_(full)
+    cpu = torch.device("cpu")
+    model.to_empty(device=cpu)
+    init_sharded_weights(model, seed=cfg.optim.seed, device=cpu)  # no DTensors: whole values
     compile_blocks(list(model.blocks()), cfg.model)
-    masters = [p.detach().clone() for p in model.parameters()]
-    model.to(torch.bfloat16)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(masters, lr=1e-4, fused=True)
+    groups = param_groups(model, weight_decay=cfg.optim.wd)
+    master = {id(p): p.detach().clone() for g in groups for p in g["params"]}
+    # The engine's optimizer and hyperparameters, over the fp32 masters (as LocalShardOptimizer's shards).
+    optimizer = make_optimizer(
+        [{**g, "params": [master[id(p)] for p in g["params"]]} for g in groups], cfg.optim
+    )
+    params = [p for g in groups for p in g["params"]]
+    masters = [master[id(p)] for p in params]
+    model.to(torch.bfloat16)  # the same Parameter objects, now bf16
     loss_fn = build_loss(cfg.loss)
     images, texts = batch()
     images = images.to(torch.bfloat16)
@@ -173,11 +178,12 @@ def probe_worker(rank: int, world: int, options: dict[str, Any], steps: int) -> 
     def step() -> None:
         contrastive_loss(loss_fn, model(images, texts)).backward()
         with torch.no_grad():
-            for master, param in zip(masters, params):
-                master.grad, param.grad = param.grad.float(), None
+            for m, p in zip(masters, params):
+                m.grad, p.grad = p.grad.float(), None
             grads = [m.grad for m in masters]
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-            torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+            norm = squared_norm(grads, device=cpu).sqrt()
+            if cfg.optim.grad_clip_norm > 0:
+                clip_by_total_norm_(grads, norm, cfg.optim.grad_clip_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             torch._foreach_copy_(params, masters)
