@@ -42,10 +42,12 @@ def test_the_planner_prices_a_registered_kind_by_its_own_terms(toy):
     assert plan.memory.persistent_gradients == 4 * numel  # the base class's: accumulators live on
     assert plan.checkpoint_rank0_bytes == plan.checkpoint_total_bytes  # rank 0 owns all of it
     assert plan.checkpoint is None  # no checkpoint layout: its coordination is not simulated
-    # The kind's numbers are the planner's: one rank of FSDP holds what every replica holds, and
-    # FSDP at 8 ranks shards it where the replicas do not.
+    # The kind's numbers are the planner's: one rank of FSDP holds what every replica holds (and,
+    # on one GPU, the bf16 copy of each weight beside its fp32 master, engines/master_weights.py),
+    # and FSDP at 8 ranks shards it where the replicas do not.
     one_fsdp = build_plan(dataclasses.replace(SPEC, gpus=1, engine="fsdp"), Hardware()).memory.state
-    assert one_fsdp == plan.memory.state
+    bf16_copies = 2 * sum(p.numel for p in params if p.shape)  # the 0-dim logit scale: its own master
+    assert one_fsdp == dataclasses.replace(plan.memory.state, parameters=4 * numel + bf16_copies)
     eight_fsdp = build_plan(dataclasses.replace(SPEC, engine="fsdp"), Hardware()).memory.state
     assert plan.memory.state.optimizer / 8 <= eight_fsdp.optimizer < plan.memory.state.optimizer / 7
 

@@ -1,5 +1,5 @@
 """The planner's per-rank parameter, gradient and optimizer bytes against the real engines, run as
-rank 0 of 256 and 1024 under torch's fake process group (each dry run in a fresh process)."""
+rank 0 of 256 and 1024 (and of one) under torch's fake process group (each dry run in a fresh process)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ CASES = {
     "fsdp-B32-pure_bf16-256": ["--gpus", "256", "--model", "ViT-B-32", "--precision", "pure_bf16",
                                "--grad-checkpointing", "--force-patch-dropout", "0.5"],
     "zero3-B32-fp32-256": ["--gpus", "256", "--model", "ViT-B-32", "--precision", "fp32", *ZERO3],
+    # One GPU: no FSDP2, bf16 parameters beside fp32 masters (engines/master_weights.py).
+    "fsdp-B32-1": ["--gpus", "1", "--model", "ViT-B-32"],
 }  # fmt: skip
 
 

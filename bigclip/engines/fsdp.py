@@ -13,6 +13,12 @@ benchmarks/precision_vs_autocast.py; docs/engines-and-precision.md "Precision".)
 
 FSDP2 cannot shard 0-dim parameters, and OpenCLIP's `logit_scale`/`logit_bias` are 0-dim; they are
 left replicated (`ignored_params`) and this engine averages their gradients itself in `step`.
+
+At a world of one there is nothing to shard, and FSDP2 would still copy and cast every parameter
+and gradient each step, so the model stays a plain module: under a mixed precision its parameters
+are in the compute dtype, with fp32 masters that the optimizer steps (engines/master_weights.py; the
+same numbers as FSDP2's, in a third less host time: benchmarks/host_overhead.py). Checkpoints hold
+the masters under the same names and layout, so a run resumes on any world size.
 """
 
 from __future__ import annotations
@@ -34,8 +40,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from bigclip.config import TrainConfig
+from bigclip.distributed import Runtime
 from bigclip.engines.base import Engine, StepStats
 from bigclip.engines.compile import compile_blocks
+from bigclip.engines.master_weights import MasterWeights
 from bigclip.engines.optimizer import (
     DynamicLossScaler,
     LocalShardOptimizer,
@@ -70,6 +79,12 @@ def init_sharded_weights(model: TrainableModel, *, seed: int, device: torch.devi
 class FSDPEngine(Engine):
     name = "fsdp"
 
+    def __init__(self, cfg: TrainConfig, runtime: Runtime) -> None:
+        super().__init__(cfg, runtime)
+        self.world_of_one = runtime.world_size == 1  # a plain module, no FSDP2 (module docstring)
+        self.masters: MasterWeights | None = None
+        self.group: dist.ProcessGroup | None = None  # FSDP2's mesh's, from `_shard`
+
     def build(
         self, model: TrainableModel, *, rebuild: Callable[[torch.device], TrainableModel] | None = None
     ) -> None:
@@ -86,6 +101,8 @@ class FSDPEngine(Engine):
         self.precision = Precision.from_name(self.cfg.engine.precision)
         if self.precision.param_dtype != torch.float32:
             model.to(self.precision.param_dtype)
+        if self.world_of_one:
+            return
         mesh = init_device_mesh(self.runtime.device.type, (self.runtime.world_size,))
         self.group = mesh.get_group()
         p = self.precision
@@ -111,11 +128,15 @@ class FSDPEngine(Engine):
         """The sharded, materialised model becomes this engine's, with its optimizer and loss scaler."""
         self.module = model
         self.replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        if self.world_of_one and self.precision.mixed:  # the scalars stay fp32, as FSDP2 leaves them
+            scalars = model.replicated_scalars()
+            named = ((n, p) for n, p in model.named_parameters() if n not in scalars)
+            self.masters = MasterWeights(named, self.precision.compute_dtype)
         # Stepped over each parameter's local shard, not the DTensors: the update is element-wise,
         # and DTensor's dispatch for ~1,000 parameters cost a fifth of the optimizer step's host
         # time (benchmarks/host_overhead.py); bitsandbytes' optimizers cannot step DTensors at all.
         self.optimizer = LocalShardOptimizer(
-            param_groups(model, weight_decay=self.cfg.optim.wd), self.cfg.optim
+            param_groups(model, weight_decay=self.cfg.optim.wd), self.cfg.optim, masters=self.masters
         )
         self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
 
@@ -130,9 +151,14 @@ class FSDPEngine(Engine):
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+        if self.masters:
+            self.masters.accumulate_grads()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
+        if self.world_of_one:  # nothing to reduce
+            yield
+            return
         self.module.set_requires_gradient_sync(False)
         try:
             yield
@@ -156,6 +182,8 @@ class FSDPEngine(Engine):
                 clip_by_total_norm_(grads, norm, self.cfg.optim.grad_clip_norm)
             set_lr(self.optimizer, lr)
             self.optimizer.step()
+            if self.masters:
+                self.masters.copy_to_params()
         self.optimizer.zero_grad(set_to_none=True)
         self.clamp_scalars()
         return StepStats(
@@ -174,12 +202,17 @@ class FSDPEngine(Engine):
             dist.all_reduce(sq, group=self.group)
         return (sq + squared_norm(replicated, device=self.runtime.device)).sqrt()
 
+    def model_state_dict(self, options: StateDictOptions | None = None) -> dict[str, Any]:
+        """DCP's model state dict, with each parameter's fp32 master where it has one."""
+        state = get_model_state_dict(self.module, options=options)
+        return {**state, **self.masters.by_name()} if self.masters else state
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().cpu() for k, v in state.items()}
+        state = self.model_state_dict(StateDictOptions(full_state_dict=True))
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # not the live masters
 
     def checkpoint_state(self) -> dict[str, Stateful]:
-        return {"model": _ModelState(self.module), "optim": _OptimState(self)}
+        return {"model": _ModelState(self), "optim": _OptimState(self)}
 
     def full_param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in self.module.named_parameters()}  # DTensor: global
@@ -188,7 +221,12 @@ class FSDPEngine(Engine):
         param = self.module.get_parameter(name)
         if isinstance(param, DTensor):  # a local cut, as in init_sharded_weights: no communication
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.copy_(full)
+        master = self.masters.master(param) if self.masters else None
+        (param if master is None else master).copy_(full)
+
+    def _after_full_load(self) -> None:
+        if self.masters:
+            self.masters.copy_to_params()
 
     def _param_state(self, param: nn.Parameter) -> dict:
         """The optimizer's state of a parameter's local shard, created if new."""
@@ -213,14 +251,15 @@ class FSDPEngine(Engine):
 
 
 class _ModelState(Stateful):
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, engine: FSDPEngine) -> None:
+        self.engine = engine
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return self.engine.model_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        # DCP loaded the masters in place; this sets the module's parameters (rounded) from them.
+        set_model_state_dict(self.engine.module, state_dict)
 
 
 class _OptimState(Stateful):

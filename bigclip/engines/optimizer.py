@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,6 +13,9 @@ from torch.distributed.tensor import DTensor
 
 from bigclip.config import PRECISION_KINDS, OptimConfig
 from bigclip.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bigclip.engines.master_weights import MasterWeights
 
 
 @dataclass(frozen=True)
@@ -230,12 +233,17 @@ class LocalShardOptimizer:
     """The FSDP2 engine's optimizer: --optimizer stepped over each parameter's local shard, as
     plain tensors. FSDP2's parameters are DTensors and the update is element-wise, so it needs
     nothing but the shard; DTensor's dispatch per parameter is host time saved, and bitsandbytes'
-    AdamW8bit cannot step DTensors at all. The shards are views of the DTensors' storage, made once."""
+    AdamW8bit cannot step DTensors at all. The shards are views of the DTensors' storage, made once.
+    `masters`: a parameter's fp32 master (engines/master_weights.py) is stepped in its place, with
+    the gradient its master already holds."""
 
-    def __init__(self, groups: list[dict], cfg: OptimConfig) -> None:
+    def __init__(self, groups: list[dict], cfg: OptimConfig, *, masters: MasterWeights | None = None) -> None:
         self.groups = [list(g["params"]) for g in groups]
         self.params = [p for g in self.groups for p in g]
-        self.shards = {id(p): local_tensor(p).detach() for p in self.params}
+        self.shards = {}
+        for p in self.params:
+            master = masters.master(p) if masters else None
+            self.shards[id(p)] = master if master is not None else local_tensor(p).detach()
         local_groups = [{**g, "params": [self.shards[id(p)] for p in g["params"]]} for g in groups]
         self.inner = make_optimizer(local_groups, cfg)
         self._taken = False  # whether take_grads set the shards' gradients for this step
@@ -252,10 +260,11 @@ class LocalShardOptimizer:
         (sharded ones, replicated ones), for the engine's norm and clipping (one view each)."""
         sharded, replicated = [], []
         for p in self.params:
-            grad = None if p.grad is None else local_tensor(p.grad)
-            self.shard(p).grad = grad
-            if grad is not None:
-                (sharded if isinstance(p.grad, DTensor) else replicated).append(grad)
+            shard = self.shard(p)
+            if p.grad is not None:  # (a master holds its gradient already; zero_grad clears both)
+                shard.grad = local_tensor(p.grad)
+            if shard.grad is not None:
+                (sharded if isinstance(p, DTensor) else replicated).append(shard.grad)
         self._taken = True
         return sharded, replicated
 

@@ -5,6 +5,12 @@ Each parameter is cut along dim 0 with torch.chunk semantics, so rank 0 holds ce
 parameters, their gradients and AdamW's two moments are all in the precision's parameter dtype
 (fp32, or bf16 for pure_bf16). AdamW's `step` counters are 0-dim CPU tensors and are not counted.
 In a checkpoint a rank's chunk of a tensor is DTensor's own Shard(0) slice of whole rows.
+
+At one GPU the engine uses no FSDP2 (engines/master_weights.py): under a mixed precision each
+parameter is held in the compute dtype beside its fp32 master, the masters' fp32 gradients live from
+the end of backward to the step (across micro-batches under --accum-freq), and nothing is gathered.
+The compute-dtype gradients fill up in backward as the activations drain, and are freed into the
+masters before the step: they are counted in neither peak.
 """
 
 from __future__ import annotations
@@ -26,6 +32,15 @@ from bigclip.plan.spec import PlanSpec, dtype_bytes
 if TYPE_CHECKING:
     from bigclip.config import TrainConfig
     from bigclip.distributed import Runtime
+
+
+def _compute_copies(spec: PlanSpec, params: Sequence[ParamShape]) -> int:
+    """At one GPU under a mixed precision: the compute-dtype parameters beside the fp32 masters
+    (0-dim scalars are their own masters)."""
+    p = spec.dtypes
+    if spec.gpus > 1 or p.compute_dtype == p.param_dtype:
+        return 0
+    return dtype_bytes(p.compute_dtype) * sum(param.numel for param in params if param.shape)
 
 
 def fsdp_shard_numel(param: ParamShape, world: int) -> int:
@@ -51,12 +66,14 @@ class FSDPPlan(EnginePlan):
         shards = [fsdp_shard_numel(p, spec.gpus) for p in params]
         b = dtype_bytes(spec.dtypes.param_dtype)
         return StateBytes(
-            parameters=b * sum(shards),
+            parameters=b * sum(shards) + _compute_copies(spec, params),
             gradients=b * sum(shards),
             optimizer=adam_state_bytes(shards, optimizer=spec.optimizer, state_bytes=b),
         )
 
     def communication(self, spec: PlanSpec, params: Sequence[ParamShape]) -> int:
+        if spec.gpus == 1:
+            return 0  # nothing to gather
         p = spec.dtypes
         a, reduce_b = dtype_bytes(p.compute_dtype), dtype_bytes(p.reduce_dtype)
         blocks = block_numels(params)
@@ -70,6 +87,8 @@ class FSDPPlan(EnginePlan):
 
     def persistent_gradients(self, spec: PlanSpec, state: StateBytes, params: Sequence[ParamShape]) -> int:
         # Under no_sync, FSDP2 accumulates unsharded gradients (reduce dtype) across passes.
+        if spec.gpus == 1:  # the masters' gradients
+            return state.gradients if spec.accum_freq > 1 else 0
         reduce_b = dtype_bytes(spec.dtypes.reduce_dtype)
         return reduce_b * sum(p.numel for p in params) if spec.accum_freq > 1 else 0
 
@@ -104,11 +123,12 @@ class FSDPPlan(EnginePlan):
             phase(1)
             loss = contrastive_loss(dot_loss, engine.forward(*synthetic_batch(cfg)))
             engine.backward(loss)
-            grads = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+            masters = engine.masters.masters if engine.masters else []  # at a world of one
+            grads = tensor_bytes(t.grad for t in [*model.parameters(), *masters] if t.grad is not None)
             engine.step(lr=cfg.optim.lr)
             phase(2)
             return {
-                "parameters": tensor_bytes(model.parameters()),
+                "parameters": tensor_bytes([*model.parameters(), *masters]),
                 "gradients": grads,
                 "optimizer": optimizer_state_bytes(engine.optimizer.inner),
             }
