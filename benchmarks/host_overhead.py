@@ -4,11 +4,12 @@
 time is what the step leaves the device idle for when it is not hidden behind kernels.
 
 Rows, each in a process of its own, on one thread: bigclip's step as the GPU benchmarks run it
-(FSDP2 at a world of one, amp_bf16, selective checkpointing, eager and with compiled blocks) and
-each lever beside it; the same rows for a baseline commit of bigclip (`--baseline`, by default
-the last commit before the levers, run from a git worktree of it); a probe of a lever not yet
-built (no FSDP2 at a world of one: `probe_worker`); OpenCLIP's own step at the same shape (its
-CLIP, autocast bf16, full checkpointing, ClipLoss, AdamW) in the same torch.
+(the FSDP engine at a world of one, amp_bf16, selective checkpointing, eager and with compiled
+blocks), and the same rows for a baseline commit of bigclip (`--baseline`, by default the last
+commit before the levers, run from a git worktree of it); FSDP2 at a world of one, which the
+engine ran there before it kept fp32 masters instead, with its best settings; OpenCLIP's own
+step at the same shape (its CLIP, autocast bf16, full checkpointing, ClipLoss, AdamW) in the
+same torch.
 Columns: host ms per step (the best step over `--rounds` runs of every row, which alternate with
 their baseline's, so drifting load hits both alike), aten operators dispatched per step (eager
 rows: compiled blocks run inside inductor's code), and each to the baseline's row of the same kind.
@@ -41,20 +42,15 @@ SHAPE = {  # ViT-bigG-14's depth, OpenCLIP's schema; widths cut so arithmetic is
     "text_cfg": {"context_length": 8, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 32},
 }  # fmt: skip
 BATCH = 2
-# name -> (which step, its options): --torchcompile, --reshard-after-forward, --fsdp-blocks-per-unit
+# name -> (which step, its options): --torchcompile; `fsdp2`: FSDP2 even at a world of one, with
+# --reshard-after-forward and --fsdp-blocks-per-unit (the baseline commit always runs FSDP2).
+FSDP2_BEST = {"fsdp2": True, "reshard": False, "per_unit": 16}
 ROWS = {
-    "bigclip": ("bigclip", {"compile": False, "reshard": True, "per_unit": 1}),
-    "bigclip, no reshard": ("bigclip", {"compile": False, "reshard": False, "per_unit": 1}),
-    "bigclip, 16 blocks a unit": ("bigclip", {"compile": False, "reshard": True, "per_unit": 16}),
-    "bigclip compiled": ("bigclip", {"compile": True, "reshard": True, "per_unit": 1}),
-    "bigclip compiled, 4 blocks a unit": ("bigclip", {"compile": True, "reshard": True, "per_unit": 4}),
-    "bigclip compiled, 16 blocks a unit": ("bigclip", {"compile": True, "reshard": True, "per_unit": 16}),
-    "bigclip compiled, 16 a unit, no reshard": (
-        "bigclip",
-        {"compile": True, "reshard": False, "per_unit": 16},
-    ),
-    # A lever measured before it is built: no FSDP2 at a world of one (probe_worker).
-    "probe: no FSDP2, bf16 params, fp32 masters, compiled": ("probe", {}),
+    "bigclip": ("bigclip", {"compile": False}),
+    "bigclip compiled": ("bigclip", {"compile": True}),
+    "FSDP2": ("bigclip", {"compile": False, "fsdp2": True}),
+    "FSDP2, 16 blocks a unit, no reshard": ("bigclip", {"compile": False, **FSDP2_BEST}),
+    "FSDP2 compiled, 16 blocks a unit, no reshard": ("bigclip", {"compile": True, **FSDP2_BEST}),
     "OpenCLIP": ("openclip", {}),
 }
 
@@ -105,10 +101,10 @@ def bigclip_config(options: dict[str, Any]) -> Any:
     torch.set_num_threads(1)
     cfg = TrainConfig()
     cfg.engine.precision = "amp_bf16"
-    cfg.engine.reshard_after_forward = options["reshard"]
+    cfg.engine.reshard_after_forward = options.get("reshard", True)
     cfg.model.grad_checkpointing, cfg.model.grad_checkpointing_policy = True, "ops"
     cfg.model.torchcompile = options["compile"]
-    if options["per_unit"] != 1:  # (a baseline commit may predate the option)
+    if options.get("per_unit", 1) != 1:  # (a baseline commit may predate the option)
         cfg.engine.fsdp_blocks_per_unit = options["per_unit"]
     cfg.optim.lr, cfg.optim.warmup = 1e-4, 0
     cfg.validate()
@@ -132,6 +128,8 @@ def bigclip_worker(rank: int, world: int, options: dict[str, Any], steps: int) -
 
     cfg, model = bigclip_config(options)
     engine = build_engine(cfg, Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    if options.get("fsdp2"):  # (a baseline's engine has no such attribute: it is FSDP2 anyway)
+        engine.world_of_one = False
     engine.build(model)
     loss_fn = build_loss(cfg.loss)
     images, texts = batch()
@@ -141,54 +139,6 @@ def bigclip_worker(rank: int, world: int, options: dict[str, Any], steps: int) -
         engine.step(lr=1e-4)
 
     return timed(step, steps, ops=not options["compile"])
-
-
-def probe_worker(rank: int, world: int, options: dict[str, Any], steps: int) -> dict[str, Any]:
-    """What a world of one without FSDP2 would cost: the same compiled blocks and checkpointing,
-    the module's parameters in bf16 (the compute FSDP2's bf16 policy does), fp32 masters stepped
-    by the engine's optimizer, the gradients cast into the masters, their total norm taken (and
-    clipped, under --grad-clip-norm) as the engine's step does, then the masters copied back into
-    the parameters. Not a bigclip code path: a measure of the lever."""
-    import torch
-
-    from bigclip.engines.compile import compile_blocks
-    from bigclip.engines.fsdp import init_sharded_weights
-    from bigclip.engines.optimizer import clip_by_total_norm_, make_optimizer, param_groups, squared_norm
-    from bigclip.ops.loss.contrastive import build_loss
-    from bigclip.train.trainer import contrastive_loss
-
-    cfg, model = bigclip_config({"compile": True, "reshard": False, "per_unit": 1})
-    cpu = torch.device("cpu")
-    model.to_empty(device=cpu)
-    init_sharded_weights(model, seed=cfg.optim.seed, device=cpu)  # no DTensors: whole values
-    compile_blocks(list(model.blocks()), cfg.model)
-    groups = param_groups(model, weight_decay=cfg.optim.wd)
-    master = {id(p): p.detach().clone() for g in groups for p in g["params"]}
-    # The engine's optimizer and hyperparameters, over the fp32 masters (as LocalShardOptimizer's shards).
-    optimizer = make_optimizer(
-        [{**g, "params": [master[id(p)] for p in g["params"]]} for g in groups], cfg.optim
-    )
-    params = [p for g in groups for p in g["params"]]
-    masters = [master[id(p)] for p in params]
-    model.to(torch.bfloat16)  # the same Parameter objects, now bf16
-    loss_fn = build_loss(cfg.loss)
-    images, texts = batch()
-    images = images.to(torch.bfloat16)
-
-    def step() -> None:
-        contrastive_loss(loss_fn, model(images, texts)).backward()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                m.grad, p.grad = p.grad.float(), None
-            grads = [m.grad for m in masters]
-            norm = squared_norm(grads, device=cpu).sqrt()
-            if cfg.optim.grad_clip_norm > 0:
-                clip_by_total_norm_(grads, norm, cfg.optim.grad_clip_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            torch._foreach_copy_(params, masters)
-
-    return timed(step, steps, ops=False)
 
 
 def openclip_step(steps: int) -> dict[str, Any]:
@@ -228,7 +178,7 @@ def measure_row(name: str, steps: int) -> dict[str, Any]:
         return openclip_step(steps)
     from bigclip.distributed import spawn
 
-    return spawn(probe_worker if kind == "probe" else bigclip_worker, 1, options, steps)[0]
+    return spawn(bigclip_worker, 1, options, steps)[0]
 
 
 def run_row(name: str, steps: int, *, tree: Path) -> dict[str, Any]:
@@ -266,8 +216,8 @@ def main() -> None:
             measured: dict[tuple[str, str], list[dict[str, Any]]] = {}
             for _ in range(args.rounds):  # every row once a round, each beside its baseline
                 for name, (kind, options) in ROWS.items():
-                    lever = kind == "bigclip" and options["per_unit"] == 1  # what the baseline has too
-                    for code, tree in [("this tree", ROOT)] + ([(args.baseline, old)] if lever else []):
+                    paired = kind == "bigclip" and not options.get("fsdp2")  # the baseline has these rows
+                    for code, tree in [("this tree", ROOT)] + ([(args.baseline, old)] if paired else []):
                         measured.setdefault((name, code), []).append(run_row(name, args.steps, tree=tree))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=False)

@@ -9,10 +9,11 @@ A variant is SIDE:CHECKPOINTING, SIDE one of openclip (OpenCLIP's create_model +
 AdamW under bf16 autocast, as `train_step_gpu.py --row peers` runs it), bigclip (bf16 linears) or
 fp8-tensorwise / fp8-rowwise (bigclip with torchao's float8 linears where the measured shape table
 says they are faster: --linear-filter auto; with "+all", e.g. fp8-rowwise+all, in every linear),
-and a bigclip side may add "+unitsN" (--fsdp-blocks-per-unit N) and "+keep"
+and a bigclip side may add "+fsdp2" (FSDP2 even at a world of one, where the FSDP engine keeps a
+plain module with fp32 masters), with "+unitsN" (--fsdp-blocks-per-unit N) and "+keep"
 (--no-reshard-after-forward), the host-time levers of benchmarks/host_overhead.py; CHECKPOINTING one of none,
 full, ops (torchtitan's op-level selective checkpointing) or everyN (every Nth block). bigclip
-sides run the FSDP2 engine (or ZeRO-3 with --engine zero3) in a world of one, amp_bf16,
+sides run the FSDP engine (or ZeRO-3 with --engine zero3) in a world of one, amp_bf16,
 compiled blocks and the chunked loss. Each variant runs in a fresh process (clean peak memory;
 an out-of-memory variant is recorded as such) after one warm-up step; variants are not started
 once --budget-s is spent, so a bounded command still writes every finished row. Samples/s, peak
@@ -45,7 +46,7 @@ DEFAULT_VARIANTS = (
     "openclip:full",
     "bigclip:full",
     "bigclip:ops",
-    "bigclip+units16+keep:ops",
+    "bigclip+fsdp2+units16+keep:ops",
     "fp8-tensorwise:ops",
     "fp8-tensorwise+all:ops",
 )
@@ -55,10 +56,10 @@ def parse_variant(text: str) -> tuple[str, str, int]:
     side, _, ckpt = text.partition(":")
     ckpt = ckpt or "full"
     base, *mods = side.split("+")
-    known = all(m in ("all", "keep") or (m.startswith("units") and m[5:].isdigit()) for m in mods)
+    known = all(m in ("all", "keep", "fsdp2") or (m.startswith("units") and m[5:].isdigit()) for m in mods)
     if base not in SIDES or not known or not (ckpt in ("none", "full", "ops") or ckpt.startswith("every")):
         raise SystemExit(
-            f"variant {text!r}: expected SIDE[+all|+unitsN|+keep]:CHECKPOINTING, SIDE in {SIDES}"
+            f"variant {text!r}: expected SIDE[+all|+fsdp2|+unitsN|+keep]:CHECKPOINTING, SIDE in {SIDES}"
         )
     every = int(ckpt[5:]) if ckpt.startswith("every") else 1
     return side, ckpt, every
@@ -86,6 +87,8 @@ def bigclip_step(model_name: str, batch: int, side: str, ckpt: str, every: int, 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     eng = build_engine(cfg, init_distributed())
+    if "fsdp2" in mods:
+        eng.world_of_one = False
     eng.build(build_model(cfg), rebuild=model_factory(cfg))
     loss_fn = build_loss(cfg.loss)
     micro = [synthetic_batch(cfg, device="cuda", batch_size=batch)]

@@ -17,7 +17,7 @@ left replicated (`ignored_params`) and this engine averages their gradients itse
 At a world of one there is nothing to shard, and FSDP2 would still copy and cast every parameter
 and gradient each step, so the model stays a plain module: under a mixed precision its parameters
 are in the compute dtype, with fp32 masters that the optimizer steps (engines/master_weights.py; the
-same numbers as FSDP2's, in a third less host time: benchmarks/host_overhead.py). Checkpoints hold
+same numbers as FSDP2's in less host time: benchmarks/host_overhead.py). Checkpoints hold
 the masters under the same names and layout, so a run resumes on any world size.
 """
 
