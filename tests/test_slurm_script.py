@@ -36,6 +36,7 @@ while not got:
     time.sleep(0.02)
 (run_dir / "requeue.json").write_text(json.dumps({{"step": 7, "signal": got[0], "reason": "preempted"}}))
 pathlib.Path(os.environ["SRUN_SIGNALS"]).write_text(",".join(got))
+time.sleep(float(os.environ.get("SRUN_LINGERS_S", 0)))  # srun waiting for the step's teardown
 sys.exit(85)
 """
 REAL_SRUN = """#!{python}
@@ -113,17 +114,21 @@ def _fake_job(tmp_path: Path, *extra: str) -> Path:
 
 
 def _run_signalled(script: Path, env: dict[str, str], tmp_path: Path, sig: signal.Signals) -> str:
-    """Start the script, signal the batch shell once the launcher runs, return its output."""
-    shell = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    """Start the script, signal the batch shell once the launcher runs, return its output (a file,
+    as Slurm's: a launcher that outlives the shell keeps no pipe open)."""
+    log = tmp_path / "job.out"
+    with log.open("w") as out:
+        shell = subprocess.Popen(
+            ["bash", str(script)], env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
+        )
     deadline = time.monotonic() + 30
     while not (tmp_path / "srun.pid").exists():
-        assert time.monotonic() < deadline and shell.poll() is None, shell.communicate()[0]
+        assert time.monotonic() < deadline and shell.poll() is None, log.read_text()
         time.sleep(0.05)
     shell.send_signal(sig)
-    out, _ = shell.communicate(timeout=30)
-    assert shell.returncode == 0, out  # the shell survived its signal and exits cleanly
-    return out
+    shell.wait(timeout=30)
+    assert shell.returncode == 0, log.read_text()  # the shell survived its signal and exits cleanly
+    return log.read_text()
 
 
 def _requeues(tmp_path: Path) -> list[str]:
@@ -167,6 +172,23 @@ def test_the_script_requeues_only_when_nobody_else_did_and_never_a_cancelled_job
     out = _run_signalled(script, env, tmp_path, signal.SIGTERM)
     assert f"bigclip sbatch: {expected}" in out, out
     assert _requeues(tmp_path) == (["requeue", env["SLURM_JOB_ID"]] if requeued else [])
+
+
+def test_a_cancelled_job_says_so_while_srun_still_waits_for_its_step(tmp_path: Path) -> None:
+    """After scancel, srun can wait for the step's teardown until KillWait runs out, when Slurm
+    SIGKILLs the batch shell too: the shell says where the ranks stopped, and that the job is not
+    requeued, once the marker is there, without waiting for srun."""
+    script = _fake_job(tmp_path)
+    env = _job_env(tmp_path, 0, "JobState=CANCELLED Reason=None Restarts={restart}") | {
+        "SRUN_LINGERS_S": "600"
+    }
+    try:
+        out = _run_signalled(script, env, tmp_path, signal.SIGTERM)
+    finally:
+        os.kill(int((tmp_path / "srun.pid").read_text()), signal.SIGKILL)
+    stopped = out.index('bigclip sbatch: the ranks stopped and asked for a requeue ({"step": 7')
+    assert out.index("bigclip sbatch: the job is ending (CANCELLED") > stopped, out
+    assert _requeues(tmp_path) == []
 
 
 @pytest.mark.parametrize(("restarts", "requeued"), [(1, True), (2, False)])

@@ -64,6 +64,17 @@ requeued_already() {
     restarts=$(job_field Restarts)
     (( ${restarts:-0} > ${SLURM_RESTART_COUNT:-0} ))
 }
+# Cancelled (scancel): ending for no time limit, and not requeued by SLURM.
+job_cancelled() {
+    case "$(job_field JobState)" in CANCELLED|COMPLETING) ;; *) return 1 ;; esac
+    [[ "$(job_field Reason)" != TimeLimit ]] && ! requeued_already
+}
+STOP_ANNOUNCED=0
+announce_stop() {  # once: as soon as the marker is there, and again after the launcher only if not
+    (( STOP_ANNOUNCED )) && return
+    STOP_ANNOUNCED=1
+    echo "bigclip sbatch: the ranks stopped and asked for a requeue ($(cat "$REQUEUE_MARKER" 2>/dev/null))"
+}
 MAX_REQUEUES={{MAX_REQUEUES}}
 requeue_once() {
     local state reason
@@ -130,7 +141,13 @@ LAUNCHER_PID=$! LAUNCHED=1
 # SLURM declares it down (SlurmdTimeout, 300 s by default). {{LAUNCHER_GRACE}} s after the marker, requeue without it.
 MARKED_AT="" status=""
 while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
-    [[ -f "$REQUEUE_MARKER" ]] && MARKED_AT=${MARKED_AT:-$SECONDS}
+    if [[ -f "$REQUEUE_MARKER" && -z "$MARKED_AT" ]]; then
+        MARKED_AT=$SECONDS
+        announce_stop
+        # A cancelled job ends here: its checkpoint is committed, and srun can wait for the step's
+        # teardown until KillWait runs out, when SLURM would SIGKILL this shell before it said so.
+        if job_cancelled; then requeue_once; exit 0; fi
+    fi
     if [[ -n "$MARKED_AT" ]] && (( SECONDS - MARKED_AT >= {{LAUNCHER_GRACE}} )); then
         echo "bigclip sbatch: the launcher still runs {{LAUNCHER_GRACE}} s after the requeue marker (a node that stopped answering?); not waiting for it"
         # Stop it for good: left behind, srun gives up on the lost node's tasks later and then
@@ -147,7 +164,7 @@ LAUNCHER_PID=""
 # The marker, not the exit code, says "checkpoint committed, requeue me": torchrun exits 1 when its
 # ranks exit 85, and a rank ended by the step watchdog (a hung peer) writes it too.
 if [[ -f "$REQUEUE_MARKER" || $status -eq 85 ]]; then
-    echo "bigclip sbatch: the ranks stopped and asked for a requeue ($(cat "$REQUEUE_MARKER" 2>/dev/null))"
+    announce_stop
     requeue_once
     exit 0
 fi
