@@ -9,7 +9,9 @@ from support.openclip_ref import open_clip_model_module
 
 from bigclip.cli_args import parse_train_args
 from bigclip.errors import ConfigError
-from bigclip.models.from_config import build_model, model_config
+from bigclip.models.clip_family import clip_config
+from bigclip.models.from_config import build_model, synthetic_batch
+from bigclip.models.run_options import model_options
 from bigclip.models.transformer import QuickGELU
 
 FORCES = ["--force-quick-gelu", "--force-image-size", "48", "--force-context-length", "20"]
@@ -27,7 +29,8 @@ def openclip_forced_tiny():
 
 def test_forced_model_equals_openclips_forced_model():
     cfg = parse_train_args(["--model", "tiny", *FORCES])
-    assert (model_config(cfg).vision_cfg.image_size, model_config(cfg).text_cfg.context_length) == (48, 20)
+    forced = clip_config(cfg.model.model, model_options(cfg))
+    assert (forced.vision_cfg.image_size, forced.text_cfg.context_length) == (48, 20)
     torch.manual_seed(0)
     ref = openclip_forced_tiny().eval()
     ours = build_model(cfg, device="cpu").eval()
@@ -38,6 +41,19 @@ def test_forced_model_equals_openclips_forced_model():
     with torch.no_grad():
         torch.testing.assert_close(ours.encode_image(image), ref.encode_image(image), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.encode_text(text), ref.encode_text(text), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "argv, size, context, pools_at",
+    [(["--model", "tiny", *FORCES], 48, 20, 49407), (["--model", "ViT-L-14-worldwide"], 224, 77, 1)],
+)
+def test_a_synthetic_batch_has_the_forced_shapes_and_ends_where_the_text_tower_pools(
+    argv, size, context, pools_at
+):
+    """What benchmarks and the planner's dry run feed a model: MetaCLIP 2's ViT-L-14 pools at mT5's eos_id 1."""
+    images, texts = synthetic_batch(parse_train_args([*argv, "--batch-size", "3"]))
+    assert images.shape == (3, 3, size, size) and texts.shape == (3, context)
+    assert (texts[:, -1] == pools_at).all()
 
 
 @pytest.mark.parametrize(

@@ -16,35 +16,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from support.hf_cache import populate_cache
-from support.openclip_ref import open_clip_tokenizer_module, transformers_package
+from support.hf_tokenizers import bert_folder, eos_folder
+from support.openclip_ref import open_clip_tokenizer_module
 
 from bigclip.data.hf_tokenizer import HFTokenizer
 from bigclip.errors import ConfigError
 from bigclip.models.clip import CLIP, CLIPConfig, TextConfig, VisionConfig, init_weights
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = [
-    "a",
-    "photo",
-    "of",
-    "the",
-    "cat",
-    "dog",
-    "small",
-    "large",
-    "red",
-    "blue",
-    "green",
-    "circle",
-    "square",
-    "triangle",
-    "on",
-    "at",
-    "top",
-    "left",
-    "right",
-    "background",
-]
 STRINGS = [
     "a photo of a cat",
     "A  Small RED circle, on a blue background &amp; at the top-left!",
@@ -52,43 +31,6 @@ STRINGS = [
     " ".join(["large green square"] * 12),  # longer than the context: truncated, its end token kept
     "",
 ]
-
-
-def saved(folder: Path, tokenizer, **special: str) -> Path:
-    """`tokenizers`' object saved as transformers saves a fast tokenizer (AutoTokenizer loads it)."""
-    transformers = transformers_package()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special).save_pretrained(folder)
-    (folder / "config.json").write_text("{}")  # a Hub repository's model config: AutoTokenizer reads it
-    return folder
-
-
-def bert_folder(folder: Path) -> Path:
-    """A WordPiece tokenizer in BERT's layout ([CLS] ... [SEP], padding 0), as CLIPA's bert-base-uncased."""
-    transformers_package()
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "##s", ",", "!", "&", "-", "_"]
-    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-    )
-    return saved(folder, tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]")
-
-
-def eos_folder(folder: Path) -> Path:
-    """A tokenizer in XLM-R's layout (<s>=0 ... </s>=2, padding 1), as MetaCLIP 2's XLM-V."""
-    transformers_package()
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
-    )
-    return saved(folder, tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
 
 
 FOLDERS = {"bert": bert_folder, "eos": eos_folder}
@@ -118,6 +60,17 @@ def test_a_tokenizer_with_more_ids_than_the_text_tower_is_refused(tmp_path):
     folder = bert_folder(tmp_path / "bert")
     with pytest.raises(ConfigError, match=r"has \d+ ids but model tiny-clipa's text_cfg.vocab_size is 8"):
         HFTokenizer(str(folder), context_length=12, vocab_size=8, model="tiny-clipa")
+
+
+def test_an_eos_pooled_tower_refuses_a_tokenizer_that_never_writes_its_eos_id(tmp_path):
+    """text_cfg.eos_id 3 where the tokenizer ends texts with 2: every text's features would be read at
+    its first token (the pooling's argmax of no match), a silent loss of the whole text tower."""
+    folder = eos_folder(tmp_path / "eos")
+    assert HFTokenizer(str(folder), context_length=12, vocab_size=1000, pools_at=2)  # the id it writes
+    with pytest.raises(
+        ConfigError, match=r"does not write id 3, where model m's text tower pools .* ends texts with 2"
+    ):
+        HFTokenizer(str(folder), context_length=12, vocab_size=1000, model="m", pools_at=3)
 
 
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs" / "zero3.json")]

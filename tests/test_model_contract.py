@@ -37,7 +37,7 @@ from bigclip.engines import build_engine
 from bigclip.errors import ConfigError
 from bigclip.models import families, listing
 from bigclip.models.contract import TrainableModel, param_shapes
-from bigclip.models.from_config import build_model, model_factory
+from bigclip.models.from_config import build_model, model_factory, synthetic_batch
 from bigclip.models.run_options import image_size
 from bigclip.models.shape import ModelOptions
 from bigclip.plan.memory import block_saved_per_token
@@ -142,6 +142,8 @@ def test_the_planner_prices_a_model_that_is_not_clip_from_its_shape(registered):
     x = torch.randn(2, 17, WIDTH, dtype=torch.bfloat16, requires_grad=True)
     assert block_saved_per_token(shape.towers["image"], spec) - saved_bytes_per_token(block, x) == 4
     assert plan.memory.activations > 0 and plan.checkpoint_total_bytes == 12 * shape.numel
+    images, texts = synthetic_batch(parse_train_args(["--model", NAME, "--batch-size", "3"]))  # the dry run's
+    assert images.shape == (3, 3, shape.image_size, shape.image_size) and texts.shape == (3, CONTEXT)
     with pytest.raises(ConfigError, match="no OpenCLIP config"):
         model_config(NAME, {}, {p.name: p.shape for p in shape.params})
 

@@ -47,8 +47,10 @@ class HFTokenizer:
         vocab_size: int,
         cache_dir: str = "",
         model: str = "",
+        pools_at: int | None = None,
         **kwargs: Any,
     ) -> None:
+        """`pools_at`: the id an 'eos'-pooled text tower reads its features at (text_cfg.eos_id)."""
         self.hf_name, self.context_length = hf_name, context_length  # kwargs: checked with the model config
         self.clean = CLEANERS[kwargs.get("clean", "whitespace")]
         self.strip_sep_token = bool(kwargs.get("strip_sep_token", False))
@@ -58,6 +60,12 @@ class HFTokenizer:
             raise ConfigError(
                 f"tokenizer {hf_name} has {len(self.tokenizer)} ids but {who}'s text_cfg.vocab_size is {vocab_size}: "
                 "its text tower cannot read them; is --cache-dir holding another tokenizer?"
+            )
+        if pools_at is not None and not (self("a photo") == pools_at).any():
+            raise ConfigError(
+                f"tokenizer {hf_name} does not write id {pools_at}, where {who}'s text tower pools (text_cfg "
+                f"pool_type 'eos', eos_id {pools_at}; it ends texts with {self.tokenizer.eos_token_id}): every "
+                "text would be read at its first token; is --cache-dir holding another tokenizer?"
             )
 
     def __call__(self, texts: str | list[str]) -> torch.Tensor:

@@ -93,18 +93,19 @@ class HashingTokenizer:
 
 
 def build_tokenizer(
-    name: str, *, context_length: int, vocab_size: int, text_pool: str = "argmax", hf_name: str = "",
-    hf_kwargs: dict[str, Any] | None = None, cache_dir: str = "", model: str = "",
+    name: str, *, context_length: int, vocab_size: int, text_pool: str = "argmax", eos_id: int = 0,
+    hf_name: str = "", hf_kwargs: dict[str, Any] | None = None, cache_dir: str = "", model: str = "",
 ) -> Tokenizer:  # fmt: skip
     """`name` is `--tokenizer`: 'open_clip' (the default: the tokenizer OpenCLIP pairs with the
     model, its BPE or, where the config names one, `hf_name` from Hugging Face; `cache_dir`: where
-    it is cached) or 'hashing' (opt-in). `text_pool`: how the text tower pools (text_cfg.pool_type)."""
+    it is cached) or 'hashing' (opt-in). `text_pool`: how the text tower pools (text_cfg.pool_type;
+    'eos' pools at `eos_id`, which the tokenizer must write)."""
     if name == "open_clip" and hf_name:
         from bigclip.data.hf_tokenizer import HFTokenizer
 
         return HFTokenizer(
             hf_name, context_length=context_length, vocab_size=vocab_size, cache_dir=cache_dir, model=model,
-            **(hf_kwargs or {}),
+            pools_at=eos_id if text_pool == "eos" else None, **(hf_kwargs or {}),
         )  # fmt: skip
     if name == "hashing" and text_pool == "eos":
         raise ConfigError(

@@ -120,7 +120,7 @@ def clip_shape(name: str, options: ModelOptions) -> ModelShape:
 def clip_tokenizer(name: str, options: ModelOptions) -> dict[str, Any]:
     t = clip_config(name, options).text_cfg
     return {"context_length": t.context_length, "vocab_size": t.vocab_size, "text_pool": t.pool_type,
-            "hf_name": t.hf_tokenizer_name, "hf_kwargs": t.tokenizer_kwargs}  # fmt: skip
+            "eos_id": t.eos_id, "hf_name": t.hf_tokenizer_name, "hf_kwargs": t.tokenizer_kwargs}  # fmt: skip
 
 
 def check_clip_flags(model: Any) -> None:  # a ModelConfig (shape.py says why Any)

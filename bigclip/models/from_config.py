@@ -1,8 +1,8 @@
 """The model a run's configuration describes, built by its family (families.py) with the
-model-level options applied, and a synthetic batch of the shapes a CLIP takes.
+model-level options applied, and a synthetic batch of the shapes it takes.
 
 Kept apart from the model code: it reads `TrainConfig` and swaps in int8/fp8 linears from `ops`,
-while `clip.py` and friends stay plain modules that know neither.
+while the families' modules (`clip.py` and friends) stay plain modules that know neither.
 """
 
 from __future__ import annotations
@@ -17,17 +17,10 @@ from torch import nn
 from bigclip.config import TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.config.linear_speedups import Decision, device_family, linear_filter
-from bigclip.models.clip_family import clip_config
 from bigclip.models.contract import LinearSlot, TrainableModel
 from bigclip.models.families import family_of, model_shape
-from bigclip.models.named_configs import CLIPConfig
 from bigclip.models.run_options import model_options
 from bigclip.named_objects import import_named
-
-
-def model_config(cfg: TrainConfig) -> CLIPConfig:
-    """The CLIP config this run builds (its --model with the --force-* options applied)."""
-    return clip_config(cfg.model.model, model_options(cfg))
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "meta") -> nn.Module:
@@ -152,16 +145,15 @@ def _say_once(line: str) -> None:
 def synthetic_batch(
     cfg: TrainConfig, *, device: str | torch.device = "cpu", batch_size: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random images and token ids shaped as the run's model takes them (benchmarks, dry runs).
-
-    Each text ends with the highest id, OpenCLIP's end-of-text token, where the text tower pools
-    (or the config's eos_id, for a tower pooled there)."""
-    model_cfg = model_config(cfg)
+    """Random images and token ids shaped as the run's model takes them (benchmarks, dry runs), from
+    its family's shape and tokenizer. Each text ends where the text tower pools: at the highest id
+    (OpenCLIP's end-of-text), or at the tokenizer's `eos_id` for a tower pooled there."""
+    name, options = cfg.model.model, model_options(cfg)
+    text = family_of(name).tokenizer(name, options)
+    size, vocab = model_shape(name, options).image_size, text["vocab_size"]
     b = batch_size or cfg.data.batch_size
-    size, context = model_cfg.vision_cfg.image_size, model_cfg.text_cfg.context_length
-    vocab = model_cfg.text_cfg.vocab_size
     images = torch.randn(b, 3, size, size, device=device)
-    texts = torch.randint(1, vocab - 1, (b, context), device=device)
-    text_cfg = model_cfg.text_cfg
-    texts[:, -1] = text_cfg.eos_id if text_cfg.pool_type == "eos" else vocab - 1
+    texts = torch.randint(1, vocab - 1, (b, text["context_length"]), device=device)
+    pool = text.get("text_pool", "argmax")  # build_tokenizer's default
+    texts[:, -1] = text["eos_id"] if pool == "eos" else vocab - 1
     return images, texts
