@@ -88,7 +88,7 @@ def run_stop(tmp_path: Path, phase: str, on_stop: str, *, iterations: int, env: 
         from bigclip.train import phases
         from bigclip.train.signals import StopRequested, catch_preemption_signals
         flag = catch_preemption_signals()
-        flag.note(run_dir=Path({str(tmp_path)!r}), is_main=True, step=7)
+        flag.note(run_dir=Path({str(tmp_path)!r}), step=7)
         phases.begin({phase!r}, on_stop=phases.OnStop.{on_stop}, announce=False)
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
         threading.Timer(1.2, print, ("a second after the signal",), {{"flush": True}}).start()

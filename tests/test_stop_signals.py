@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.launch_harness import LAUNCHER_VARIABLES
+from support.launch_harness import LAUNCHER_VARIABLES, srun_like, wait_all
 from support.s3_fault_proxy import FaultProxy
 
 from bigclip.cli_args import parse_train_args
@@ -177,6 +177,37 @@ def test_the_horizon_and_stops_during_start_up_and_the_checkpoint_read(demo_data
            f"not reached), the checkpoint's run at step {end}" in note  # fmt: skip
     assert f"the LR jumps from {before:.3g} (step {end}, the checkpoint's last) to {after:.3g}" in note
     assert "WARNING" in note and math.isclose(after, optim.lr * 0.5 * (1 + math.cos(math.pi * 13 / 14)))
+
+
+def test_a_stop_at_one_rank_alone_during_the_checkpoint_read_still_requeues(demo_data, tmp_path, s3, proxy):
+    """SIGTERM to rank 1 alone while its part of the checkpoint is read (a kill that Slurm retries
+    at a node that answers again reaches the rerun of the same job id there, on that node only):
+    rank 1 exits 85 and leaves the requeue marker itself; rank 0's next collective fails and it
+    exits non-zero, so the sbatch script, which trusts the marker, requeues the job rather than
+    ending it FAILED (only rank 0 used to leave the marker)."""
+    prefix, logs = uuid.uuid4().hex[:8], tmp_path / "logs"
+    argv = train_argv(demo_data, logs, proxy.endpoint, prefix, "--epochs", "1", "--max-steps", "2")
+    env = {"AWS_ENDPOINT_URL": proxy.endpoint}
+    assert wait_all(srun_like(argv, 2, tmp_path, env=env)) == [0, 0]
+    listed = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/checkpoints/")["Contents"]
+    rank1 = next(o["Key"] for o in listed if o["Key"].endswith(".distcp") and "/__1_" in o["Key"])
+    proxy.add_rule("stall", method="GET", path_contains=rank1.rsplit("/", 1)[1])
+    (logs / "run" / "requeue.json").unlink(missing_ok=True)
+    ranks = srun_like([*argv[: argv.index("--max-steps")], "--max-steps", "4", "--resume", "latest"], 2, tmp_path,
+                      env=env)  # fmt: skip
+    assert proxy.stalled.wait(timeout=WAIT_S), (tmp_path / "rank1.log").read_text()[-3000:]
+    ranks[1].send_signal(signal.SIGTERM)
+    proxy.release()
+    codes = wait_all(ranks, timeout_s=WAIT_S)
+    rank1_log = (tmp_path / "rank1.log").read_text()
+    assert codes[1] == REQUEUE_EXIT_CODE and codes[0] not in (0, REQUEUE_EXIT_CODE), (
+        codes,
+        rank1_log[-3000:],
+    )
+    marker = json.loads((logs / "run" / "requeue.json").read_text())
+    assert marker["signal"] == "SIGTERM" and marker["reason"].startswith(
+        "stopped during reading checkpoint s3://"
+    )
 
 
 def test_a_stop_during_the_first_step_while_it_waits_for_data(demo_data, tmp_path, s3, proxy):

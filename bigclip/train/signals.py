@@ -93,7 +93,6 @@ class SignalFlag:
         self.exits_now = False  # it came before the first step completed
         self.on_stop = OnStop.EXIT_NOW  # what it does, by the phase it came in
         self.run_dir: Path | None = None  # where the requeue marker goes (once known)
-        self.is_main = True  # rank 0 writes the marker
         self.step: int | None = None  # where the run stands, for the marker
         self._previous: dict[int, Any] = {}
         self._lock = threading.RLock()  # re-entrant: the main thread's handler may run while it holds it
@@ -123,12 +122,9 @@ class SignalFlag:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
-    def note(
-        self, *, run_dir: Path | None = None, is_main: bool | None = None, step: int | None = None
-    ) -> None:
+    def note(self, *, run_dir: Path | None = None, step: int | None = None) -> None:
         """What the stop needs to know of the run, as set-up learns it."""
         self.run_dir = run_dir if run_dir is not None else self.run_dir
-        self.is_main = is_main if is_main is not None else self.is_main
         self.step = step if step is not None else self.step
 
     # -- receiving ------------------------------------------------------------------------
@@ -166,8 +162,11 @@ class SignalFlag:
         say(f"{signal.Signals(self.signum).name} received during {self.phase}: {CONSEQUENCE[self.on_stop]}")
 
     def requeue_marker(self) -> None:
-        """For a stop before the first step: rank 0 leaves the marker in an existing run folder."""
-        if self.is_main and self.run_dir is not None and self.run_dir.is_dir():
+        """For a stop before the first step: the rank leaves the marker in an existing run folder.
+        Every rank so stopped does, not rank 0 alone: a signal can reach some ranks only (a kill
+        Slurm retries at a node that answers again reaches a rerun of the same job id there), and
+        the others then fail in their next collective, which must not end the job FAILED."""
+        if self.run_dir is not None and self.run_dir.is_dir():
             record = {"step": self.step, "signal": signal.Signals(self.signum).name,
                       "reason": f"stopped during {self.phase}: nothing trained to checkpoint"}  # fmt: skip
             write_requeue_marker(self.run_dir, record, writer=os.getpid())
@@ -237,7 +236,7 @@ class SignalFlag:
     def reset(self) -> None:
         self.signum, self.received_at, self.phase, self.exits_now = 0, 0.0, "", False
         self.on_stop = OnStop.EXIT_NOW
-        self.run_dir, self.is_main, self.step = None, True, None
+        self.run_dir, self.step = None, None
         self._said = False
         self._handled = 0
         phases.reset()

@@ -14,15 +14,17 @@ from bigclip.distributed import free_port
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def srun_like(argv: list[str], world: int, log_dir: Path) -> list[subprocess.Popen]:
+def srun_like(
+    argv: list[str], world: int, log_dir: Path, env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     port = str(free_port())
     procs = []
     for rank in range(world):
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-        env |= {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(rank),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}  # fmt: skip
+        rank_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | (env or {})
+        rank_env |= {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(rank),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}  # fmt: skip
         log = open(log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 (owned by the child process)
-        procs.append(subprocess.Popen([sys.executable, "-m", "bigclip.train", *argv], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "bigclip.train", *argv], env=rank_env,
                                       stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
     return procs
 
