@@ -144,8 +144,8 @@ while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
     if [[ -f "$REQUEUE_MARKER" && -z "$MARKED_AT" ]]; then
         MARKED_AT=$SECONDS
         announce_stop
-        # A cancelled job ends here: its checkpoint is committed, and srun can wait for the step's
-        # teardown until KillWait runs out, when SLURM would SIGKILL this shell before it said so.
+        # A cancelled job ends here, its ranks' stop said: srun can wait for the step's teardown
+        # until KillWait runs out, when SLURM SIGKILLs this shell before it could say so.
         if job_cancelled; then requeue_once; exit 0; fi
     fi
     if [[ -n "$MARKED_AT" ]] && (( SECONDS - MARKED_AT >= {{LAUNCHER_GRACE}} )); then
