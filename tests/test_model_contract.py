@@ -44,6 +44,7 @@ from bigclip.plan.memory import block_saved_per_token
 from bigclip.plan.planner import Hardware, build_plan
 from bigclip.plan.spec import PlanSpec
 from bigclip.train.trainer import build_tokenizer
+from bigclip.weights import named, pretrained
 from bigclip.weights.consolidate import consolidate
 from bigclip.weights.open_clip_export import model_config
 
@@ -146,6 +147,15 @@ def test_the_planner_prices_a_model_that_is_not_clip_from_its_shape(registered):
     assert images.shape == (3, 3, shape.image_size, shape.image_size) and texts.shape == (3, CONTEXT)
     with pytest.raises(ConfigError, match="no OpenCLIP config"):
         model_config(NAME, {}, {p.name: p.shape for p in shape.params})
+
+
+def test_a_family_without_named_weights_starts_from_its_own_init(registered, tmp_path):
+    """No `named_weights` module: nothing is named (no tags, no model bringing its own weights),
+    so a run without --pretrained reads no weights; CLIP's module is OpenCLIP's names."""
+    toy = parse_train_args(["--model", NAME])
+    assert pretrained.named_weights(toy) is None
+    assert not pretrained.applies(toy, CheckpointStore(str(tmp_path)))
+    assert pretrained.named_weights(parse_train_args(["--model", "tiny"])) is named
 
 
 @pytest.mark.dist

@@ -160,4 +160,5 @@ CLIP_FAMILY = ModelFamily(
     check=check_clip_flags,
     open_clip_config=open_clip_model_config,
     other_names="hf-hub:ORG/REPO (an OpenCLIP model on the Hugging Face Hub)",
+    named_weights="bigclip.weights.named",
 )

@@ -72,7 +72,6 @@ from bigclip.train.signals import preemption_flag
 from bigclip.train.watchdog import StepWatchdog
 from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
-from bigclip.weights.named import apply_preprocess
 from bigclip.weights.openclip_resume import is_openclip_checkpoint
 
 if TYPE_CHECKING:
@@ -160,7 +159,7 @@ def setup(cfg: TrainConfig) -> Run:
     preemption.flag.note(run_dir=run_dir)  # for a stop before the first step
     log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
-    apply_preprocess(cfg, log)  # a --pretrained tag's or hf-hub model's image mean/std
+    pretrained.apply_preprocess(cfg, log)  # e.g. a --pretrained tag's or hf-hub model's image mean/std
     tokenizer = build_tokenizer(cfg)
     configure_storage(s3_endpoint=cfg.checkpoint.s3_endpoint, s3_region=cfg.checkpoint.s3_region)
     shards = validate_data(cfg.data, world_size=runtime.world_size, evaluation_only=cfg.evaluates_only)

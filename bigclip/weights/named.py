@@ -1,5 +1,6 @@
 """What OpenCLIP's names for weights resolve to: `--pretrained TAG` for a bundled model, and the
-weights and preprocessing of `--model hf-hub:ORG/REPO`.
+weights and preprocessing of `--model hf-hub:ORG/REPO`. The CLIP family's `named_weights` module
+(models/shape.py): a run reaches it through the family (weights/pretrained.py).
 
     python -m bigclip.train --model ViT-B-32 --pretrained laion2b_s34b_b79k ...
     python -m bigclip.train --model hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K ...
@@ -65,6 +66,11 @@ def _merged(saved: dict) -> dict:
         if value is not None:
             out[key] = list(value) if isinstance(value, list | tuple) else value
     return out
+
+
+def has_own_weights(model: ModelConfig) -> bool:
+    """An hf-hub:ORG/REPO model starts from the repository's weights without --pretrained."""
+    return is_hub_model(model.model)
 
 
 def weights_of(model: ModelConfig) -> tuple[str, str] | None:

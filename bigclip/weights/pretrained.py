@@ -16,10 +16,12 @@ missing `logit_bias` (CLIP weights into a SigLIP run) keeps its configured initi
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,8 +34,7 @@ from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
 from bigclip.errors import BigclipError, ConfigError, StorageError
-from bigclip.models.hf_hub import is_hub_model
-from bigclip.weights.named import weights_of
+from bigclip.models.families import family_of
 from bigclip.weights.sources import WeightSource, open_weights, weights_tokenizer
 
 log = logging.getLogger("bigclip.pretrained")  # under the run's logger: printed on rank 0
@@ -85,10 +86,26 @@ def _listing(title: str, items: list[str], limit: int) -> list[str]:
     return [f"  {title} ({len(items)}):", *(f"    {item}" for item in items[:limit]), *more]
 
 
+def named_weights(cfg: TrainConfig) -> ModuleType | None:
+    """The run's model family's module for weights it names rather than gives (CLIP's: OpenCLIP's
+    tags and hf-hub: repositories, named.py); None where --pretrained takes paths and URIs only."""
+    module = family_of(cfg.model.model).named_weights
+    return importlib.import_module(module) if module else None
+
+
+def apply_preprocess(cfg: TrainConfig, log: logging.Logger) -> None:
+    """The named weights' image mean/std unless --image-mean/--image-std are given (every rank:
+    it changes the run's config)."""
+    named = named_weights(cfg)
+    if named is not None:
+        named.apply_preprocess(cfg, log)
+
+
 def applies(cfg: TrainConfig, store: CheckpointStore) -> bool:
     """--pretrained initialises a run that does not resume; a resumed run's checkpoint wins, so
     a requeued job does not read (or lease) the initial weights again."""
-    if not cfg.model.pretrained and not is_hub_model(cfg.model.model):
+    named = named_weights(cfg)
+    if not cfg.model.pretrained and not (named is not None and named.has_own_weights(cfg.model)):
         return False  # (an hf-hub:ORG/REPO model starts from the repository's weights)
     resume = cfg.checkpoint.resume
     return not resume or (resume == LATEST and store.latest() is None)
@@ -96,7 +113,8 @@ def applies(cfg: TrainConfig, store: CheckpointStore) -> bool:
 
 def _open_on_rank0(cfg: TrainConfig, shapes: dict) -> tuple[WeightSource, WeightPlan, HeldLease | None]:
     uri, lease = cfg.model.pretrained, None
-    named = weights_of(cfg.model)  # a tag's or an hf-hub model's file, from the Hugging Face cache
+    module = named_weights(cfg)  # CLIP's: a tag's or an hf-hub model's file, from the Hugging Face cache
+    named = module.weights_of(cfg.model) if module is not None else None
     if uri.startswith(REGISTRY_SCHEME):
         from bigclip.registry.registry import Registry, parse_registry_ref  # an offline tool: only now
 
