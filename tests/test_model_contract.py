@@ -153,7 +153,7 @@ def test_a_family_without_named_weights_starts_from_its_own_init(registered, tmp
     """No `named_weights` module: nothing is named (no tags, no model bringing its own weights),
     so a run without --pretrained reads no weights; CLIP's module is OpenCLIP's names."""
     toy = parse_train_args(["--model", NAME])
-    assert pretrained.named_weights(toy) is None
+    assert pretrained.named_weights(toy) is None and not FAMILY.has_own_weights(NAME)
     assert not pretrained.applies(toy, CheckpointStore(str(tmp_path)))
     assert pretrained.named_weights(parse_train_args(["--model", "tiny"])) is named
 

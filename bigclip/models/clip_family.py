@@ -161,4 +161,5 @@ CLIP_FAMILY = ModelFamily(
     open_clip_config=open_clip_model_config,
     other_names="hf-hub:ORG/REPO (an OpenCLIP model on the Hugging Face Hub)",
     named_weights="bigclip.weights.named",
+    has_own_weights=is_hub_model,  # an hf-hub:ORG/REPO repository holds its weights
 )

@@ -110,8 +110,9 @@ class ModelFamily:
     # Whether a parameter (by name) is the image tower's, for `bigclip models`' image/text split.
     image_param: Callable[[str], bool] = lambda name: name.startswith("visual.")  # OpenCLIP's layout
     # A module for weights a run names rather than gives (tags, models that bring their own),
-    # imported when a run starts: `has_own_weights(model_config)` (the model name brings weights),
-    # `weights_of(model_config)` ((file, label) or None: --pretrained is a path or URI) and
-    # `apply_preprocess(train_config, log)` (the named weights' image mean/std). "": --pretrained
-    # takes paths and URIs only. CLIP's: OpenCLIP's tags and hf-hub: repositories.
+    # imported when a run starts: `weights_of(model_config)` ((file, label) or None: --pretrained
+    # is a path or URI) and `apply_preprocess(train_config, log)` (the named weights' image
+    # mean/std). "": --pretrained takes paths and URIs only. CLIP's: OpenCLIP's tags and hf-hub:.
     named_weights: str = ""
+    # Whether a --model name brings its own weights (a run starts from them without --pretrained).
+    has_own_weights: Callable[[str], bool] = lambda name: False

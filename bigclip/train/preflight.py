@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from bigclip.config import EngineConfig, TrainConfig
 from bigclip.config.linear_kinds import linear_kind
 from bigclip.errors import ConfigError
-from bigclip.models.hf_hub import HF_HUB_PREFIX
+from bigclip.models.families import family_of
 from bigclip.rank_env import read_launch_env
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ def check_flags(cfg: TrainConfig) -> None:
 def check_evaluation_only(cfg: TrainConfig) -> None:
     """A run without --train-data evaluates weights (OpenCLIP's way): it needs weights to evaluate
     and an evaluation that runs (a frequency of 0 turns one off, as in training)."""
-    weights = cfg.model.pretrained or cfg.checkpoint.resume or cfg.model.model.startswith(HF_HUB_PREFIX)
+    name = cfg.model.model
+    weights = cfg.model.pretrained or cfg.checkpoint.resume or family_of(name).has_own_weights(name)
     if not weights:
         raise ConfigError(
             "no --train-data: this run only evaluates, and has no weights to evaluate; give them with "

@@ -68,11 +68,6 @@ def _merged(saved: dict) -> dict:
     return out
 
 
-def has_own_weights(model: ModelConfig) -> bool:
-    """An hf-hub:ORG/REPO model starts from the repository's weights without --pretrained."""
-    return is_hub_model(model.model)
-
-
 def weights_of(model: ModelConfig) -> tuple[str, str] | None:
     """(the file or URL to read, how messages name it) for a tag or an hf-hub model's own weights;
     None when --pretrained is a path or URI. Fetches through the Hugging Face cache."""

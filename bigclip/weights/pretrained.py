@@ -104,9 +104,8 @@ def apply_preprocess(cfg: TrainConfig, log: logging.Logger) -> None:
 def applies(cfg: TrainConfig, store: CheckpointStore) -> bool:
     """--pretrained initialises a run that does not resume; a resumed run's checkpoint wins, so
     a requeued job does not read (or lease) the initial weights again."""
-    named = named_weights(cfg)
-    if not cfg.model.pretrained and not (named is not None and named.has_own_weights(cfg.model)):
-        return False  # (an hf-hub:ORG/REPO model starts from the repository's weights)
+    if not cfg.model.pretrained and not family_of(cfg.model.model).has_own_weights(cfg.model.model):
+        return False  # (CLIP's hf-hub:ORG/REPO models start from the repository's weights)
     resume = cfg.checkpoint.resume
     return not resume or (resume == LATEST and store.latest() is None)
 
