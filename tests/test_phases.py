@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ import pytest
 
 from bigclip.train import phases
 from bigclip.train.phases import HEARTBEAT_S, QUIET_S, OnStop
+from bigclip.train.signals import SignalFlag, write_requeue_marker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +90,7 @@ def run_stop(tmp_path: Path, phase: str, on_stop: str, *, iterations: int, env: 
         from bigclip.train import phases
         from bigclip.train.signals import StopRequested, catch_preemption_signals
         flag = catch_preemption_signals()
-        flag.note(run_dir=Path({str(tmp_path)!r}), step=7)
+        flag.note(run_dir=Path({str(tmp_path)!r}), step=7, rank=3)
         phases.begin({phase!r}, on_stop=phases.OnStop.{on_stop}, announce=False)
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
         threading.Timer(1.2, print, ("a second after the signal",), {{"flush": True}}).start()
@@ -145,6 +147,8 @@ def test_a_main_thread_stuck_in_c_code_past_the_grace_time_is_ended_by_the_watch
         "step": 7,
         "signal": "SIGTERM",
         "reason": "stopped during reading checkpoint X: nothing trained to checkpoint",
+        "rank": 3,
+        "host": socket.gethostname(),
     }
 
 
@@ -171,3 +175,26 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.stdout.splitlines()[-2:] == ["noted SIGINT", "stopped at once"], done.stdout + done.stderr
     assert "SIGINT received during training: the ranks stop at the next step boundary" in done.stdout
+
+
+def test_a_peer_stop_is_read_from_the_marker_another_rank_left_during_this_run(tmp_path):
+    """A rank whose set-up fails names the peer whose stop signal made it fail (entry.py), from
+    the marker that peer left; not its own marker, not an earlier run's, not a checkpointed stop's."""
+    flag = SignalFlag()
+    flag.note(run_dir=tmp_path, rank=0)
+    flag.installed_at = time.time() - 1
+    assert flag.peer_stop() == ""  # no marker
+    reason = "stopped during reading checkpoint s3://b/ckpt: nothing trained to checkpoint"
+    write_requeue_marker(tmp_path, {"step": 3, "signal": "SIGTERM", "reason": reason, "rank": 1, "host": "n1"},
+                         writer=1)  # fmt: skip
+    assert flag.peer_stop() == f"rank 1 on n1 received SIGTERM and left first ({reason})"
+    flag.note(rank=1)
+    assert flag.peer_stop() == ""  # its own
+    flag.note(rank=0)
+    flag.installed_at = time.time() + 5
+    assert flag.peer_stop() == ""  # an earlier run's (torchrun leaves it there)
+    flag.installed_at = time.time() - 1
+    write_requeue_marker(
+        tmp_path, {"step": 9, "signal": "SIGUSR1", "reason": "preempted", "rank": 1}, writer=1
+    )
+    assert flag.peer_stop() == ""  # a stop the ranks agreed on: no set-up failed for it

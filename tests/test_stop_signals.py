@@ -18,6 +18,7 @@ import math
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -182,9 +183,10 @@ def test_the_horizon_and_stops_during_start_up_and_the_checkpoint_read(demo_data
 def test_a_stop_at_one_rank_alone_during_the_checkpoint_read_still_requeues(demo_data, tmp_path, s3, proxy):
     """SIGTERM to rank 1 alone while its part of the checkpoint is read (a kill that Slurm retries
     at a node that answers again reaches the rerun of the same job id there, on that node only):
-    rank 1 exits 85 and leaves the requeue marker itself; rank 0's next collective fails and it
-    exits non-zero, so the sbatch script, which trusts the marker, requeues the job rather than
-    ending it FAILED (only rank 0 used to leave the marker)."""
+    rank 1 exits 85 and leaves the requeue marker itself, so the sbatch script, which trusts the
+    marker, requeues the job rather than ending it FAILED (only rank 0 used to leave the marker).
+    Rank 0's next collective fails: it names rank 1's stop as the cause, not only "Connection
+    closed by peer", and exits 85 too."""
     prefix, logs = uuid.uuid4().hex[:8], tmp_path / "logs"
     argv = train_argv(demo_data, logs, proxy.endpoint, prefix, "--epochs", "1", "--max-steps", "2")
     env = {"AWS_ENDPOINT_URL": proxy.endpoint}
@@ -199,15 +201,19 @@ def test_a_stop_at_one_rank_alone_during_the_checkpoint_read_still_requeues(demo
     ranks[1].send_signal(signal.SIGTERM)
     proxy.release()
     codes = wait_all(ranks, timeout_s=WAIT_S)
-    rank1_log = (tmp_path / "rank1.log").read_text()
-    assert codes[1] == REQUEUE_EXIT_CODE and codes[0] not in (0, REQUEUE_EXIT_CODE), (
-        codes,
-        rank1_log[-3000:],
-    )
+    rank0_log, rank1_log = ((tmp_path / f"rank{r}.log").read_text() for r in (0, 1))
+    assert codes == [REQUEUE_EXIT_CODE] * 2, (codes, rank0_log[-3000:], rank1_log[-3000:])
     marker = json.loads((logs / "run" / "requeue.json").read_text())
     assert marker["signal"] == "SIGTERM" and marker["reason"].startswith(
         "stopped during reading checkpoint s3://"
     )
+    said = rank0_log.rstrip().splitlines()[-1]
+    assert (
+        f": rank 1 on {socket.gethostname()} received SIGTERM and left first (stopped during reading" in said
+    ), said
+    assert "so this rank's set-up failed: loading s3://" in said and said.endswith(
+        "exiting with 85 (requeue)"
+    ), said
 
 
 def test_a_stop_during_the_first_step_while_it_waits_for_data(demo_data, tmp_path, s3, proxy):

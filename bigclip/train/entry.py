@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
         # because a peer left for the same signal.
         if preemption_flag().exits_now:
             return stopped_before_training(preemption_flag())
+        peer = preemption_flag().peer_stop()
+        if peer:
+            return failed_after_peer_stop(e, peer, prog=prog)
         if isinstance(e, BigclipError):
             return refuse(f"{prog}: error: {_explained(e)}")
         raise
@@ -169,6 +172,18 @@ def stopped_before_training(flag: SignalFlag) -> int:
     the requeue marker, exit 85 (the requeued run starts where this one did)."""
     flag.say_once()
     flag.requeue_marker()
+    return REQUEUE_EXIT_CODE
+
+
+def failed_after_peer_stop(error: BaseException, peer: str, *, prog: str) -> int:
+    """Set-up failed here because a peer stopped for a signal first (a kill that reached its node
+    alone): name that peer rather than leave "Connection closed by peer" as the cause, and exit 85
+    like it; its marker has the job requeued."""
+    what = _explained(error) if isinstance(error, BigclipError) else f"{type(error).__name__}: {error}"
+    what = (what.splitlines() or [""])[0]
+    refuse(
+        f"{prog}: {peer}; so this rank's set-up failed: {what}; exiting with {REQUEUE_EXIT_CODE} (requeue)"
+    )
     return REQUEUE_EXIT_CODE
 
 

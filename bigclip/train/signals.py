@@ -34,6 +34,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -94,6 +95,8 @@ class SignalFlag:
         self.on_stop = OnStop.EXIT_NOW  # what it does, by the phase it came in
         self.run_dir: Path | None = None  # where the requeue marker goes (once known)
         self.step: int | None = None  # where the run stands, for the marker
+        self.rank: int | None = None  # who writes it (once known)
+        self.installed_at = 0.0  # wall clock: a marker older than this is an earlier run's
         self._previous: dict[int, Any] = {}
         self._lock = threading.RLock()  # re-entrant: the main thread's handler may run while it holds it
         self._said = False
@@ -113,6 +116,7 @@ class SignalFlag:
         if self._previous or threading.current_thread() is not threading.main_thread():
             return self
         phases.reset()
+        self.installed_at = time.time()
         phases.add_transition_hook(self.raise_if_due)
         self._start_watcher()
         for sig in STOP_SIGNALS:
@@ -122,10 +126,11 @@ class SignalFlag:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
-    def note(self, *, run_dir: Path | None = None, step: int | None = None) -> None:
+    def note(self, *, run_dir: Path | None = None, step: int | None = None, rank: int | None = None) -> None:
         """What the stop needs to know of the run, as set-up learns it."""
         self.run_dir = run_dir if run_dir is not None else self.run_dir
         self.step = step if step is not None else self.step
+        self.rank = rank if rank is not None else self.rank
 
     # -- receiving ------------------------------------------------------------------------
 
@@ -168,8 +173,28 @@ class SignalFlag:
         the others then fail in their next collective, which must not end the job FAILED."""
         if self.run_dir is not None and self.run_dir.is_dir():
             record = {"step": self.step, "signal": signal.Signals(self.signum).name,
-                      "reason": f"stopped during {self.phase}: nothing trained to checkpoint"}  # fmt: skip
+                      "reason": f"stopped during {self.phase}: nothing trained to checkpoint",
+                      "rank": self.rank, "host": socket.gethostname()}  # fmt: skip
             write_requeue_marker(self.run_dir, record, writer=os.getpid())
+
+    def peer_stop(self) -> str:
+        """A peer's stop before the first step, as the marker it left during this run says ('' for
+        none): why this rank's set-up failed, when its collective found that peer gone."""
+        if self.run_dir is None:
+            return ""
+        marker = self.run_dir / REQUEUE_MARKER
+        try:
+            if marker.stat().st_mtime < self.installed_at:
+                return ""  # an earlier run's (the sbatch script removes it; torchrun does not)
+            record = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            return ""
+        rank, reason = record.get("rank"), str(record.get("reason", ""))
+        if rank is None or rank == self.rank or not reason.startswith("stopped during"):
+            return ""
+        return (
+            f"rank {rank} on {record.get('host')} received {record.get('signal')} and left first ({reason})"
+        )
 
     # -- the watcher thread ---------------------------------------------------------------
 
@@ -236,7 +261,7 @@ class SignalFlag:
     def reset(self) -> None:
         self.signum, self.received_at, self.phase, self.exits_now = 0, 0.0, "", False
         self.on_stop = OnStop.EXIT_NOW
-        self.run_dir, self.step = None, None
+        self.run_dir, self.step, self.rank = None, None, None
         self._said = False
         self._handled = 0
         phases.reset()

@@ -156,7 +156,7 @@ def setup(cfg: TrainConfig) -> Run:
         timeout_s=cfg.engine.dist_timeout,
     )
     run_dir = prepare_run_dir(cfg, runtime)
-    preemption.flag.note(run_dir=run_dir)  # for a stop before the first step
+    preemption.flag.note(run_dir=run_dir, rank=runtime.rank)  # for a stop before the first step
     log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
     pretrained.apply_preprocess(cfg, log)  # e.g. a --pretrained tag's or hf-hub model's image mean/std
