@@ -245,7 +245,7 @@ ODD_OPTIONS = {
 TOKENIZER_OPTIONS = {
     "eos-id-not-written": ("text_cfg", {"hf_tokenizer_name": "openclip/xlm-layout", "pool_type": "eos", "eos_id": 3},
                            ("tokenizer openclip/xlm-layout does not write id 3", "text_cfg pool_type 'eos', eos_id 3",
-                            "ends texts with 2", "another tokenizer")),
+                            "ends texts with id 2", "another tokenizer")),
 }  # fmt: skip
 HUB_MODELS += [
     train(f"hub-{name}", "--model", f"hf-hub:openclip/{name}", "--batch-size", "4", env=HUB_ENV, says=says,

@@ -68,9 +68,12 @@ def test_an_eos_pooled_tower_refuses_a_tokenizer_that_never_writes_its_eos_id(tm
     folder = eos_folder(tmp_path / "eos")
     assert HFTokenizer(str(folder), context_length=12, vocab_size=1000, pools_at=2)  # the id it writes
     with pytest.raises(
-        ConfigError, match=r"does not write id 3, where model m's text tower pools .* ends texts with 2"
+        ConfigError, match=r"does not write id 3, where model m's text tower pools .* ends texts with id 2"
     ):
         HFTokenizer(str(folder), context_length=12, vocab_size=1000, model="m", pools_at=3)
+    bert = bert_folder(tmp_path / "bert")  # no eos_token: it ends texts with [SEP]
+    with pytest.raises(ConfigError, match=r"does not write id 4, .*; it has no end-of-text token\)"):
+        HFTokenizer(str(bert), context_length=12, vocab_size=1000, model="m", pools_at=4)
 
 
 ZERO3 = ["--engine", "deepspeed", "--deepspeed-config", str(ROOT / "ds_configs" / "zero3.json")]

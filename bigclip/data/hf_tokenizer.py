@@ -62,10 +62,12 @@ class HFTokenizer:
                 "its text tower cannot read them; is --cache-dir holding another tokenizer?"
             )
         if pools_at is not None and not (self("a photo") == pools_at).any():
+            eos = self.tokenizer.eos_token_id
+            ends = f"it ends texts with id {eos}" if eos is not None else "it has no end-of-text token"
             raise ConfigError(
                 f"tokenizer {hf_name} does not write id {pools_at}, where {who}'s text tower pools (text_cfg "
-                f"pool_type 'eos', eos_id {pools_at}; it ends texts with {self.tokenizer.eos_token_id}): every "
-                "text would be read at its first token; is --cache-dir holding another tokenizer?"
+                f"pool_type 'eos', eos_id {pools_at}; {ends}): every text would be read at its first token; "
+                "is --cache-dir holding another tokenizer?"
             )
 
     def __call__(self, texts: str | list[str]) -> torch.Tensor:
