@@ -98,13 +98,8 @@ class ModelConfig:
         self._check_linear_kind()
         self._check_locks()
         from bigclip.models.families import family_of
-        from bigclip.models.pretrained_tags import tag_hint
 
-        try:
-            family = family_of(self.model)
-        except ConfigError as unknown:  # it lists the known names; add where --pretrained's tag is
-            raise ConfigError(f"{unknown}{tag_hint(self.pretrained)}") from None
-        family.check(self)
+        family_of(self.model, pretrained=self.pretrained).check(self)
 
     def _check_linear_kind(self) -> None:
         kind = linear_kind(self.linear_kind)

@@ -12,7 +12,7 @@ from typing import Any
 from bigclip.errors import ConfigError
 from bigclip.models.hf_hub import is_hub_model
 from bigclip.models.named_configs import CLIPConfig, get_model_config, list_models, other_tower_configs
-from bigclip.models.pretrained_tags import check_pretrained
+from bigclip.models.pretrained_tags import check_pretrained, tag_hint
 from bigclip.models.shape import ModelFamily, ModelOptions, ModelShape, ParamShape, TowerShape
 
 SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}  # OpenCLIP's SigLIP init
@@ -162,4 +162,5 @@ CLIP_FAMILY = ModelFamily(
     other_names="hf-hub:ORG/REPO (an OpenCLIP model on the Hugging Face Hub)",
     named_weights="bigclip.weights.named",
     has_own_weights=is_hub_model,  # an hf-hub:ORG/REPO repository holds its weights
+    pretrained_hint=tag_hint,
 )

@@ -19,13 +19,16 @@ def register_family(family: ModelFamily) -> None:
     FAMILIES[:] = [f for f in FAMILIES if f.name != family.name] + [family]
 
 
-def family_of(name: str) -> ModelFamily:
+def family_of(name: str, *, pretrained: str = "") -> ModelFamily:
+    """The family that owns --model `name`; for none, a ConfigError listing the names there are
+    (and, given the run's --pretrained, what the families make of it: a tag of other models)."""
     for family in FAMILIES:
         if family.owns(name):
             return family
     names = sorted(all_configs(), key=str.lower)
     others = "".join(f", or {f.other_names}" for f in FAMILIES if f.other_names)
-    raise ConfigError(f"unknown model {name!r}; available: {', '.join(names)}{others}")
+    hints = "".join(f.pretrained_hint(pretrained) for f in FAMILIES) if pretrained else ""
+    raise ConfigError(f"unknown model {name!r}; available: {', '.join(names)}{others}{hints}")
 
 
 def all_configs() -> list[str]:

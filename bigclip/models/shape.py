@@ -116,3 +116,6 @@ class ModelFamily:
     named_weights: str = ""
     # Whether a --model name brings its own weights (a run starts from them without --pretrained).
     has_own_weights: Callable[[str], bool] = lambda name: False
+    # For the message of a --model no family owns: what this family makes of --pretrained (CLIP's:
+    # the models that have it as an OpenCLIP tag); "" when nothing.
+    pretrained_hint: Callable[[str], str] = lambda pretrained: ""
