@@ -138,6 +138,15 @@ def garble_manifest(folder: Path) -> None:
     (folder / "manifest.json").write_text('{"format": "bigclip-checkpoint", "step": ')
 
 
+def null_manifest(folder: Path) -> None:
+    (folder / "manifest.json").write_text("null\n")  # valid JSON, no manifest
+
+
+def manifest_as_folder(folder: Path) -> None:
+    (folder / "manifest.json").unlink()
+    (folder / "manifest.json").mkdir()
+
+
 def uncommit(folder: Path) -> None:
     (folder / "manifest.json").unlink()
 
@@ -155,6 +164,7 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "truncated shard": (truncate_shard, ("is damaged", "bytes, manifest says")),
     "missing shard": (remove_shard, ("is damaged", ".distcp: missing")),
     "garbled manifest": (garble_manifest, ("manifest.json is damaged", "not a bigclip checkpoint manifest")),
+    "manifest of JSON null": (null_manifest, ("manifest.json is damaged", "manifest (not a JSON object)")),
     "interrupted save (no manifest)": (uncommit, ("is not a committed checkpoint", "Committed ones")),
 }
 
@@ -215,7 +225,7 @@ def test_resume_latest_with_every_checkpoint_damaged_is_refused(demo_data, run, 
 
 def test_a_checkpoint_with_nan_weights_is_refused_naming_the_tensor(demo_data, run, tmp_path, monkeypatch):
     """Intact bytes, non-finite values (as an older writer, which did not check, could save)."""
-    root = copy_run(run, tmp_path, lambda folder: None)
+    root = copy_run(run, tmp_path, manifest_as_folder)
     dcp_to_torch_save(root / "step_00000008", tmp_path / "whole.pt")
     state = torch.load(tmp_path / "whole.pt", weights_only=False)
     name, tensor = next(
@@ -363,6 +373,33 @@ def test_pretrained_and_consolidate_from_a_damaged_checkpoint_are_refused(demo_d
     pretrained = Case(f"--pretrained, {damage}", train(demo_data, tmp_path, "--pretrained", str(root / "step_00000008"),
                       "--checkpoint-dir", str(tmp_path / "new")), says, max_s=WORK_S, leaves=STARTED)  # fmt: skip
     check(pretrained, cwd=tmp_path, protect=[root])
+
+
+@pytest.mark.parametrize("part", ["manifest.json", "__0_0.distcp", "__0_rank.bigclip"])
+def test_a_file_inside_a_checkpoint_is_refused_as_weights(run, tmp_path, part):
+    """consolidate (and --pretrained, the same opening) given one file of a checkpoint: its folder
+    is named, instead of torch.load's failure on a file that is no weights file."""
+    step = run / "step_00000008"
+    case = Case(f"consolidate {part}", bigclip("consolidate", str(step / part), "out.safetensors", "--no-progress"),
+                (f"{step / part} is a file inside a bigclip checkpoint", f"give its folder {step}"), max_s=WORK_S)  # fmt: skip
+    check(case, cwd=tmp_path, protect=[run])
+
+
+def test_a_manifest_that_is_a_folder_is_refused(run, tmp_path):
+    root = copy_run(
+        run,
+        tmp_path,
+        lambda folder: ((folder / "manifest.json").unlink(), (folder / "manifest.json").mkdir()),
+    )
+    step = root / "step_00000008"
+    says = ("manifest.json is damaged", "its manifest.json is a folder, not a manifest")
+    for name, args in [("consolidate", ("consolidate", str(step), "out.safetensors", "--no-progress")),
+                       ("verify", ("checkpoints", "verify", str(step)))]:  # fmt: skip
+        check(
+            Case(f"{name}, manifest.json a folder", bigclip(*args), says, max_s=WORK_S),
+            cwd=tmp_path,
+            protect=[root],
+        )
 
 
 def test_the_damage_helpers_hit_tensor_bytes(run):

@@ -67,6 +67,14 @@ CASES = [
         says=("--max-shard-size '0'", "positive size")),
     row("consolidate-read-ahead-zero", "consolidate", "notes.txt", "o.safetensors", "--read-ahead", "0",
         says=("--read-ahead 0", "at least 1")),
+    row("consolidate-out-is-a-file", "consolidate", "siglip.pt", "notes.txt",
+        says=("OUT notes.txt: notes.txt is a file", "give another path")),
+    row("consolidate-out-inside-a-file", "consolidate", "siglip.pt", "notes.txt/w.safetensors",
+        says=("OUT notes.txt/w.safetensors: notes.txt is a file", "give another path")),
+    row("consolidate-export-folder-is-a-file", "consolidate", "siglip.pt", "--open-clip-dir", "notes.txt",
+        says=("--open-clip-dir notes.txt: notes.txt is a file", "give another path")),
+    late("consolidate-source-not-weights", "consolidate", "junk.pt", "o.safetensors",
+         says=("junk.pt: not a weights file torch can read safely (", "TorchScript archives"), code=2),
     row("consolidate-registry-missing", "consolidate", "registry:tiny-v1", "o.safetensors",
         says=("registry:tiny-v1: no registry given", "BIGCLIP_REGISTRY"), env={"BIGCLIP_REGISTRY": ""}),
     row("publish-args-missing", "publish", says=("required: src, name",)),
@@ -105,13 +113,15 @@ def home(module_tmp) -> Path:
     (home / "notes.txt").write_text("not a folder\n")
     # A SigLIP model's weights (a learned logit bias), which transformers' CLIPModel cannot hold.
     torch.save({"logit_scale": torch.zeros(()), "logit_bias": torch.zeros(())}, home / "siglip.pt")
+    (home / "junk.pt").write_bytes(bytes(range(256)) * 4)  # no zip, no pickle: torch.load fails its own way
     return home
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_command_option(case: Case, home: Path) -> None:
-    check(case, cwd=home, protect=[home])
-    assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "siglip.pt"]
+    out = check(case, cwd=home, protect=[home])
+    assert sorted(p.name for p in home.iterdir()) == ["junk.pt", "notes.txt", "siglip.pt"]
+    assert "weights_only" not in out.stderr  # torch's advice to unpickle an untrusted file is not passed on
 
 
 def test_flag_settled_refusals_import_no_torch(home: Path) -> None:
@@ -141,4 +151,4 @@ def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(args: tuple[str,
         os.close(write)
     argparse_help = args[0] not in ("train", "models") and args[1:] == ("--help",)
     assert (done.returncode, done.stderr) == (0 if argparse_help else 141, "")
-    assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "siglip.pt"]
+    assert sorted(p.name for p in home.iterdir()) == ["junk.pt", "notes.txt", "siglip.pt"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from bigclip.checkpoint.manifest import MANIFEST_NAME, Manifest
 from bigclip.config import CheckpointConfig
+from bigclip.errors import StorageError
 from bigclip.storage.locations import Location
 from bigclip.storage.schemes import is_local
 
@@ -62,9 +63,13 @@ def latest_committed(location: Location) -> Entry | None:
 
 
 def read_manifest(location: Location, folder: str) -> Manifest:
-    return Manifest.from_json(
-        location.read_bytes(f"{folder}/{MANIFEST_NAME}"), uri=location.child_uri(folder)
-    )
+    try:
+        data = location.read_bytes(f"{folder}/{MANIFEST_NAME}")
+    except IsADirectoryError:
+        raise StorageError(
+            f"{location.child_uri(folder)}: its {MANIFEST_NAME} is a folder, not a manifest"
+        ) from None
+    return Manifest.from_json(data, uri=location.child_uri(folder))
 
 
 def folders_to_delete(

@@ -75,14 +75,20 @@ class Manifest:
     def from_json(cls, data: bytes, *, uri: str = "") -> Manifest:
         try:
             body = json.loads(data)
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
             if body.get("format") != FORMAT:
                 raise ValueError(f"format {body.get('format')!r}")
             if body.get("version", 0) > VERSION:
                 raise ValueError(f"version {body['version']} is newer than this bigclip ({VERSION})")
+            if body.get("checksum", CHECKSUM_ALGORITHM) != CHECKSUM_ALGORITHM:  # what `objects` records
+                raise ValueError(f"checksum {body['checksum']!r}, where bigclip records {CHECKSUM_ALGORITHM}")
             objects = Inventory.from_json(body["objects"])
             fields = {k: body[k] for k in ("step", "world_size", "engine", "model", "created", "meta")}
             fields["layout"] = str(body.get("layout", ""))  # absent before rank records
+            if fields["layout"] not in ("", RANK_RECORDS):
+                raise ValueError(f"layout {fields['layout']!r}, where this bigclip reads {RANK_RECORDS!r}")
             fields["prefixes"] = str(body.get("prefixes", ""))
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise StorageError(f"{uri or 'manifest'}: not a bigclip checkpoint manifest ({e})") from e
         return cls(objects=objects, uri=uri, **fields)

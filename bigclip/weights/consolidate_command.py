@@ -82,6 +82,13 @@ def parse_consolidate_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"{args.src}: no registry given; pass --registry PATH|s3://bucket/prefix or set "
                           "BIGCLIP_REGISTRY")  # fmt: skip
     _check_local_source(args.src)
+    for flag, out in (
+        ("OUT", args.out),
+        ("--open-clip-dir", args.open_clip_dir),
+        ("--transformers-dir", args.transformers_dir),
+    ):
+        if out:
+            _check_local_out(flag, out)
     return args
 
 
@@ -104,6 +111,20 @@ def _check_local_source(src: str) -> None:
         "checkpoint (a folder with manifest.json) nor a folder of them; check the path, or give an s3:// URI "
         "or registry:NAME"
     )
+
+
+def _check_local_out(flag: str, out: str) -> None:
+    """An existing file where the output's folder must be (a folder OUT or export folder, or the
+    parent of OUT FILE.safetensors) fails here, before anything is read."""
+    if not is_local(out):
+        return
+    path = Path(local_path(out))
+    folder = path.parent if flag == "OUT" and path.name.endswith(".safetensors") else path
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(
+            f"{flag} {out}: {folder} is a file, where the output's folder goes (OUT is FILE.safetensors or a "
+            "folder, the export options name folders); give another path"
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from bigclip.registry.registry import Published, Registry
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+CHECKPOINT_PARTS = (MANIFEST_NAME, METADATA_NAME, ".distcp", "rank.bigclip")  # a DCP checkpoint's files
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 
 
@@ -77,6 +78,10 @@ def open_weights(uri: str, *, registry: str = "", cache: str = "") -> WeightSour
     if leaf.endswith((".safetensors", INDEX_SUFFIX)):
         return _consolidated_source(parent, leaf, uri)
     if local and (parent.root / leaf).is_file():
+        if (parent.root / MANIFEST_NAME).is_file() or leaf.endswith(CHECKPOINT_PARTS):
+            raise StorageError(
+                f"{uri} is a file inside a bigclip checkpoint, not a weights file: give its folder {parent.root}"
+            )
         return _from_file(parent.root / leaf, uri=uri)
     return _from_checkpoint(open_location(uri.rstrip("/")), uri)
 
@@ -180,16 +185,11 @@ class TorchFileReader:
             with open(path, "rb") as stream:
                 read_checked(stream, StreamDigest(checked.record, where=checked.where, advice=checked.advice))
         try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):  # torch < 1.6 files cannot be mapped: load them whole
-                raise StorageError(f"{path}: cannot read weights ({e})") from e
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            loaded = _torch_load(path)
         except Exception as e:
             raise StorageError(
-                f"{path}: not a weights file torch can read safely ({type(e).__name__}: {str(e)[:300]}). "
-                "TorchScript archives (OpenAI's original CLIP .pt files) are not supported: use OpenCLIP's "
-                "converted weights"
+                f"{path}: not a weights file torch can read safely ({_load_failure(e)}). TorchScript archives "
+                "(OpenAI's original CLIP .pt files) are not supported: use OpenCLIP's converted weights"
             ) from e
         self.tensors_by_name = normalise_keys(loaded)
 
@@ -215,6 +215,28 @@ class TorchFileReader:
             step = max(1, piece_bytes // info.dtype.itemsize)
             for i in range(0, flat.numel(), step):
                 yield info, flat[i : i + step]
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)  # torch < 1.6 files cannot be mapped
+
+
+def _load_failure(error: BaseException) -> str:
+    """torch.load's reason, without its advice to retry with weights_only=False (which would run
+    whatever code the file's pickle names)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    kept = [line for line in lines if "weights_only" not in line and "Re-running" not in line]
+    reason = (kept or lines or [""])[-1][:300]
+    return (
+        f"{type(error).__name__}: {reason}"
+        if reason
+        else f"{type(error).__name__}: the file is empty or cut short"
+    )
 
 
 def normalise_keys(loaded: Any) -> dict[str, torch.Tensor]:
