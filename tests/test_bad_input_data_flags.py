@@ -4,6 +4,7 @@ model is built. The shards and an earlier run stay as they were."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,13 @@ CASES = [
          train_data="data/train/{00010..00019}.tar", max_s=LISTED_S),
     data("val-no-shard-matches", "--val-data", "data/val/{00010..00011}.tar", says=("--val-data", "no shard"),
          max_s=LISTED_S),
+    data("train-pattern-names-nothing", says=("--train-data '::' names no shard", "/data/{00000..00099}.tar"),
+         train_data="::"),
+    data("train-data-a-folder", says=("data/train is a folder", "name its shards", "data/train/{00000..00099}.tar"),
+         train_data="data/train", max_s=LISTED_S),
+    # Captioned shards given as a classification set: every image would have been scored a miss.
+    data("imagenet-val-without-labels", "--imagenet-val", "captioned/{00000..00000}.tar", "--batch-size", "8",
+         says=("--imagenet-val", "has no .cls label (it holds", "class index from its .cls member"), max_s=LISTED_S),
 ]  # fmt: skip
 
 
@@ -68,6 +76,9 @@ def home(module_tmp) -> Path:
     )
     (home / "logs" / "exp").mkdir(parents=True)
     (home / "logs" / "exp" / "config.yaml").write_text("model: {model: tiny}\n")
+    (home / "captioned").mkdir()  # training shards (images and captions, no .cls) with class names
+    shutil.copy(home / "data" / "train" / "00000.tar", home / "captioned" / "00000.tar")
+    (home / "captioned" / "classnames.txt").write_text("circle\nsquare\n")
     return home
 
 

@@ -4,7 +4,9 @@ import glob
 import io
 import json
 import os
+import re
 import tarfile
+from pathlib import Path
 
 import pytest
 from test_data_common import bad_sample, good_sample, write_dataset, write_shard
@@ -67,6 +69,21 @@ def test_cli_writes_sizes_json_that_training_reads(tmp_path, capsys):
     assert sizes == {"00000.tar": 9, "00001.tar": 14, "00002.tgz": 6, "00003.tar": 11, "other.tar": 7}
     assert validate_shards(pattern).total_samples == sum(SIZES)
     assert "40 samples in 4 shards (0 damaged)" in capsys.readouterr().out
+
+
+def test_damaged_shards_keep_their_listed_counts_and_fail_the_command(damaged, capsys):
+    """A shard index-shards cannot read to the end (damaged, or xz-compressed) keeps the count
+    sizes.json had for it (a damaged copy must not zero a good count), one not listed gets its count
+    up to the damage, and the command fails in one line: a script that indexes then trains stops."""
+    with open(f"{damaged}/sizes.json", "w") as f:
+        json.dump({"3.tar": 10}, f)  # counted before 3.tar was cut short
+    assert cli_main(["index-shards", f"{damaged}/{{0..4}}.tar", "--no-progress"]) == 2
+    out = capsys.readouterr()
+    assert re.search(r"error: 2 of 5 shards could not be read to the end, e\.g\. .*3\.tar", out.err), out.err
+    assert "(2 damaged)" in out.out
+    sizes = json.loads(Path(damaged, "sizes.json").read_text())
+    assert sizes["3.tar"] == 10 and sizes["4.tar"] == count_samples(f"{damaged}/4.tar").samples
+    assert [sizes[f"{i}.tar"] for i in range(3)] == [10, 11, 5]
 
 
 def test_s3_shards_are_indexed_in_place(tmp_path):

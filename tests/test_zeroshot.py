@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from support.train_harness import train_worker
 from test_engine_deepspeed import config
 
 from bigclip.config import TrainConfig
-from bigclip.data.classification import open_classification_set
+from bigclip.data.classification import BAD_LABEL, UNLABELLED, label_of, open_classification_set
 from bigclip.data.device import ImageNormalizer
 from bigclip.data.tokenizer import HashingTokenizer
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, eval_transform
@@ -65,10 +66,9 @@ def zeroshot_worker(rank: int, world: int, cfg_dicts: list[dict], root: str) -> 
         data = open_classification_set(root, what="--imagenet-val")
         classifier = build_classifier(engine, tokenizer(), data, engine.runtime)
         loader = data.loader(rank=rank, world_size=world, image_size=64, batch_size=2, workers=1)
-        top1, top5, skipped = classify(
-            engine, classifier, loader, engine.runtime, normalize=normalizer(), image_size=64
-        )
-        out.append({"classifier": classifier, "top1": top1, "top5": top5, "skipped": skipped})
+        scored = classify(engine, classifier, loader, engine.runtime, normalize=normalizer(), image_size=64)
+        out.append({"classifier": classifier, "top1": scored.top1, "top5": scored.top5,
+                    "skipped": scored.counts["unreadable images"]})  # fmt: skip
     return out
 
 
@@ -121,6 +121,47 @@ def test_sets_that_cannot_be_used_fail_before_training(tmp_path):
     (tmp_path / "shards" / "00000.tar").write_bytes(b"")
     with pytest.raises(DataError, match="no classnames.txt beside the shards"):
         open_classification_set(str(tmp_path / "shards" / "{00000..00000}.tar"), what="--imagenet-val")
+
+
+def write_labelled_shard(path: Path, labels: list[bytes | None]) -> None:
+    """One shard of 8x8 JPEGs whose `.cls` members hold `labels` (None: no .cls member)."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buffer, format="JPEG")
+    with tarfile.open(path, "w") as tar:
+        for i, label in enumerate(labels):
+            members = {"jpg": buffer.getvalue(), "txt": b"a caption"} | (
+                {"cls": label} if label is not None else {}
+            )
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"s{i:03d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize(
+    "first, says",
+    [(None, "has no .cls label (it holds jpg, txt)"), (b"9", "has .cls '9', not a class index below the 4 classes"),
+     (b"dog", "has .cls 'dog', not a class index"), (b"-1", "has .cls '-1'")],
+)  # fmt: skip
+def test_a_set_without_class_labels_fails_before_training(tmp_path, first, says):
+    """--imagenet-val given captioned shards, or labels past classnames.txt: refused from the first
+    sample when the run starts, not scored 0.0 after training."""
+    write_labelled_shard(tmp_path / "00000.tar", [first, b"1"])
+    (tmp_path / "classnames.txt").write_text("a\nb\nc\nd\n")
+    with pytest.raises(DataError, match=f"sample s000 of .*00000.tar {re.escape(says)}"):
+        open_classification_set(str(tmp_path / "00000.tar"), what="--imagenet-val")
+
+
+def test_samples_past_the_first_without_a_class_label_are_counted_not_scored(tmp_path):
+    write_labelled_shard(tmp_path / "00000.tar", [b"0", None, b"7", b"x", b"3", b"2"])
+    (tmp_path / "classnames.txt").write_text("a\nb\nc\nd\n")
+    data = open_classification_set(str(tmp_path / "00000.tar"), what="--imagenet-val")
+    loader = data.loader(rank=0, world_size=1, image_size=8, batch_size=8, workers=0)
+    assert next(iter(loader))[1].tolist() == [0, UNLABELLED, BAD_LABEL, BAD_LABEL, 3, 2]
+    assert label_of({"cls": b" 2\n"}, 4) == 2 and label_of({"cls": b"\xff"}, 4) == BAD_LABEL
 
 
 def test_imagenet_sized_sets_use_open_clips_names_and_templates(tmp_path):

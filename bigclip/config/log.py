@@ -48,6 +48,7 @@ class LogConfig:
             raise ConfigError(f"--logs {self.logs}: --logs is a local folder; to keep the logs there too, pass "
                               f"--logs ./logs --remote-sync {self.logs} (OpenCLIP's way)")  # fmt: skip
         self._check_remote_outside_logs()
+        self._check_name()
         unknown = set(self.sinks()) - set(METRIC_SINKS)
         if unknown:
             raise ConfigError(
@@ -55,6 +56,14 @@ class LogConfig:
             )
         if "wandb" in self.sinks() and not installed("wandb"):
             raise ConfigError("--report-to wandb needs wandb: pip install 'bigclip[wandb]'")
+
+    def _check_name(self) -> None:
+        """The run folder is --logs/NAME: a name with '..' or an absolute one would put the run (and
+        --overwrite-run's deletions) outside --logs."""
+        parts = Path(self.name).parts
+        if Path(self.name).is_absolute() or any(part in (".", "..") for part in parts):
+            raise ConfigError(f"--name {self.name!r}: the run folder is --logs/NAME, inside --logs; give a name "
+                              "without '.' or '..' parts that is not an absolute path")  # fmt: skip
 
     def _check_remote_outside_logs(self) -> None:
         """A --remote-sync folder at or under --logs is a copy of the run folder into itself (REMOTE/NAME

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from bigclip.config.fields import LR_SCHEDULERS, OPTIMIZERS, opt
 from bigclip.errors import ConfigError
 
+SEED_MAX = 2**31 - 1  # numpy takes seeds up to 2**32 - 1, and each rank adds its rank
+
 
 @dataclass
 class OptimConfig:
@@ -47,6 +49,9 @@ class OptimConfig:
                 f"--beta1 {self.beta1}, --beta2 {self.beta2}, --eps {self.eps}: Adam needs betas in [0, 1) "
                 "and eps > 0 (defaults 0.9, 0.98, 1e-6)"
             )
+        if not 0 <= self.seed <= SEED_MAX:
+            raise ConfigError(f"--seed must be between 0 and {SEED_MAX} (each rank seeds numpy with --seed + its "
+                              f"rank), got {self.seed}")  # fmt: skip
         if self.accum_freq < 1:
             raise ConfigError(f"--accum-freq must be at least 1, got {self.accum_freq}")
         if self.epochs < 1 and self.max_steps < 1:

@@ -44,7 +44,9 @@ CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
 V2_FOLDER = "ImageNetV2-matched-frequency"
 FOLDER_IMAGES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-SKIPPED = -1  # label of an image that could not be decoded
+# Labels of what is not scored, each counted in the log: an image that could not be decoded, a
+# sample without a `.cls` label or an image, a `.cls` that is no class index of the set.
+SKIPPED, UNLABELLED, BAD_LABEL = -1, -2, -3
 
 
 @cache
@@ -75,7 +77,8 @@ class ClassificationSet:
         if self.items:
             data: Dataset = _Files(self.items[rank::world_size], transform)
         else:
-            data = _Shards(self.shards, rank=rank, world_size=world_size, transform=transform)
+            data = _Shards(self.shards, rank=rank, world_size=world_size, transform=transform,
+                           classes=len(self.classnames))  # fmt: skip
         workers = min(workers, len(data) if isinstance(data, _Files) else len(data.mine))
         return DataLoader(data, batch_size=batch_size, num_workers=workers)
 
@@ -95,11 +98,11 @@ class _Files(Dataset):
 class _Shards(IterableDataset):
     """This rank's shards (or, with fewer shards than ranks, its samples), split among workers."""
 
-    def __init__(self, shards: list[str], *, rank: int, world_size: int, transform) -> None:  # noqa: ANN001
+    def __init__(self, shards: list[str], *, rank: int, world_size: int, transform, classes: int) -> None:  # noqa: ANN001
         by_shard = len(shards) >= world_size
         self.mine = shards[rank::world_size] if by_shard else shards
         self.stride, self.offset = (1, 0) if by_shard else (world_size, rank)
-        self.transform = transform
+        self.transform, self.classes = transform, classes
         self.storage = StorageState.capture()  # restored in the (possibly spawned) worker
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
@@ -109,18 +112,36 @@ class _Shards(IterableDataset):
         index = 0
         for url in shards:
             for raw in ShardSamples(url):
-                image = next((raw.files[e] for e in IMAGE_EXTENSIONS if e in raw.files), None)
-                if "cls" not in raw.files or image is None:
-                    continue
                 if index % self.stride == self.offset:
-                    yield _transformed(image, int(raw.files["cls"].decode().strip()), self.transform)
+                    image = next((raw.files[e] for e in IMAGE_EXTENSIONS if e in raw.files), None)
+                    label = label_of(raw.files, self.classes) if image is not None else UNLABELLED
+                    if label < 0:  # counted, not scored: a blank image stands in
+                        yield _blank(self.transform), label
+                    else:
+                        yield _transformed(image, label, self.transform)
                 index += 1
+
+
+def label_of(files: dict[str, bytes], classes: int) -> int:
+    """A sample's class index from its `.cls` member: UNLABELLED without one, BAD_LABEL when it is
+    not an integer below `classes`."""
+    if "cls" not in files:
+        return UNLABELLED
+    try:
+        label = int(files["cls"].decode().strip())
+    except (UnicodeDecodeError, ValueError):
+        return BAD_LABEL
+    return label if 0 <= label < classes else BAD_LABEL
+
+
+def _blank(transform) -> torch.Tensor:  # noqa: ANN001
+    return torch.zeros(transform.image_size, transform.image_size, 3, dtype=torch.uint8)
 
 
 def _transformed(data: bytes, label: int, transform) -> tuple[torch.Tensor, int]:  # noqa: ANN001
     image = decode_image(data)
     if image is None:
-        return torch.zeros(transform.image_size, transform.image_size, 3, dtype=torch.uint8), SKIPPED
+        return _blank(transform), SKIPPED
     return torch.from_numpy(np.array(transform(image))), label  # a writable copy for the collate
 
 
@@ -133,10 +154,31 @@ def open_classification_set(uri: str, *, what: str) -> ClassificationSet:
         classnames, templates = here[0] or parent[0], here[1] or parent[1] or _default_templates()
         if not classnames:
             raise DataError(f"{what} {uri}: no {CLASSNAMES_FILE} beside the shards or in their parent folder")
+        _check_first_sample(shards[0], len(classnames), what=f"{what} {uri}")
         return ClassificationSet(uri, classnames, templates, [], shards)
     if not is_local(uri):
         raise DataError(f"{what} {uri}: a set in an object store must be webdataset shards (a .tar pattern)")
     return _folder_set(uri, what=what)
+
+
+def _check_first_sample(shard: str, classes: int, *, what: str) -> None:
+    """A set whose samples carry no class index (e.g. --val-data's captioned shards given as
+    --imagenet-val) fails before any model is built, from its first sample, not with a score of 0
+    after training; the rest are counted as they are read."""
+    first = next(iter(ShardSamples(shard)), None)
+    if first is None:
+        return  # an empty or damaged shard: its reading says so, counted
+    holds = f"(it holds {', '.join(sorted(first.files)) or 'nothing'})"
+    if not any(e in first.files for e in IMAGE_EXTENSIONS):
+        raise DataError(f"{what}: sample {first.key} of {shard} has no image {holds}; give a classification "
+                        "set of images with .cls labels")  # fmt: skip
+    label = label_of(first.files, classes)
+    if label == UNLABELLED:
+        raise DataError(f"{what}: sample {first.key} of {shard} has no .cls label {holds}: zero-shot "
+                        "classification reads each image's class index from its .cls member")  # fmt: skip
+    if label == BAD_LABEL:
+        raise DataError(f"{what}: sample {first.key} of {shard} has .cls {first.files['cls'][:40].decode(errors='replace')!r}, not a class "
+                        f"index below the {classes} classes of its {CLASSNAMES_FILE}")  # fmt: skip
 
 
 def _folder_set(uri: str, *, what: str) -> ClassificationSet:

@@ -104,14 +104,19 @@ def index_shards(pattern: str, *, threads: int = 16, progress: bool = True) -> l
 
 
 def write_sizes(counts: list[ShardCount]) -> list[str]:
-    """sizes.json in each shard directory, merged with what is there; returns the files written."""
+    """sizes.json in each shard directory, merged with what is there; returns the files written. A
+    damaged shard's count up to the damage is written only where sizes.json lists none: a count made
+    before the damage (or by a reader of a format bigclip does not read) is kept."""
     by_dir: dict[str, dict[str, int]] = {}
     for c in counts:
         directory, name = posixpath.split(c.url) if "/" in c.url else (".", c.url)
         by_dir.setdefault(directory, {})[name] = c.samples
+    damaged = {c.url for c in counts if c.error}
     written = []
     for directory, sizes in by_dir.items():
-        merged = read_sizes_json(directory) | sizes
+        listed = read_sizes_json(directory)
+        kept = {n: listed[n] for n in sizes if n in listed and posixpath.join(directory, n) in damaged}
+        merged = listed | sizes | kept
         text = json.dumps(dict(sorted(merged.items())), indent=0)
         data_location(directory).write_bytes(SIZES_FILE, text.encode())
         written.append(f"{directory}/{SIZES_FILE}")
@@ -170,8 +175,12 @@ def main(argv: list[str]) -> int:
             print(f"warning: {c.url}: counted {c.samples} samples up to the damage ({c.error})")
     for path in write_sizes(counts):
         print(f"wrote {path}")
-    damaged = sum(1 for c in counts if c.error)
-    print(f"{sum(c.samples for c in counts)} samples in {len(counts)} shards ({damaged} damaged)")
-    if not counts:
-        raise DataError(f"no shard matches {args.pattern!r}")
+    damaged = [c.url for c in counts if c.error]
+    print(f"{sum(c.samples for c in counts)} samples in {len(counts)} shards ({len(damaged)} damaged)")
+    if damaged:  # not 0: a script that indexes, then trains, must not go on as if all were counted
+        raise DataError(
+            f"{len(damaged)} of {len(counts)} shards could not be read to the end, e.g. {damaged[0]}: sizes.json "
+            "keeps any count it had for them (else the count up to the damage); replace them (bigclip reads "
+            ".tar, .tar.gz and .tgz) and run index-shards again"
+        )
     return 0

@@ -32,6 +32,7 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from bigclip.data.streams import data_location
 from bigclip.errors import BigclipError, DataError
 from bigclip.storage.locations import LocalLocation, Location
+from bigclip.storage.schemes import is_local
 
 log = logging.getLogger("bigclip.data")
 
@@ -114,6 +115,9 @@ def expand_pattern(pattern: str, *, what: str = "shard pattern") -> list[str]:
         except UnbalancedBracesError:
             raise DataError(f"{what} {pattern!r}: unbalanced braces in {source.strip()!r}; close each range, "
                             "e.g. /data/{00000..00099}.tar") from None  # fmt: skip
+    if not urls:
+        raise DataError(f"{what} {pattern!r} names no shard (every part of it is empty); give a shard pattern "
+                        "such as /data/{00000..00099}.tar")  # fmt: skip
     return list(dict.fromkeys(urls))
 
 
@@ -126,6 +130,10 @@ def validate_shards(pattern: str, *, what: str = "--train-data") -> ShardList:
     existing = [u for u in urls if _name(u) in folders[_directory(u)].names]
     missing = [u for u in urls if _name(u) not in folders[_directory(u)].names]
     if not existing:
+        folder = next((u for u in urls if is_local(u) and os.path.isdir(u)), "")
+        if folder:
+            raise DataError(f"{what} {pattern!r}: {folder} is a folder; name its shards, e.g. "
+                            f"{folder.rstrip('/')}/{{00000..00099}}.tar")  # fmt: skip
         service = folders[_directory(urls[0])].location.service
         raise DataError(
             f"{what} {pattern!r} matches no shard: none of its {len(urls)} path(s) exists "

@@ -3,6 +3,7 @@ and optimizer state read and written as fp32 Adam moments whatever the optimizer
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,10 +69,43 @@ def fusable(groups: list[dict]) -> bool:
 def make_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     """--optimizer with the run's hyperparameters plus --opt-kwargs (OpenCLIP's extra keywords)."""
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **cfg.opt_kwargs)
+    check_opt_kwargs(cfg)
     try:
         return _make(groups, cfg.optimizer, kwargs)
     except TypeError as e:  # an unknown keyword: the constructor names it
         raise ConfigError(f"--opt-kwargs {cfg.opt_kwargs}: {cfg.optimizer} does not take it ({e})") from e
+
+
+def check_opt_kwargs(cfg: OptimConfig) -> None:
+    """An --opt-kwargs value of another type than the keyword's default (amsgrad=maybe): the
+    constructor keeps it, and the first step would fail in the kernel or, worse, treat it as true.
+    (Preflight calls it too, before the model is built.)"""
+    params = inspect.signature(optimizer_class(cfg.optimizer)).parameters
+    for key, value in cfg.opt_kwargs.items():
+        default = params[key].default if key in params else None
+        if isinstance(default, bool) or isinstance(value, bool):
+            fits = isinstance(value, bool) and isinstance(default, bool)
+        elif isinstance(default, int | float):
+            fits = isinstance(value, int | float)
+        else:
+            fits = True  # None, a tuple or no default: the constructor's own checks
+        if not fits:
+            raise ConfigError(
+                f"--opt-kwargs {key}={value!r}: {cfg.optimizer} takes a {type(default).__name__} there "
+                f"(default {default!r}), e.g. --opt-kwargs {key}={default!r}"
+            )
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    if name == "adamw":
+        return torch.optim.AdamW
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise ConfigError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
+        return bnb.optim.AdamW8bit
+    raise ConfigError(f"unknown --optimizer {name!r}")
 
 
 def _make(groups: list[dict], name: str, kwargs: dict) -> torch.optim.Optimizer:
@@ -80,14 +114,7 @@ def _make(groups: list[dict], name: str, kwargs: dict) -> torch.optim.Optimizer:
         # moment (foreach's sqrt(exp_avg_sq): 10 GB for ViT-bigG-14 unsharded). ViT-B-32 on the
         # CPU: 4.4-4.7x faster step, first-step peak 7.7 not 11.5 B/parameter (benchmarks/optimizer_step.py).
         kwargs.setdefault("fused", fusable(groups))
-        return torch.optim.AdamW(groups, **kwargs)
-    if name == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError as e:
-            raise ConfigError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
-        return bnb.optim.AdamW8bit(groups, **kwargs)
-    raise ConfigError(f"unknown --optimizer {name!r}")
+    return optimizer_class(name)(groups, **kwargs)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

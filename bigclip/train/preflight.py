@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 import resource
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bigclip.config import EngineConfig, TrainConfig
@@ -40,6 +41,12 @@ def check_flags(cfg: TrainConfig) -> None:
         )
     _check_tag_tokenizer(cfg)
     _check_global_batch(cfg, world_size=launch_world_size())
+    folder = Path(
+        cfg.log.batch_keys_file
+    ).parent  # (not in validate: `bigclip slurm` renders for a job's folder)
+    if cfg.log.batch_keys_file and not folder.is_dir():
+        raise ConfigError(f"--batch-keys-file {cfg.log.batch_keys_file}: the folder {folder} does not exist; "
+                          "create it or give a file in an existing folder")  # fmt: skip
 
 
 def check_evaluation_only(cfg: TrainConfig) -> None:
@@ -88,6 +95,9 @@ def check_machine(cfg: TrainConfig) -> None:
     check_open_files(cfg.engine, world_size=launch_world_size())
     _check_linear_kind(cfg)
     _check_engine(cfg)
+    from bigclip.engines.optimizer import check_opt_kwargs
+
+    check_opt_kwargs(cfg.optim)
 
 
 def _check_engine(cfg: TrainConfig) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,13 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from bigclip.config import TrainConfig
-from bigclip.data.classification import SKIPPED, ClassificationSet, open_classification_set
+from bigclip.data.classification import (
+    BAD_LABEL,
+    SKIPPED,
+    UNLABELLED,
+    ClassificationSet,
+    open_classification_set,
+)
 from bigclip.data.device import ImageNormalizer
 from bigclip.data.tokenizer import Tokenizer
 from bigclip.distributed import Runtime
@@ -74,12 +81,17 @@ class ZeroShot:
                     rank=runtime.rank, world_size=runtime.world_size, image_size=self.image_size,
                     batch_size=batch_size, workers=workers, **self.resize,
                 )  # fmt: skip
-                top1, top5, skipped = classify(
+                scored = classify(
                     engine, classifier, loader, runtime, normalize=normalize, image_size=self.image_size
                 )
-                metrics |= {f"{prefix}-top1": top1, f"{prefix}-top5": top5}
-                if skipped:
-                    get_logger().warning(f"zero-shot {data.uri}: {skipped} unreadable images skipped")
+                if scored.left_out():
+                    get_logger().warning(f"zero-shot {data.uri}: not scored: {scored.left_out()}")
+                if scored.images:
+                    metrics |= {f"{prefix}-top1": scored.top1, f"{prefix}-top5": scored.top5}
+                else:  # not 0.0: there was nothing to score
+                    get_logger().warning(
+                        f"zero-shot {data.uri}: no image could be scored; {prefix} not reported"
+                    )
         finally:
             engine.train(was_training)
         return metrics
@@ -123,9 +135,9 @@ def classify(
     normalize: ImageNormalizer,
     image_size: int,
 ) -> tuple[float, float, int]:
-    """(top-1, top-5, skipped images) over every rank's share."""
+    """Top-1 and top-5 over every rank's share, with what was left out."""
     device, k = runtime.device, min(5, classifier.shape[1])
-    counts = torch.zeros(4, dtype=torch.float64, device=device)  # top-1, top-5, images, skipped
+    counts = torch.zeros(6, dtype=torch.float64, device=device)  # top-1, top-5, scored, and Scored.LEFT_OUT's
     batches = iter(loader)
     while True:
         batch = next(batches, None)
@@ -136,16 +148,35 @@ def classify(
         if batch is None:
             continue
         labels = batch[1].to(device)
-        valid = labels != SKIPPED
+        valid = labels >= 0
         top = (100.0 * features @ classifier).topk(k, dim=1).indices[valid]
         hits = top == labels[valid].unsqueeze(1)
-        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), valid.sum(), (~valid).sum()]).to(
+        left_out = [(labels == label).sum() for label in Scored.LEFT_OUT.values()]
+        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), valid.sum(), *left_out]).to(
             counts.dtype
         )
     if runtime.world_size > 1:
         dist.all_reduce(counts)
-    top1, top5, n, skipped = counts.tolist()
-    return top1 / max(n, 1), top5 / max(n, 1), int(skipped)
+    top1, top5, n, *left_out = (int(c) for c in counts.tolist())
+    return Scored(top1 / max(n, 1), top5 / max(n, 1), n, dict(zip(Scored.LEFT_OUT, left_out)))
+
+
+@dataclass
+class Scored:
+    """One set's zero-shot accuracy, over `images` scored, and the samples left out, by why."""
+
+    LEFT_OUT: ClassVar[dict[str, int]] = {
+        "unreadable images": SKIPPED,
+        "samples without a .cls label or an image": UNLABELLED,
+        "labels that are no class index of classnames.txt": BAD_LABEL,
+    }
+    top1: float
+    top5: float
+    images: int
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def left_out(self) -> str:
+        return ", ".join(f"{n} {why}" for why, n in self.counts.items() if n)
 
 
 def _any_rank_has(mine: bool, runtime: Runtime) -> bool:
