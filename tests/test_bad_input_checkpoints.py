@@ -138,6 +138,15 @@ def garble_manifest(folder: Path) -> None:
     (folder / "manifest.json").write_text('{"format": "bigclip-checkpoint", "step": ')
 
 
+def shard_of_another_save(folder: Path) -> None:
+    """Step 4's first shard, intact, in step 8's folder (a sync that compared sizes only): its own
+    zip CRC-32s pass, the size matches the manifest; only the writer's record of step 8 tells."""
+    shard = sorted(folder.glob("*.distcp"))[0]
+    older = folder.parent / "step_00000004" / shard.name
+    assert older.stat().st_size == shard.stat().st_size and older.read_bytes() != shard.read_bytes()
+    shutil.copyfile(older, shard)
+
+
 def null_manifest(folder: Path) -> None:
     (folder / "manifest.json").write_text("null\n")  # valid JSON, no manifest
 
@@ -162,6 +171,7 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
         ("__0_rank.bigclip", "differs from what its writer", "SHA-256"),
     ),
     "truncated shard": (truncate_shard, ("is damaged", "bytes, manifest says")),
+    "shard of another save": (shard_of_another_save, ("__0_", "is damaged: ", "a file of another checkpoint")),
     "missing shard": (remove_shard, ("is damaged", ".distcp: missing")),
     "garbled manifest": (garble_manifest, ("manifest.json is damaged", "not a bigclip checkpoint manifest")),
     "manifest of JSON null": (null_manifest, ("manifest.json is damaged", "manifest (not a JSON object)")),
@@ -225,7 +235,7 @@ def test_resume_latest_with_every_checkpoint_damaged_is_refused(demo_data, run, 
 
 def test_a_checkpoint_with_nan_weights_is_refused_naming_the_tensor(demo_data, run, tmp_path, monkeypatch):
     """Intact bytes, non-finite values (as an older writer, which did not check, could save)."""
-    root = copy_run(run, tmp_path, manifest_as_folder)
+    root = copy_run(run, tmp_path, lambda folder: None)
     dcp_to_torch_save(root / "step_00000008", tmp_path / "whole.pt")
     state = torch.load(tmp_path / "whole.pt", weights_only=False)
     name, tensor = next(
@@ -386,11 +396,7 @@ def test_a_file_inside_a_checkpoint_is_refused_as_weights(run, tmp_path, part):
 
 
 def test_a_manifest_that_is_a_folder_is_refused(run, tmp_path):
-    root = copy_run(
-        run,
-        tmp_path,
-        lambda folder: ((folder / "manifest.json").unlink(), (folder / "manifest.json").mkdir()),
-    )
+    root = copy_run(run, tmp_path, manifest_as_folder)
     step = root / "step_00000008"
     says = ("manifest.json is damaged", "its manifest.json is a folder, not a manifest")
     for name, args in [("consolidate", ("consolidate", str(step), "out.safetensors", "--no-progress")),

@@ -81,7 +81,7 @@ def test_rank_local_save_writes_the_coordinators_metadata_and_stock_dcp_reads_it
     location = open_location(str(tmp_path / "rank_local"))
     for rank in range(world):
         record = rank_record.record_of("", rank, world)
-        real = rank_record.read_metadata(location, "step_00000001", record).state_dict_metadata
+        real = rank_record.read_metadata(location, "step_00000001", record)[0].state_dict_metadata
         sim = rank_metadata(shapes, engine="fsdp", world=world, rank=rank).state_dict_metadata
         for key, value in sim.items():
             if hasattr(value, "chunks") and key in real:

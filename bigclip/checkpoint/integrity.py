@@ -60,6 +60,16 @@ class ZipRecord:
         return "/data/" in self.name
 
 
+def check_written(data: memoryview, written: int, *, where: str, key: str) -> None:
+    """A chunk's bytes against the CRC-32 its writer computed of them as they were written (the
+    rank record's): a flipped byte fails, and so does an intact chunk of another save (a file copied
+    from another checkpoint), which its own zip's CRC-32s would pass."""
+    found = zlib.crc32(data)
+    if found != written:
+        raise damaged(where, key, f"differs from what its writer wrote (CRC-32 {found:08x}, recorded {written:08x}: a "
+                                  "damaged byte, or a file of another checkpoint)")  # fmt: skip
+
+
 def zip_records(view: io.RawIOBase) -> list[ZipRecord]:
     """Every record of the zip `view` holds, read from its directory and local headers."""
     records = []

@@ -186,8 +186,8 @@ def load_sharded(
     error: BaseException | None = None
     try:
         wanted = requested(flat_state(plain))
-        meta = _metadata_for(wanted, rank0, location, folder, record_of, saved_world=saved_world)
-        reader = VerifiedReader(reader, uri=location.child_uri(folder), objects={})
+        meta, crcs = _metadata_for(wanted, rank0, location, folder, record_of, saved_world=saved_world)
+        reader = VerifiedReader(reader, uri=location.child_uri(folder), objects={}, crcs=crcs)
         load_rank(plain, reader, meta, rank=group.rank, optional_keys=optional_keys)
     except Exception as e:  # reported to every rank below
         error = e
@@ -230,30 +230,33 @@ def _portable(error: BaseException | None) -> tuple[str, str] | None:
 
 def _metadata_for(
     wanted: Requested,
-    rank0: Metadata,
+    rank0: tuple[Metadata, rank_record.ChunkCrcs],
     location: Location,
     folder: str,
     record_of: Callable[[int], str],
     *,
     saved_world: int,
-) -> Metadata:
-    """The merged metadata of the saved ranks this rank needs: the guessed ones when their chunks
-    cover everything it asks for, else every saved rank's (a layout the guess does not fit)."""
-    ranks = ranks_to_read(wanted, rank0, saved_world=saved_world)
+) -> tuple[Metadata, rank_record.ChunkCrcs]:
+    """The merged metadata (and chunk CRC-32s) of the saved ranks this rank needs: the guessed
+    ones when their chunks cover everything it asks for, else every saved rank's (a layout the
+    guess does not fit)."""
+    ranks = ranks_to_read(wanted, rank0[0], saved_world=saved_world)
     if ranks is not None:
-        meta = merge(
-            [
-                rank0 if k == 0 else rank_record.read_metadata(location, folder, record_of(k))
-                for k in sorted(ranks)
-            ]
-        )
+        records = [
+            rank0 if k == 0 else rank_record.read_metadata(location, folder, record_of(k))
+            for k in sorted(ranks)
+        ]
+        meta = merge([m for m, _ in records])
         if not uncovered(wanted, meta):
-            return meta
+            return meta, {key: crc for _, crcs in records for key, crc in crcs.items()}
     log.warning(
         "checkpoint %s: its chunks are not laid out in equal slices per rank (ZeRO-1/2?); this rank "
         "reads every saved rank's record (%d)",
         location.child_uri(folder),
         saved_world,
     )
-    rest = [rank_record.read_metadata(location, folder, record_of(k)) for k in range(1, saved_world)]
-    return merge([rank0, *rest])
+    records = [
+        rank0,
+        *(rank_record.read_metadata(location, folder, record_of(k)) for k in range(1, saved_world)),
+    ]
+    return merge([m for m, _ in records]), {key: crc for _, crcs in records for key, crc in crcs.items()}

@@ -103,13 +103,29 @@ def write_rank(state: dict[str, Any], writer: Any, *, rank: int, train: Any) -> 
     results = writer.write_data(plan, planner)
     results.wait()
     local.storage_data = {result.index: result.storage_data for result in results.value()}
+    chunks = _chunk_crcs(writer.fs, local.storage_data.values())
     local.storage_meta = writer.storage_meta()
     local.version = CURRENT_DCP_VERSION
     path = writer.fs.concat_path(writer.path, rank_record.record_name(prefix))
     with writer.fs.create_stream(path, "wb") as stream:
-        stream.write(rank_record.encode(train, local))
+        stream.write(rank_record.encode(train, local, chunks))
     piece = metadata_stream.rank_piece(local, tensor_keys)
     return RankSave(local=local, piece=piece, keys_digest=digest, head=head)
+
+
+def _chunk_crcs(fs: Any, infos: Any) -> dict[str, dict[int, int]]:
+    """file -> {offset: CRC-32} of the chunks just written, as the hashing file system saw them pass
+    (storage/hashing.py); {} from a file system that does not keep them."""
+    recorded = getattr(fs, "chunk_crcs", None)
+    written: dict[str, dict[int, int]] = {}  # each file's, asked once
+    chunks: dict[str, dict[int, int]] = {}
+    for info in infos if recorded is not None else ():
+        if info.relative_path not in written:
+            written[info.relative_path] = recorded(info.relative_path)
+        crc = written[info.relative_path].get(info.offset)
+        if crc is not None and not info.transform_descriptors:
+            chunks.setdefault(info.relative_path, {})[info.offset] = crc
+    return chunks
 
 
 def _head(plan: SavePlan, writer: Any, tensor_keys: list[str]) -> bytes:

@@ -10,7 +10,9 @@ the manifest (which lists every rank's objects, O(world) bytes), and still nothi
 used. The manifest lists the records too, so `verify` and retention treat them as any object.
 
     header   MAGIC, the two parts' lengths (<QQ), their SHA-256 digests (32 bytes each)
-    json     {"train": this rank's training state}
+    json     {"train": this rank's training state, "chunks": {file: {offset: CRC-32}}: each chunk's
+             CRC-32 as it was written (storage/hashing.py), which binds a shard file to this save:
+             an intact file of another checkpoint passes its own zip's CRCs, not these}
     pickle   this rank's DCP Metadata (its chunks and storage records; read with the
              restricted unpickler)
 """
@@ -46,8 +48,16 @@ def record_of(rule: str, rank: int, world_size: int) -> str:
     return record_name(prefix(rule, rank, world_size))
 
 
-def encode(train: Any, metadata: Metadata) -> bytes:
-    text = json.dumps({"train": train}, separators=(",", ":")).encode()
+ChunkCrcs = dict[tuple[str, int], int]  # (file, offset) -> the CRC-32 its writer computed
+
+
+def encode(train: Any, metadata: Metadata, chunks: dict[str, dict[int, int]] | None = None) -> bytes:
+    """`chunks`: file -> {offset: CRC-32} of this rank's chunks (none: readers check zips' own CRCs)."""
+    crcs = {
+        name: {str(offset): crc for offset, crc in by_offset.items()}
+        for name, by_offset in (chunks or {}).items()
+    }
+    text = json.dumps({"train": train, "chunks": crcs}, separators=(",", ":")).encode()
     meta = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
     digests = hashlib.sha256(text).digest() + hashlib.sha256(meta).digest()
     return MAGIC + _LENGTHS.pack(len(text), len(meta)) + digests + text + meta
@@ -99,15 +109,23 @@ def read_train(location: Location, folder: str, record: str) -> Any:
     return json.loads(_checked(text, header.text_sha, where, "training state"))["train"]
 
 
-def read_metadata(location: Location, folder: str, record: str) -> Metadata:
-    """A saved rank's DCP metadata: its own chunks and where they are stored."""
+def read_metadata(location: Location, folder: str, record: str) -> tuple[Metadata, ChunkCrcs]:
+    """A saved rank's DCP metadata (its own chunks and where they are stored) and its chunks'
+    CRC-32s as written (empty for a record written before they were kept)."""
     name = f"{folder}/{record}"
     where = location.child_uri(name)
     data = location.read_bytes(name)
     header = _Header.parse(data[:HEADER_BYTES], where)
+    text = _checked(
+        data[HEADER_BYTES : HEADER_BYTES + header.text_bytes], header.text_sha, where, "training state"
+    )
     start = HEADER_BYTES + header.text_bytes
     meta = _checked(data[start : start + header.meta_bytes], header.meta_sha, where, "metadata")
     try:
-        return load_metadata(meta)
+        metadata = load_metadata(meta)
     except Exception as e:  # the restricted unpickler refused it: damage or tampering
         raise CheckpointDamaged(f"{where}: {e}") from e
+    chunks = json.loads(text).get("chunks") or {}
+    return metadata, {
+        (file, int(offset)): crc for file, by_offset in chunks.items() for offset, crc in by_offset.items()
+    }

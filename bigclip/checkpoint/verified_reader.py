@@ -30,6 +30,7 @@ from bigclip.checkpoint.integrity import (
     MemoryFile,
     check_crcs,
     check_object,
+    check_written,
     damaged,
     parse_chunk,
     tensor_of,
@@ -45,10 +46,20 @@ CRC_IN_FLIGHT = 4  # chunks whose buffers wait for their CRC-32 (memory: that ma
 class VerifiedReader(StorageReader):
     """`inner`'s reading, with every chunk and `.metadata` checked (see the module docstring)."""
 
-    def __init__(self, inner: Any, *, uri: str, objects: dict[str, ObjectRecord]) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        uri: str,
+        objects: dict[str, ObjectRecord],
+        crcs: dict[tuple[str, int], int] | None = None,
+    ) -> None:
+        """`crcs`: (file, offset) -> each chunk's CRC-32 as written (the rank records'); a chunk
+        without one is checked against its own zip's CRC-32s."""
         self.inner = inner
         self.uri = uri.rstrip("/")
         self.objects = objects  # the manifest's records: `.metadata`'s SHA-256
+        self.crcs = crcs or {}
         self._metadata: Metadata | None = None  # read once: `load` checks it before DCP asks
 
     def __getattr__(self, name: str) -> Any:  # anything else DCP asks of a reader
@@ -139,8 +150,13 @@ class VerifiedReader(StorageReader):
             )
         data = memoryview(buffer.numpy())[: info.length if not info.transform_descriptors else None]
         records = parse_chunk(data, where=where, key=key)
+        written = None if info.transform_descriptors else self.crcs.get((relative_path, info.offset))
+        if written is not None:  # the writer's CRC-32 of every byte: also binds the file to this save
+            check = functools.partial(check_written, data, written, where=where, key=key)
+        else:
+            check = functools.partial(check_crcs, data, records, where=where, key=key)
         if item.type == LoadItemType.BYTE_IO:
-            check_crcs(data, records, where=where, key=key)  # before unpickling anything
+            check()  # before unpickling anything
             planner.load_bytes(item, MemoryFile(data))
             return _nothing, buffer
         tensor = narrow_tensor_by_index(
@@ -154,13 +170,13 @@ class VerifiedReader(StorageReader):
         target.copy_(tensor)
         if not is_finite(target):  # on the device: free on a GPU
             # A flipped byte can decode as NaN: damage, named as such, unless the bytes are as written.
-            check_crcs(data, records, where=where, key=key)
+            check()
             raise CheckpointDamaged(
                 f"{where}: {key} holds NaN or inf although its bytes are as written (the run diverged "
                 "before this save); resume from an older checkpoint (--resume PATH)"
             )
         planner.commit_tensor(item, target)
-        return functools.partial(check_crcs, data, records, where=where, key=key), buffer
+        return check, buffer
 
 
 def _nothing() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
 
@@ -41,11 +42,15 @@ threading.excepthook = _quiet_recorded
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only stream that hashes and counts what passes through to `raw`."""
+    """A write-only stream that hashes and counts what passes through to `raw`, and keeps the
+    CRC-32 of each stretch between two `tell()`s: DCP asks `tell()` before and after each chunk it
+    writes, so these are its chunks' CRC-32s, by offset (rank_record.py keeps them for readers)."""
 
     def __init__(self, raw: io.IOBase) -> None:
         self._raw = raw
         self._hash = Hasher()
+        self.chunk_crcs: dict[int, int] = {}  # offset -> CRC-32 of the bytes up to the next tell()
+        self._mark, self._crc = 0, 0
 
     def writable(self) -> bool:
         return True
@@ -57,10 +62,15 @@ class _HashingWriter(io.RawIOBase):
         if written is not None and written != len(view):
             raise OSError(f"short write: {written} of {len(view)} bytes")
         self._hash.update(view)
+        self._crc = zlib.crc32(view, self._crc)
         return len(view)
 
     def tell(self) -> int:
-        return self._hash.size
+        position = self._hash.size
+        if position != self._mark:
+            self.chunk_crcs[self._mark] = self._crc
+            self._mark, self._crc = position, 0
+        return position
 
     def flush(self) -> None:
         if not self._raw.closed:
@@ -89,6 +99,7 @@ class HashingFileSystem(FileSystemBase):
         self.inner = inner
         self.root = os.fspath(root)
         self._records: dict[str, ObjectRecord] = {}
+        self._chunk_crcs: dict[str, dict[int, int]] = {}
         self._failures: dict[str, str] = {}
         self._lock = threading.Lock()  # DCP writes with several threads per rank
 
@@ -96,6 +107,11 @@ class HashingFileSystem(FileSystemBase):
         """Objects written so far, keyed by their path relative to the checkpoint folder."""
         with self._lock:
             return dict(self._records)
+
+    def chunk_crcs(self, name: str) -> dict[int, int]:
+        """The CRC-32s of the chunks of object `name` (relative), by offset ({} if not written here)."""
+        with self._lock:
+            return dict(self._chunk_crcs.get(name, {}))
 
     def failures(self) -> dict[str, str]:
         """Objects whose write failed (and was not written whole since). DCP's extra writer
@@ -133,6 +149,7 @@ class HashingFileSystem(FileSystemBase):
         # Only reached when the inner stream closed without error: the object is complete.
         with self._lock:
             self._records[self._name(path)] = writer.record()
+            self._chunk_crcs[self._name(path)] = writer.chunk_crcs
             self._failures.pop(self._name(path), None)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
@@ -140,6 +157,7 @@ class HashingFileSystem(FileSystemBase):
         with self._lock:
             if self._name(path) in self._records:
                 self._records[self._name(new_path)] = self._records.pop(self._name(path))
+                self._chunk_crcs[self._name(new_path)] = self._chunk_crcs.pop(self._name(path), {})
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
         return self.inner.concat_path(path, suffix)
@@ -163,6 +181,7 @@ class HashingFileSystem(FileSystemBase):
         self.inner.rm_file(path)
         with self._lock:
             self._records.pop(self._name(path), None)
+            self._chunk_crcs.pop(self._name(path), None)
 
     def _name(self, path: str | os.PathLike) -> str:
         """`path` relative to the checkpoint folder (its last part if it lies elsewhere)."""
