@@ -171,7 +171,10 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
         ("__0_rank.bigclip", "differs from what its writer", "SHA-256"),
     ),
     "truncated shard": (truncate_shard, ("is damaged", "bytes, manifest says")),
-    "shard of another save": (shard_of_another_save, ("__0_", "is damaged: ", "a file of another checkpoint")),
+    "shard of another save": (
+        shard_of_another_save,
+        ("__0_", "is damaged: ", "a file of another checkpoint"),
+    ),
     "missing shard": (remove_shard, ("is damaged", ".distcp: missing")),
     "garbled manifest": (garble_manifest, ("manifest.json is damaged", "not a bigclip checkpoint manifest")),
     "manifest of JSON null": (null_manifest, ("manifest.json is damaged", "manifest (not a JSON object)")),
@@ -262,8 +265,9 @@ def test_a_checkpoint_with_nan_weights_is_refused_naming_the_tensor(demo_data, r
             ("--force-image-size", "32"),
             ("trained at image size 64, this run builds tiny at 32", "resume with no --force-image-size"),
         ),  # fmt: skip
+        (("--siglip",), ("trained with --loss clip, this run has --loss siglip", "resume with --loss clip")),
     ],
-    ids=["another model", "another global batch", "another image size"],
+    ids=["another model", "another global batch", "another image size", "another loss"],
 )
 def test_what_the_manifest_settles_fails_before_the_model_is_built(
     demo_data, run, s3, tmp_path, where, flags, says

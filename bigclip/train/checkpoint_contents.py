@@ -76,6 +76,7 @@ class CheckpointContents:
             "global_batch": self.global_batch,
             "tokenizer": self.cfg.data.tokenizer,  # the ids the weights learned (checked on --resume/--pretrained)
             "image_size": image_size(self.cfg),  # --force-image-size's (checked on --resume)
+            "loss": self.cfg.loss.loss,  # siglip's model has a logit bias, clip's none (checked on --resume)
         }
         if self.schedule():  # in the manifest, not the DCP state: older checkpoints load unchanged
             meta["schedule"] = self.schedule()

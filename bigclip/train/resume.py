@@ -139,6 +139,13 @@ def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, global_batch: int,
             f"pass --model {saved_model}, or start from its weights with --pretrained"
         )
     _check_image_size(meta, cfg, uri=uri)
+    saved_loss = meta.get("loss")  # absent before checkpoints recorded it: the load names the logit bias
+    if saved_loss and saved_loss != cfg.loss.loss:
+        raise ConfigError(
+            f"--resume {uri}: the checkpoint was trained with --loss {saved_loss}, this run has --loss "
+            f"{cfg.loss.loss} (its model {'has' if cfg.loss.loss == 'siglip' else 'has no'} a logit bias); resume "
+            f"with --loss {saved_loss}, or start from its weights with --pretrained"
+        )
     saved_batch = int(meta.get("global_batch", global_batch))
     # An evaluation-only run takes no step: the batch it evaluates with changes nothing.
     if saved_batch != global_batch and not (cfg.checkpoint.allow_batch_size_change or cfg.evaluates_only):
