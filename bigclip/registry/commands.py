@@ -36,21 +36,30 @@ def add_registry_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
 
-def require_registry(args: argparse.Namespace, *, hint: str = "") -> str:
-    """The registry's URI; checked here, before the registry's code (and torch) is imported."""
+def require_registry(args: argparse.Namespace, *, hint: str = "", exists: bool = True) -> str:
+    """The registry's URI; checked here, before the registry's code (and torch) is imported. A
+    local one must be a folder, and (`exists`, every command but publish, which makes it) be there:
+    a mistyped path would list as an empty registry."""
     uri = registry_uri(args.registry or "")
     if not uri:
         raise ConfigError(
             f"no registry given: pass --registry PATH|s3://bucket/prefix or set BIGCLIP_REGISTRY{hint}"
         )
+    path = Path(local_path(uri)).expanduser() if is_local(uri) else None
+    if path is not None and path.exists() and not path.is_dir():
+        raise ConfigError(f"registry {uri} is a file, not a registry folder; give the registry's folder or an "
+                          "s3:// prefix (--registry or BIGCLIP_REGISTRY)")  # fmt: skip
+    if path is not None and exists and not path.exists():
+        raise ConfigError(f"registry {uri}: no such folder (`bigclip publish` makes one); check --registry or "
+                          "BIGCLIP_REGISTRY")  # fmt: skip
     return uri
 
 
-def open_registry(args: argparse.Namespace) -> Registry:
+def open_registry(args: argparse.Namespace, *, exists: bool = True) -> Registry:
     from bigclip.registry.registry import Registry  # torch: only once the options hold
 
     configure_storage(s3_endpoint=args.s3_endpoint or "", s3_region=args.s3_region or "")
-    return Registry(require_registry(args))
+    return Registry(require_registry(args, exists=exists))
 
 
 def is_path(target: str, *, registry: str = "") -> bool:
@@ -198,7 +207,7 @@ def publish_main(argv: list[str]) -> int:
     parser.add_argument("--model", default="", help="Model config name to record when SRC does not say.")
     add_registry_args(parser)
     args = parser.parse_args(argv)
-    require_registry(args)
+    require_registry(args, exists=False)
     if (
         is_local(args.src)
         and not args.src.startswith(GIT_PREFIX)
@@ -206,7 +215,7 @@ def publish_main(argv: list[str]) -> int:
     ):
         raise StorageError(f"{args.src}: no such file or folder; give a checkpoint, a weights file, a folder, "
                            "an archive, or an s3://, http(s):// or git+ URI")  # fmt: skip
-    registry = open_registry(args)
+    registry = open_registry(args, exists=False)
     published = registry.publish(args.src, args.name, model=args.model, progress=not args.no_progress)
     print(f"published {published.name} ({published.kind}, {len(published.objects)} files, "
           f"{human_bytes(published.total_bytes)}, {human_bytes(registry.blobs.uploaded_bytes)} sent) "
