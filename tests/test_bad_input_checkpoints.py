@@ -279,6 +279,26 @@ def test_what_the_manifest_settles_fails_before_the_model_is_built(
     assert "engine fsdp, model" not in out.stdout + out.stderr  # the "run NAME: ... model" line comes later
 
 
+def test_resuming_an_older_checkpoint_over_newer_ones_is_refused(demo_data, run, tmp_path):
+    """--resume step 4 into the folder that holds step 8: the run's saves would overwrite step 8
+    (and retention count it): refused before the model is built, nothing touched."""
+    root = copy_run(run, tmp_path, lambda folder: None)
+    case = Case("older checkpoint over newer ones", train(demo_data, tmp_path, "--resume", str(root / "step_00000004"),
+                "--checkpoint-dir", str(root)), ("(step 4)", "holds 1 newer committed checkpoint(s) (step_00000008)",
+                "move them elsewhere first"), max_s=MANIFEST_S)  # fmt: skip
+    check(case, cwd=tmp_path, protect=[root])
+
+
+def test_a_renamed_checkpoint_folder_is_refused(run, tmp_path):
+    """step_00000004 renamed step_00000012: `--resume latest` orders by the name, so it would resume
+    at step 4 and overwrite step 8; its manifest's step disagrees, and that is damage."""
+    root = copy_run(run, tmp_path, lambda folder: None)
+    (root / "step_00000004").rename(root / "step_00000012")
+    case = Case("renamed folder", bigclip("checkpoints", "verify", str(root / "step_00000012")),
+                ("holds step 4, not the step its folder is named for (12)", "step_00000004"), max_s=WORK_S)  # fmt: skip
+    check(case, cwd=tmp_path, protect=[root])
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_missing_openclip_checkpoint_is_not_found_and_leaves_no_folder(demo_data, s3, tmp_path, where):
     """--resume epoch_N.pt is read after the model is built: that it is missing is settled before."""

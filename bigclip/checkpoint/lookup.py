@@ -61,6 +61,10 @@ def inspect(location: Location, folder: str) -> Manifest | str:
         manifest = catalog.read_manifest(location, folder)
     except StorageError as e:
         return f"{location.child_uri(folder)}/{MANIFEST_NAME} is damaged: {e}"
+    named = catalog.step_of(folder.rstrip("/").rsplit("/", 1)[-1])
+    if named is not None and named != manifest.step:  # a folder renamed: `latest` orders by the name
+        return (f"checkpoint {manifest.uri} holds step {manifest.step}, not the step its folder is named for "
+                f"({named}): a renamed or mixed-up copy; give it its own name (step_{manifest.step:08d})")  # fmt: skip
     problems = manifest.objects.size_problems(location.list_files(folder))
     if problems:
         return f"checkpoint {manifest.uri} is damaged: " + "; ".join(problems)

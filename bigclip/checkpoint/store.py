@@ -270,12 +270,12 @@ class CheckpointStore:
                             location.child_uri(folder), e, location.child_uri(folders[index + 1]))  # fmt: skip
         raise AssertionError("unreachable: candidates() returns at least one folder")
 
-    def manifest_meta(self, which: str) -> tuple[str, dict[str, Any]] | None:
-        """(URI, caller's meta) of the checkpoint `which` names, from its manifest alone (not
+    def manifest_meta(self, which: str) -> tuple[str, dict[str, Any], int] | None:
+        """(URI, caller's meta, step) of the checkpoint `which` names, from its manifest alone (not
         collective); None when its manifest cannot be read (loading it names the damage)."""
         location, folder = lookup.resolve(self.location, which)
         found = lookup.inspect(location, folder)
-        return None if isinstance(found, str) else (found.uri, found.meta)
+        return None if isinstance(found, str) else (found.uri, found.meta, found.step)
 
     def _load_folder(
         self, state: dict[str, Any], location: Location, folder: str, optional_keys: tuple[str, ...]

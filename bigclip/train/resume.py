@@ -120,9 +120,18 @@ def check_resume_target(store: CheckpointStore, cfg: TrainConfig, which: str, *,
     meta = store.group.on_rank0(lambda: store.manifest_meta(which))
     if meta is None:
         return
-    uri, meta = meta
+    uri, meta, step = meta
     _check_compatible(meta, cfg, global_batch, uri=uri)
     _check_tokenizer(saved_tokenizer(meta), cfg, uri=uri)
+    if which != LATEST and not cfg.evaluates_only:  # (latest passes newer ones only if they are damaged)
+        newer = store.group.on_rank0(lambda: [u for s, u in store.committed() if s > step])
+        if newer:
+            raise ConfigError(
+                f"--resume {uri} (step {step}): this run's checkpoint folder {store.root} holds {len(newer)} newer "
+                f"committed checkpoint(s) ({', '.join(u.rsplit('/', 1)[-1] for u in newer[:3])}), which its saves "
+                "would overwrite; to roll back, move them elsewhere first, or give this run another "
+                "--checkpoint-dir or --name"
+            )
 
 
 def _check_tokenizer(saved: str, cfg: TrainConfig, *, uri: str) -> None:
