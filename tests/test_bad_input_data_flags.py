@@ -62,6 +62,11 @@ CASES = [
          train_data="::"),
     data("train-data-a-folder", says=("data/train is a folder", "name its shards", "data/train/{00000..00099}.tar"),
          train_data="data/train", max_s=LISTED_S),
+    # Found from the first shard's first samples, not after an epoch's reading skipped every sample.
+    data("image-key-absent", "--image-key", "bmp", says=("--train-data: none of the first", "--image-key 'bmp'",
+         "they hold jpg", "set --image-key"), max_s=LISTED_S),
+    data("text-key-absent", "--text-key", "caption.txt",
+         says=("--train-data: none of the first", "--text-key 'caption.txt'", "set --text-key"), max_s=LISTED_S),
     # Captioned shards given as a classification set: every image would have been scored a miss.
     data("imagenet-val-without-labels", "--imagenet-val", "captioned/{00000..00000}.tar", "--batch-size", "8",
          says=("--imagenet-val", "has no .cls label (it holds", "class index from its .cls member"), max_s=LISTED_S),

@@ -57,7 +57,8 @@ class SampleKeys:
 
 
 def _alternatives(value: str) -> tuple[str, ...]:
-    return tuple(part.strip().lstrip(".") for part in value.split(";") if part.strip())
+    # Lower case, as the reader files members (tar_samples.py): --image-key JPG reads KEY.JPG.
+    return tuple(part.strip().lstrip(".").lower() for part in value.split(";") if part.strip())
 
 
 DEFAULT_KEYS = SampleKeys()  # OpenCLIP's defaults: jpg;png;jpeg;webp and txt

@@ -17,13 +17,18 @@ import torch.distributed as dist
 
 from bigclip.config import DataConfig
 from bigclip.data.augment import Augmentation
+from bigclip.data.decode import SampleKeys
 from bigclip.data.device import image_normalizer
 from bigclip.data.shards import ShardList, validate_shards
+from bigclip.data.tar_samples import ShardSamples
 from bigclip.distributed import cpu_group
 from bigclip.errors import DataError
 
 log = logging.getLogger("bigclip.data")
 NAMED = 5
+
+
+PEEK_SAMPLES = 8  # read from the first shard at start-up to check the keys
 
 
 def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
@@ -69,9 +74,11 @@ def _validate_data_here(cfg: DataConfig, *, world_size: int, evaluation_only: bo
         if cfg.val_data:
             validate_shards(cfg.val_data, what="--val-data")
         return ShardList(pattern="", urls=(), sizes=())
+    keys = SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key)
     shards = validate_shards(cfg.train_data).with_weights(cfg.train_data_upsampling_factors)
+    check_sample_keys(shards.urls[0], keys, what="--train-data")
     if cfg.val_data:
-        validate_shards(cfg.val_data, what="--val-data")
+        check_sample_keys(validate_shards(cfg.val_data, what="--val-data").urls[0], keys, what="--val-data")
     samples = epoch_samples(cfg, shards)
     check_sizes(cfg, shards)
     if samples < cfg.batch_size * world_size:
@@ -80,6 +87,24 @@ def _validate_data_here(cfg: DataConfig, *, world_size: int, evaluation_only: bo
             f"(--batch-size {cfg.batch_size} x {world_size} ranks); lower --batch-size or add data"
         )
     return shards
+
+
+def check_sample_keys(url: str, keys: SampleKeys, *, what: str) -> None:
+    """--image-key or --text-key that no sample has (mistyped, or shards of another layout) fails
+    from the first shard's first samples, before the model is built: else every sample is skipped
+    and the run fails only once an epoch's reading found nothing to train on. Several samples, so
+    that one damaged sample is not taken for wrong keys (it is skipped and counted)."""
+    samples = list(ShardSamples(url, stop=PEEK_SAMPLES))
+    for flag, wanted, what_for in (
+        ("--image-key", keys.image, "image"),
+        ("--text-key", keys.text, "caption"),
+    ):
+        if samples and not any(key in sample.files for sample in samples for key in wanted):
+            holds = ", ".join(sorted({member for sample in samples for member in sample.files})) or "nothing"
+            raise DataError(
+                f"{what}: none of the first {len(samples)} samples of {url} has a member {flag} "
+                f"{';'.join(wanted)!r} names (they hold {holds}); set {flag} to the suffix of the {what_for} members"
+            )
 
 
 def check_sizes(cfg: DataConfig, shards: ShardList) -> None:
