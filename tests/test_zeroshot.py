@@ -143,16 +143,20 @@ def write_labelled_shard(path: Path, labels: list[bytes | None]) -> None:
 
 @pytest.mark.parametrize(
     "first, says",
-    [(None, "has no .cls label (it holds jpg, txt)"), (b"9", "has .cls '9', not a class index below the 4 classes"),
+    [(None, "has no .cls label (it holds jpg, txt), nor do the next 1"), (b"9", "has .cls '9', not a class index below the 4 classes"),
      (b"dog", "has .cls 'dog', not a class index"), (b"-1", "has .cls '-1'")],
 )  # fmt: skip
 def test_a_set_without_class_labels_fails_before_training(tmp_path, first, says):
     """--imagenet-val given captioned shards, or labels past classnames.txt: refused from the first
     sample when the run starts, not scored 0.0 after training."""
-    write_labelled_shard(tmp_path / "00000.tar", [first, b"1"])
+    write_labelled_shard(tmp_path / "00000.tar", [first, first])
     (tmp_path / "classnames.txt").write_text("a\nb\nc\nd\n")
     with pytest.raises(DataError, match=f"sample s000 of .*00000.tar {re.escape(says)}"):
         open_classification_set(str(tmp_path / "00000.tar"), what="--imagenet-val")
+    write_labelled_shard(
+        tmp_path / "00000.tar", [first, b"1"]
+    )  # one bad sample is counted later, not refused
+    assert open_classification_set(str(tmp_path / "00000.tar"), what="--imagenet-val").shards
 
 
 def test_samples_past_the_first_without_a_class_label_are_counted_not_scored(tmp_path):

@@ -47,6 +47,7 @@ FOLDER_IMAGES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff
 # Labels of what is not scored, each counted in the log: an image that could not be decoded, a
 # sample without a `.cls` label or an image, a `.cls` that is no class index of the set.
 SKIPPED, UNLABELLED, BAD_LABEL = -1, -2, -3
+PEEK_SAMPLES = 8  # read at start-up: one bad sample among them is not taken for a set without labels
 
 
 @cache
@@ -154,31 +155,34 @@ def open_classification_set(uri: str, *, what: str) -> ClassificationSet:
         classnames, templates = here[0] or parent[0], here[1] or parent[1] or _default_templates()
         if not classnames:
             raise DataError(f"{what} {uri}: no {CLASSNAMES_FILE} beside the shards or in their parent folder")
-        _check_first_sample(shards[0], len(classnames), what=f"{what} {uri}")
+        _check_first_samples(shards[0], len(classnames), what=f"{what} {uri}")
         return ClassificationSet(uri, classnames, templates, [], shards)
     if not is_local(uri):
         raise DataError(f"{what} {uri}: a set in an object store must be webdataset shards (a .tar pattern)")
     return _folder_set(uri, what=what)
 
 
-def _check_first_sample(shard: str, classes: int, *, what: str) -> None:
+def _check_first_samples(shard: str, classes: int, *, what: str) -> None:
     """A set whose samples carry no class index (e.g. --val-data's captioned shards given as
-    --imagenet-val) fails before any model is built, from its first sample, not with a score of 0
-    after training; the rest are counted as they are read."""
-    first = next(iter(ShardSamples(shard)), None)
-    if first is None:
+    --imagenet-val) fails before any model is built, from its first samples, not with a score of 0
+    after training; one bad sample among them is only counted later, as the rest are."""
+    samples = list(ShardSamples(shard, stop=PEEK_SAMPLES))
+    if not samples:
         return  # an empty or damaged shard: its reading says so, counted
+    first = samples[0]
     holds = f"(it holds {', '.join(sorted(first.files)) or 'nothing'})"
-    if not any(e in first.files for e in IMAGE_EXTENSIONS):
-        raise DataError(f"{what}: sample {first.key} of {shard} has no image {holds}; give a classification "
-                        "set of images with .cls labels")  # fmt: skip
-    label = label_of(first.files, classes)
-    if label == UNLABELLED:
-        raise DataError(f"{what}: sample {first.key} of {shard} has no .cls label {holds}: zero-shot "
-                        "classification reads each image's class index from its .cls member")  # fmt: skip
-    if label == BAD_LABEL:
-        raise DataError(f"{what}: sample {first.key} of {shard} has .cls {first.files['cls'][:40].decode(errors='replace')!r}, not a class "
-                        f"index below the {classes} classes of its {CLASSNAMES_FILE}")  # fmt: skip
+    if not any(e in sample.files for sample in samples for e in IMAGE_EXTENSIONS):
+        raise DataError(f"{what}: none of the first {len(samples)} samples of {shard} has an image; sample "
+                        f"{first.key} {holds[1:-1]}: give a classification set of images with .cls labels")  # fmt: skip
+    if any(label_of(sample.files, classes) >= 0 for sample in samples):
+        return
+    if label_of(first.files, classes) == UNLABELLED:
+        raise DataError(f"{what}: sample {first.key} of {shard} has no .cls label {holds}, nor do the next "
+                        f"{len(samples) - 1}: zero-shot classification reads each image's class index from its "
+                        ".cls member")  # fmt: skip
+    label = first.files["cls"][:40].decode(errors="replace")
+    raise DataError(f"{what}: sample {first.key} of {shard} has .cls {label!r}, not a class index below the "
+                    f"{classes} classes of its {CLASSNAMES_FILE}, nor do the next {len(samples) - 1} have one")  # fmt: skip
 
 
 def _folder_set(uri: str, *, what: str) -> ClassificationSet:
