@@ -99,3 +99,15 @@ def test_s3_shards_are_indexed_in_place(tmp_path):
         assert [c.samples for c in counts] == SIZES
         assert write_sizes(counts) == ["s3://index-test/train/sizes.json"]
         assert validate_shards(pattern).sizes == tuple(SIZES)
+
+
+@pytest.mark.parametrize("kind, compress", [("gzip", "gzip"), ("xz", "lzma")])
+def test_a_shard_compressed_under_a_tar_name_is_said_to_be(tmp_path, kind, compress):
+    """A .tar that is really gzip'd or xz'd is not a damaged tar: the reader's reason says what it is."""
+    import importlib
+
+    path = tmp_path / "00000.tar"
+    write_shard(str(path), [{"__key__": "k0", "txt": b"a caption"}])
+    path.write_bytes(importlib.import_module(compress).compress(path.read_bytes()))
+    reader = ShardSamples(str(path))
+    assert list(reader) == [] and f"(the file is {kind}-compressed; bigclip reads .tar shards" in reader.error

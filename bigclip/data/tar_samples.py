@@ -78,6 +78,36 @@ def _why(error: BaseException) -> str:
     return explain_error(error) if endpoint_unreachable(error) else f"{type(error).__name__}: {error}"
 
 
+# Magic numbers of what a shard may be instead of the tar (or gzip'd tar) its name says.
+FORMATS = {b"\xfd7zXZ\x00": "xz", b"BZh": "bzip2", b"\x28\xb5\x2f\xfd": "zstd", b"\x1f\x8b": "gzip",
+           b"PK\x03\x04": "zip"}  # fmt: skip
+
+
+class _Head:
+    """A read stream that keeps its first bytes, to say what a shard that is no tar is."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream, self.head = stream, b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        if len(self.head) < 8:
+            self.head += data[: 8 - len(self.head)]
+        return data
+
+    def __getattr__(self, name: str):  # noqa: ANN204 (whatever tarfile asks of the stream)
+        return getattr(self.stream, name)
+
+
+def _format_hint(head: bytes, url: str) -> str:
+    """For a shard unreadable from its first byte: what it is, when its magic number says so."""
+    kind = next((kind for magic, kind in FORMATS.items() if head.startswith(magic)), "")
+    if not kind or (kind == "gzip" and is_compressed(url)):
+        return ""
+    return (f" (the file is {kind}-compressed; bigclip reads .tar shards, and gzip ones named .tar.gz or "
+            ".tgz: recompress or rename it)")  # fmt: skip
+
+
 def is_compressed(url: str) -> bool:
     return url.endswith(COMPRESSED_SUFFIXES)
 
@@ -156,7 +186,10 @@ class ShardSamples:
             self.error = f"cannot open shard {self.url}: {explain_error(e) if endpoint_unreachable(e) else e}"
             return
         with stream:
-            yield from self._samples(stream, base=base, first_index=first_index, errors=errors)
+            head = _Head(stream) if base == 0 else stream
+            yield from self._samples(head, base=base, first_index=first_index, errors=errors)
+        if self.error and base == 0 and self.end_index == first_index:
+            self.error += _format_hint(getattr(head, "head", b""), self.url)
 
     def _samples(
         self, stream: BinaryIO, *, base: int, first_index: int, errors: tuple[type[BaseException], ...]
