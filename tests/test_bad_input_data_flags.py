@@ -60,6 +60,12 @@ CASES = [
          max_s=LISTED_S),
     data("train-pattern-names-nothing", says=("--train-data '::' names no shard", "/data/{00000..00099}.tar"),
          train_data="::"),
+    data("image-mean-on-the-255-scale", "--image-mean", "123.675", "116.28", "103.53", "--image-std", "58.395",
+         "57.12", "57.375", says=("images are scaled to [0, 1]", "divided by 255")),
+    data("train-pattern-pipe", says=("matches no shard", "pipe: commands are not run", "s3:// URIs"),
+         train_data="pipe:cat data/train/{00000..00001}.tar", max_s=LISTED_S),
+    data("train-pattern-glob", says=("matches no shard", "Glob patterns are not expanded", "brace range"),
+         train_data="data/train/*.tar", max_s=LISTED_S),
     data("train-data-a-folder", says=("data/train is a folder", "name its shards", "data/train/{00000..00099}.tar"),
          train_data="data/train", max_s=LISTED_S),
     # Found from the first shard's first samples, not after an epoch's reading skipped every sample.

@@ -98,6 +98,7 @@ CASES = [
     train("opt-kwargs-own-flag", "--opt-kwargs", "lr=1.0", says=("--opt-kwargs lr", "--lr")),
     train("opt-kwargs-wrong-type", "--opt-kwargs", "amsgrad=maybe",
           says=("--opt-kwargs amsgrad='maybe'", "takes a bool there", "amsgrad=False"), max_s=SET_UP_S),
+    train("max-steps-negative", "--max-steps", "-1", says=("--epochs and --max-steps must not be negative",)),
     train("seed-negative", "--seed", "-1", says=("--seed must be between 0 and", "got -1")),
     train("seed-past-numpy", "--seed", str(2**40), says=("--seed must be between 0 and",)),
     train("name-outside-logs", "--name", "..", says=("--name '..'", "inside --logs")),

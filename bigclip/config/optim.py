@@ -54,6 +54,9 @@ class OptimConfig:
                               f"rank), got {self.seed}")  # fmt: skip
         if self.accum_freq < 1:
             raise ConfigError(f"--accum-freq must be at least 1, got {self.accum_freq}")
+        if self.epochs < 0 or self.max_steps < 0:
+            raise ConfigError(f"--epochs and --max-steps must not be negative (0: no limit from it), got "
+                              f"{self.epochs} and {self.max_steps}")  # fmt: skip
         if self.epochs < 1 and self.max_steps < 1:
             raise ConfigError("set --epochs or --max-steps to at least 1")
         if self.warmup < 0 or self.wd < 0 or self.grad_clip_norm < 0:

@@ -53,6 +53,12 @@ class ImageNormalizer:
     ) -> None:
         if any(s <= 0 for s in std):
             raise ConfigError(f"--image-std values must be positive, got {list(std)}")
+        if any(not 0 <= m <= 1 for m in mean) or any(s > 1 for s in std):  # every input would be ~-2
+            raise ConfigError(
+                f"--image-mean {list(mean)} --image-std {list(std)}: images are scaled to [0, 1] before they are "
+                "normalised, as in OpenCLIP; give values on that scale (0-255 values divided by 255, e.g. "
+                "--image-mean 0.485 0.456 0.406 --image-std 0.229 0.224 0.225)"
+            )
         self.device, self.dtype = torch.device(device), dtype
         self.mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)

@@ -32,7 +32,7 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from bigclip.data.streams import data_location
 from bigclip.errors import BigclipError, DataError
 from bigclip.storage.locations import LocalLocation, Location
-from bigclip.storage.schemes import is_local
+from bigclip.storage.schemes import is_local, scheme_of
 
 log = logging.getLogger("bigclip.data")
 
@@ -137,8 +137,7 @@ def validate_shards(pattern: str, *, what: str = "--train-data") -> ShardList:
         service = folders[_directory(urls[0])].location.service
         raise DataError(
             f"{what} {pattern!r} matches no shard: none of its {len(urls)} path(s) exists "
-            f"(first: {urls[0]}{f', {service}' if service else ''}). Check the path, the brace range and, "
-            "for S3, the bucket, prefix and AWS_ENDPOINT_URL."
+            f"(first: {urls[0]}{f', {service}' if service else ''}). {_advice(urls[0])}"
         )
     if missing:
         log.warning(
@@ -151,6 +150,18 @@ def validate_shards(pattern: str, *, what: str = "--train-data") -> ShardList:
     tables = {d: folders[d].sizes() for d in dict.fromkeys(map(_directory, existing))}
     sizes = [_checked_size(tables[_directory(u)].get(_name(u)), u) for u in existing]
     return ShardList(pattern=pattern, urls=tuple(existing), sizes=tuple(sizes), missing=tuple(missing))
+
+
+def _advice(url: str) -> str:
+    """What to check when nothing matched, for the form the pattern has."""
+    if url.startswith("pipe:"):
+        return ("webdataset's pipe: commands are not run: give the shards' paths or s3:// URIs (bigclip streams "
+                "them itself)")  # fmt: skip
+    if any(c in url for c in "*?["):
+        return "Glob patterns are not expanded: name the shards with a brace range, e.g. /data/{00000..00099}.tar."
+    if not is_local(url) and scheme_of(url) != "s3":
+        return "Check the address and that the server lists the folder."
+    return "Check the path, the brace range and, for S3, the bucket, prefix and AWS_ENDPOINT_URL."
 
 
 def _directory(url: str) -> str:
@@ -177,10 +188,9 @@ class _Folder:
             return cls(location, set(location.list_files("")))
         except (BigclipError, *location.read_errors) as e:
             where = f" ({location.service})" if location.service else ""
-            raise DataError(
-                f"cannot list {location.uri}/{where}: {e}. Check the bucket name, credentials and "
-                "AWS_ENDPOINT_URL."
-            ) from e
+            check = ("Check the bucket name, credentials and AWS_ENDPOINT_URL" if scheme_of(location.uri) == "s3"
+                     else "Give shards in a local folder or an object store bigclip can list (s3://)")  # fmt: skip
+            raise DataError(f"cannot list {location.uri}/{where}: {e}. {check}.") from e
 
     def sizes(self) -> dict[str, int]:
         """sizes.json's table ({} without one)."""
