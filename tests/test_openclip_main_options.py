@@ -15,7 +15,7 @@ from support.train_harness import demo_argv
 
 from bigclip.cli_args import parse_train_args
 from bigclip.distributed import spawn
-from bigclip.engines.optimizer import make_optimizer, param_groups
+from bigclip.engines.optimizer import check_opt_kwargs, make_optimizer, param_groups
 from bigclip.errors import ConfigError
 from bigclip.train.evaluate import retrieval_metrics
 
@@ -38,6 +38,20 @@ def test_opt_kwargs_that_have_flags_or_that_the_optimizer_lacks_are_refused():
     cfg = parse_train_args(["--opt-kwargs", "momentum=0.9"])
     with pytest.raises(ConfigError, match="--opt-kwargs .*momentum.*adamw does not take it"):
         make_optimizer(param_groups(torch.nn.Linear(2, 2), weight_decay=0.1), cfg.optim)
+
+
+def test_opt_kwargs_of_the_wrong_type_are_refused_before_the_model_is_built():
+    """Checked against the constructor's defaults: a bool keyword takes a bool, a number a number;
+    a keyword defaulting to None (foreach, fused) takes what the constructor takes."""
+    check_opt_kwargs(parse_train_args(["--opt-kwargs", "foreach=True", "fused=False", "amsgrad=True"]).optim)
+    for bad, says in [("amsgrad=maybe", "takes a bool there"), ("maximize=1", "takes a bool there"),
+                      ("weight_decay_xyz=1", None), ("capturable=None", "takes a bool there")]:  # fmt: skip
+        cfg = parse_train_args(["--opt-kwargs", bad]).optim
+        if says is None:
+            check_opt_kwargs(cfg)  # an unknown keyword: the constructor names it (above)
+            continue
+        with pytest.raises(ConfigError, match=f"--opt-kwargs {bad.split('=')[0]}=.*{says}"):
+            check_opt_kwargs(cfg)
 
 
 def test_opt_kwargs_with_a_deepspeed_optimizer_section_say_where_they_go():

@@ -83,12 +83,12 @@ def check_opt_kwargs(cfg: OptimConfig) -> None:
     params = inspect.signature(optimizer_class(cfg.optimizer)).parameters
     for key, value in cfg.opt_kwargs.items():
         default = params[key].default if key in params else None
-        if isinstance(default, bool) or isinstance(value, bool):
-            fits = isinstance(value, bool) and isinstance(default, bool)
+        if isinstance(default, bool):
+            fits = isinstance(value, bool)
         elif isinstance(default, int | float):
-            fits = isinstance(value, int | float)
+            fits = isinstance(value, int | float) and not isinstance(value, bool)
         else:
-            fits = True  # None, a tuple or no default: the constructor's own checks
+            fits = True  # None (foreach, fused), a tuple or no default: the constructor's own checks
         if not fits:
             raise ConfigError(
                 f"--opt-kwargs {key}={value!r}: {cfg.optimizer} takes a {type(default).__name__} there "
