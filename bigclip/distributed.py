@@ -145,6 +145,24 @@ def cpu_group() -> Any:
     return _gloo_group[1]
 
 
+def on_rank0(fn: Callable[[], Any], *, failed: Callable[[Exception], Exception] = lambda e: e) -> Any:
+    """`fn()` run by rank 0 alone and its result broadcast (its failure, through `failed`, raised on
+    every rank): one listing or read of a bucket for the job, not one burst per rank. Collective."""
+    group = cpu_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return fn()
+    result: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            result[0] = fn()
+        except Exception as e:  # sent to every rank, so all of them stop with the same message
+            result[0] = failed(e)
+    dist.broadcast_object_list(result, src=0, group=group)
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return result[0]
+
+
 def side_store(*, prefix: str, timeout_s: float) -> Any:
     """A key-value store all ranks share beside the process group, for liveness checks that must
     not queue behind a hung collective: the default group's own store (TCPStore from env:// or

@@ -246,9 +246,9 @@ def _metadata_for(
             rank0 if k == 0 else rank_record.read_metadata(location, folder, record_of(k))
             for k in sorted(ranks)
         ]
-        meta = merge([m for m, _ in records])
+        meta, crcs = _merged(records)
         if not uncovered(wanted, meta):
-            return meta, {key: crc for _, crcs in records for key, crc in crcs.items()}
+            return meta, crcs
     log.warning(
         "checkpoint %s: its chunks are not laid out in equal slices per rank (ZeRO-1/2?); this rank "
         "reads every saved rank's record (%d)",
@@ -259,4 +259,10 @@ def _metadata_for(
         rank0,
         *(rank_record.read_metadata(location, folder, record_of(k)) for k in range(1, saved_world)),
     ]
-    return merge([m for m, _ in records]), {key: crc for _, crcs in records for key, crc in crcs.items()}
+    return _merged(records)
+
+
+def _merged(records: list[tuple[Metadata, rank_record.ChunkCrcs]]) -> tuple[Metadata, rank_record.ChunkCrcs]:
+    return merge([meta for meta, _ in records]), {
+        key: crc for _, crcs in records for key, crc in crcs.items()
+    }

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from bigclip.data.decode import IMAGE_EXTENSIONS, decode_image
 from bigclip.data.shards import validate_shards
 from bigclip.data.streams import data_location
-from bigclip.data.tar_samples import ShardSamples
+from bigclip.data.tar_samples import ShardSamples, first_samples
 from bigclip.data.transforms import eval_transform
 from bigclip.errors import DataError
 from bigclip.storage.schemes import is_local
@@ -47,7 +47,6 @@ FOLDER_IMAGES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff
 # Labels of what is not scored, each counted in the log: an image that could not be decoded, a
 # sample without a `.cls` label or an image, a `.cls` that is no class index of the set.
 SKIPPED, UNLABELLED, BAD_LABEL = -1, -2, -3
-PEEK_SAMPLES = 8  # read at start-up: one bad sample among them is not taken for a set without labels
 
 
 @cache
@@ -166,7 +165,7 @@ def _check_first_samples(shard: str, classes: int, *, what: str) -> None:
     """A set whose samples carry no class index (e.g. --val-data's captioned shards given as
     --imagenet-val) fails before any model is built, from its first samples, not with a score of 0
     after training; one bad sample among them is only counted later, as the rest are."""
-    samples = list(ShardSamples(shard, stop=PEEK_SAMPLES))
+    samples = first_samples(shard)
     if not samples:
         return  # an empty or damaged shard: its reading says so, counted
     first = samples[0]

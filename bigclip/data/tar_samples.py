@@ -108,6 +108,16 @@ def _format_hint(head: bytes, url: str) -> str:
             ".tgz: recompress or rename it)")  # fmt: skip
 
 
+PEEK_SAMPLES = (
+    8  # what start-up checks read: enough that one damaged sample is not taken for the set's layout
+)
+
+
+def first_samples(url: str) -> list[RawSample]:
+    """The first PEEK_SAMPLES samples of shard `url` (fewer for a short, empty or damaged one)."""
+    return list(ShardSamples(url, stop=PEEK_SAMPLES))
+
+
 def is_compressed(url: str) -> bool:
     return url.endswith(COMPRESSED_SUFFIXES)
 

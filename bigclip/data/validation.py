@@ -11,24 +11,18 @@ end (accounting.py).
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-import torch.distributed as dist
 
 from bigclip.config import DataConfig
 from bigclip.data.augment import Augmentation
 from bigclip.data.decode import SampleKeys
 from bigclip.data.device import image_normalizer
 from bigclip.data.shards import ShardList, validate_shards
-from bigclip.data.tar_samples import ShardSamples
-from bigclip.distributed import cpu_group
+from bigclip.data.tar_samples import first_samples
+from bigclip.distributed import on_rank0
 from bigclip.errors import DataError
 
 log = logging.getLogger("bigclip.data")
 NAMED = 5
-
-
-PEEK_SAMPLES = 8  # read from the first shard at start-up to check the keys
 
 
 def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
@@ -50,21 +44,12 @@ def validate_data(cfg: DataConfig, *, world_size: int, evaluation_only: bool = F
     Under torch.distributed this is collective: rank 0 lists and broadcasts the result (or its
     error), so 1024 ranks cost one listing of the bucket, not 1024 bursts that S3 would throttle.
     """
-    group = cpu_group()
-    if group is None or dist.get_world_size(group) == 1:
-        return _validate_data_here(cfg, world_size=world_size, evaluation_only=evaluation_only)
-    result: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            result[0] = _validate_data_here(cfg, world_size=world_size, evaluation_only=evaluation_only)
-        except Exception as e:  # sent to every rank, so all of them stop with the same message
-            result[0] = (
-                e if isinstance(e, DataError) else DataError(f"rank 0 could not check the data: {e!r}")
-            )
-    dist.broadcast_object_list(result, src=0, group=group)
-    if isinstance(result[0], Exception):
-        raise result[0]
-    return result[0]
+    return on_rank0(
+        lambda: _validate_data_here(cfg, world_size=world_size, evaluation_only=evaluation_only),
+        failed=lambda e: (
+            e if isinstance(e, DataError) else DataError(f"rank 0 could not check the data: {e!r}")
+        ),
+    )
 
 
 def _validate_data_here(cfg: DataConfig, *, world_size: int, evaluation_only: bool = False) -> ShardList:
@@ -94,7 +79,7 @@ def check_sample_keys(url: str, keys: SampleKeys, *, what: str) -> None:
     from the first shard's first samples, before the model is built: else every sample is skipped
     and the run fails only once an epoch's reading found nothing to train on. Several samples, so
     that one damaged sample is not taken for wrong keys (it is skipped and counted)."""
-    samples = list(ShardSamples(url, stop=PEEK_SAMPLES))
+    samples = first_samples(url)
     for flag, wanted, what_for in (
         ("--image-key", keys.image, "image"),
         ("--text-key", keys.text, "caption"),

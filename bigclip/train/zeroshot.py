@@ -31,7 +31,7 @@ from bigclip.data.classification import (
 )
 from bigclip.data.device import ImageNormalizer
 from bigclip.data.tokenizer import Tokenizer
-from bigclip.distributed import Runtime
+from bigclip.distributed import Runtime, on_rank0
 from bigclip.engines import Engine
 from bigclip.models.run_options import image_size
 from bigclip.train.metrics import get_logger
@@ -51,11 +51,13 @@ class ZeroShot:
     @classmethod
     def open(cls, cfg: TrainConfig) -> ZeroShot:
         """Checks the sets exist and have class names, before any model is built."""
-        sets = {
-            prefix: open_classification_set(getattr(cfg.data, flag), what=f"--{flag.replace('_', '-')}")
-            for flag, prefix in METRIC_NAMES.items()
-            if getattr(cfg.data, flag)
-        }
+        sets = on_rank0(  # rank 0 lists and reads them once for the job (collective)
+            lambda: {
+                prefix: open_classification_set(getattr(cfg.data, flag), what=f"--{flag.replace('_', '-')}")
+                for flag, prefix in METRIC_NAMES.items()
+                if getattr(cfg.data, flag)
+            }
+        )
         resize = {"resize_mode": cfg.data.image_resize_mode, "interpolation": cfg.data.image_interpolation}
         size = image_size(cfg) if sets else 0
         return cls(sets, cfg.data.zeroshot_frequency, cfg.optim.epochs, resize, size)
