@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from braceexpand import UnbalancedBracesError, braceexpand
@@ -123,6 +124,9 @@ class DataConfig:
                               ("--imagenet-val", self.imagenet_val)):  # fmt: skip
             _check_pattern(flag, pattern)
         self._check_upsampling()
+        if self.image_mean or self.image_std:  # (the defaults are OpenAI CLIP's)
+            check_channels(channel_values(self.image_mean, (0.5,), flag="--image-mean"),
+                           channel_values(self.image_std, (0.5,), flag="--image-std"))  # fmt: skip
         if self.tokenizer not in TOKENIZERS:  # e.g. from a YAML file or an old checkpoint's config
             raise ConfigError(f"--tokenizer {self.tokenizer!r}: use one of {', '.join(TOKENIZERS)}")
 
@@ -141,6 +145,29 @@ class DataConfig:
                 f"--train-data-upsampling-factors {factors!r} needs one non-negative number per '::' source of "
                 f"--train-data ({len(sources)} source(s)), not all zero, e.g. {'::'.join(['1'] * len(sources))}"
             )
+
+
+def channel_values(values: Sequence[float], default: Sequence[float], *, flag: str) -> tuple[float, ...]:
+    """`--image-mean`/`--image-std`: empty -> default; one value -> all channels; else three."""
+    if not values:
+        return tuple(default)
+    if len(values) == 1:
+        return (float(values[0]),) * 3
+    if len(values) != 3:
+        raise ConfigError(f"{flag} takes one value or three (R G B), got {list(values)}")
+    return tuple(float(v) for v in values)
+
+
+def check_channels(mean: Sequence[float], std: Sequence[float]) -> None:
+    """Normalisation values on the [0, 1] scale images are brought to (OpenCLIP's ToTensor)."""
+    if any(not s > 0 for s in std):
+        raise ConfigError(f"--image-std values must be positive, got {list(std)}")
+    if any(not 0 <= m <= 1 for m in mean) or any(s > 1 for s in std):  # every input would be ~-2
+        raise ConfigError(
+            f"--image-mean {list(mean)} --image-std {list(std)}: images are scaled to [0, 1] before they are "
+            "normalised, as in OpenCLIP; give values on that scale (0-255 values divided by 255, e.g. "
+            "--image-mean 0.485 0.456 0.406 --image-std 0.229 0.224 0.225)"
+        )
 
 
 def _check_pattern(flag: str, pattern: str) -> None:

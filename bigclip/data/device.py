@@ -25,21 +25,8 @@ import numpy as np
 import torch
 
 from bigclip.config import DataConfig
+from bigclip.config.data import channel_values, check_channels
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from bigclip.errors import ConfigError
-
-
-def channel_values(
-    values: Sequence[float], default: Sequence[float], *, flag: str
-) -> tuple[float, float, float]:
-    """`--image-mean`/`--image-std`: empty -> default; one value -> all channels; else three."""
-    if not values:
-        return tuple(default)  # type: ignore[return-value]
-    if len(values) == 1:
-        return (float(values[0]),) * 3
-    if len(values) != 3:
-        raise ConfigError(f"{flag} takes one value or three (R G B), got {list(values)}")
-    return tuple(float(v) for v in values)  # type: ignore[return-value]
 
 
 class ImageNormalizer:
@@ -51,14 +38,7 @@ class ImageNormalizer:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        if any(s <= 0 for s in std):
-            raise ConfigError(f"--image-std values must be positive, got {list(std)}")
-        if any(not 0 <= m <= 1 for m in mean) or any(s > 1 for s in std):  # every input would be ~-2
-            raise ConfigError(
-                f"--image-mean {list(mean)} --image-std {list(std)}: images are scaled to [0, 1] before they are "
-                "normalised, as in OpenCLIP; give values on that scale (0-255 values divided by 255, e.g. "
-                "--image-mean 0.485 0.456 0.406 --image-std 0.229 0.224 0.225)"
-            )
+        check_channels(mean, std)  # values from a pretrained model's preprocessing config, too
         self.device, self.dtype = torch.device(device), dtype
         self.mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)

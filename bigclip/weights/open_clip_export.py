@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bigclip.data.device import channel_values
+from bigclip.config.data import channel_values
 from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from bigclip.errors import ConfigError, StorageError
 from bigclip.models.families import family_of
