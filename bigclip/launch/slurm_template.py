@@ -144,9 +144,10 @@ while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
     if [[ -f "$REQUEUE_MARKER" && -z "$MARKED_AT" ]]; then
         MARKED_AT=$SECONDS
         announce_stop
-        # A cancelled job ends here, its ranks' stop said: srun can wait for the step's teardown
-        # until KillWait runs out, when SLURM SIGKILLs this shell before it could say so.
-        if job_cancelled; then requeue_once; exit 0; fi
+        # A job cancelled, or requeued by SLURM, ends here, its ranks' stop said: srun can wait for
+        # the step's teardown until KillWait runs out, when SLURM SIGKILLs this shell before it could
+        # say so. (The marker is written once the checkpoint is committed: nothing is cut short.)
+        if job_cancelled || requeued_already; then requeue_once; exit 0; fi
     fi
     if [[ -n "$MARKED_AT" ]] && (( SECONDS - MARKED_AT >= {{LAUNCHER_GRACE}} )); then
         echo "bigclip sbatch: the launcher still runs {{LAUNCHER_GRACE}} s after the requeue marker (a node that stopped answering?); not waiting for it"
