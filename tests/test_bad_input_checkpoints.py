@@ -357,6 +357,10 @@ def damaged_registry(registry: Registry, tmp_path: Path, what: str) -> Path:
         flip_metadata_blob = blob(".metadata")
         flip(flip_metadata_blob, flip_metadata_blob.stat().st_size // 2)
         return copy
+    if what == "another save":  # the blob's bytes replaced by step 4's intact shard of that name
+        shard = min(name for name in published.objects if name.endswith(".distcp"))
+        shutil.copyfile(Path(published.source) / ".." / "step_00000004" / shard, blob(shard))
+        return copy
     folder = tmp_path / "view"  # the blobs under their checkpoint names, to find the byte
     folder.mkdir()
     for name in published.objects:
@@ -370,6 +374,7 @@ REGISTRY_ROWS = {
     "model tensor blob": ("model.", ("is damaged: model.", "CRC-32")),
     "optimizer blob": ("optim.", ("is damaged: optim.", "CRC-32")),
     ".metadata blob": (".metadata", (".metadata) is damaged", "SHA-256")),
+    "shard blob of another save": ("another save", ("__0_", "is damaged: ", "a file of another checkpoint")),
 }
 
 
@@ -394,7 +399,13 @@ def test_pretrained_from_a_damaged_registry_blob_is_refused(demo_data, registry,
 
 
 @pytest.mark.parametrize(
-    "damage", ["flipped byte in a model tensor", "flipped byte in .metadata", "truncated shard"]
+    "damage",
+    [
+        "flipped byte in a model tensor",
+        "flipped byte in .metadata",
+        "truncated shard",
+        "shard of another save",
+    ],
 )
 def test_pretrained_and_consolidate_from_a_damaged_checkpoint_are_refused(demo_data, run, tmp_path, damage):
     hurt, says = DAMAGES[damage]

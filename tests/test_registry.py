@@ -227,7 +227,7 @@ def test_s3_registry_round_trip_and_interrupted_upload(s3, checkpoint, weights, 
     data = bytearray((damaged / file).read_bytes())
     data[start + size - 100] ^= 1  # seen at the payload's end (its CRC), after 2 parts went up
     (damaged / file).write_bytes(bytes(data))
-    with pytest.raises(StorageError, match=f"{file} \\(byte \\d+\\) is damaged: .* CRC-32"):
+    with pytest.raises(StorageError, match=f"{file} \\(byte \\d+\\) is damaged: .*CRC-32"):
         consolidate(str(damaged), "s3://bigclip-registry/out/damaged.safetensors", piece_bytes=1 << 20)
     assert "Contents" not in client.list_objects_v2(Bucket="bigclip-registry", Prefix="out/damaged")
     assert not client.list_multipart_uploads(Bucket="bigclip-registry").get("Uploads")

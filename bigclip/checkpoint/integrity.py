@@ -59,6 +59,10 @@ class ZipRecord:
     def is_storage(self) -> bool:
         return "/data/" in self.name
 
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
 
 def check_written(data: memoryview, written: int, *, where: str, key: str) -> None:
     """A chunk's bytes against the CRC-32 its writer computed of them as they were written (the
@@ -66,8 +70,12 @@ def check_written(data: memoryview, written: int, *, where: str, key: str) -> No
     from another checkpoint), which its own zip's CRC-32s would pass."""
     found = zlib.crc32(data)
     if found != written:
-        raise damaged(where, key, f"differs from what its writer wrote (CRC-32 {found:08x}, recorded {written:08x}: a "
-                                  "damaged byte, or a file of another checkpoint)")  # fmt: skip
+        raise damaged(where, key, not_as_written(found, written))
+
+
+def not_as_written(found: int, written: int) -> str:
+    return (f"differs from what its writer wrote (CRC-32 {found:08x}, recorded {written:08x}: a damaged byte, or "
+            "a file of another checkpoint)")  # fmt: skip
 
 
 def zip_records(view: io.RawIOBase) -> list[ZipRecord]:
@@ -111,14 +119,14 @@ def parse_chunk(data: memoryview, *, where: str, key: str) -> list[ZipRecord]:
     except Exception as e:  # any parse error means the bytes are not what DCP wrote
         raise damaged(where, key, f"cannot be parsed ({type(e).__name__}: {e})") from e
     for record in records:
-        if record.start + record.nbytes > len(data):
+        if record.end > len(data):
             raise damaged(where, key, f"record {record.name} runs past the chunk's end")
     return records
 
 
 def check_crcs(data: memoryview, records: list[ZipRecord], *, where: str, key: str) -> None:
     for record in records:
-        if not crc_matches(data[record.start : record.start + record.nbytes], record):
+        if not crc_matches(data[record.start : record.end], record):
             raise damaged(where, key, f"(record {record.name}) does not match the CRC-32 its writer recorded")
 
 
@@ -136,7 +144,7 @@ def tensor_of(data: memoryview, records: list[ZipRecord], *, where: str, key: st
         raise damaged(
             where, key, f"stores {record.nbytes} bytes, its tensor needs {meta.untyped_storage().nbytes()}"
         )
-    raw = data[record.start : record.start + record.nbytes]
+    raw = data[record.start : record.end]
     flat = torch.frombuffer(raw, dtype=torch.uint8) if record.nbytes else torch.empty(0, dtype=torch.uint8)
     return flat.view(meta.dtype).as_strided(meta.shape, meta.stride(), meta.storage_offset())
 

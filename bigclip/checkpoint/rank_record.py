@@ -30,17 +30,19 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from bigclip.checkpoint.integrity import CheckpointDamaged
 from bigclip.storage.locations import Location
+from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.rank_prefixes import prefix
 from bigclip.storage.safe_metadata import load_metadata
 
 MAGIC = b"bigclip-rank-record/1\n"
+SUFFIX = "rank.bigclip"
 _LENGTHS = struct.Struct("<QQ")
 HEADER_BYTES = len(MAGIC) + _LENGTHS.size + 64
 
 
 def record_name(prefix: str) -> str:
     """The record of the rank whose objects are named `prefix...` (`__R_`, or `<hex>/__R_` on S3)."""
-    return f"{prefix}rank.bigclip"
+    return f"{prefix}{SUFFIX}"
 
 
 def record_of(rule: str, rank: int, world_size: int) -> str:
@@ -125,7 +127,25 @@ def read_metadata(location: Location, folder: str, record: str) -> tuple[Metadat
         metadata = load_metadata(meta)
     except Exception as e:  # the restricted unpickler refused it: damage or tampering
         raise CheckpointDamaged(f"{where}: {e}") from e
+    return metadata, _chunk_crcs(text)
+
+
+def read_chunk_crcs(blobs: BlobFolder, record: str) -> dict[str, dict[int, int]]:
+    """A saved rank's chunks' CRC-32s as written, file -> {offset: CRC-32} (its record's header and
+    JSON part: ranged reads), for the readers of a whole checkpoint, which use DCP's .metadata."""
+    where = blobs.uri(record)
+    header = _Header.parse(blobs.read(record, 0, HEADER_BYTES), where)
+    text = _checked(
+        blobs.read(record, HEADER_BYTES, header.text_bytes), header.text_sha, where, "training state"
+    )
     chunks = json.loads(text).get("chunks") or {}
-    return metadata, {
+    return {
+        file: {int(offset): crc for offset, crc in by_offset.items()} for file, by_offset in chunks.items()
+    }
+
+
+def _chunk_crcs(text: bytes) -> ChunkCrcs:
+    chunks = json.loads(text).get("chunks") or {}
+    return {
         (file, int(offset)): crc for file, by_offset in chunks.items() for offset, crc in by_offset.items()
     }

@@ -10,9 +10,15 @@ and take the storage record's CRC-32 and offset from the zip directory and local
 streamed in pieces straight from storage, its CRC-32 checked on the way: a tampered or torn
 chunk fails with the object named, at no extra I/O.
 
+Where the saving rank recorded the whole chunk's CRC-32 as it wrote it (its rank record), that
+is what is checked, not the zip's: an intact chunk of another save passes its own zip's CRCs.
+The payload's running CRC-32 then starts from the CRC-32 of the chunk's bytes before it (in the
+head) and the bytes after it (the zip's directory, in the tail) are folded in at the end, so the
+whole chunk is checked while only the payload streams (`PayloadCrc`).
+
 Chunks written raw (DCP's safetensors serialization: exactly numel * itemsize bytes, no zip)
-are described by the metadata alone and carry no CRC. Chunks with stream transforms
-(compression extensions) have no stable payload range; they are read whole (`load_chunk`).
+are described by the metadata alone and carry no CRC of their own. Chunks with stream
+transforms (compression extensions) have no stable payload range; they are read whole (`load_chunk`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from bigclip.checkpoint.integrity import (
     ZipRecord,
     check_chunk,
     crc_matches,
+    not_as_written,
     tensor_of,
     zip_records,
 )
@@ -60,17 +67,45 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class PayloadCrc:
+    """What a payload's bytes, streamed in order from `seed`, are checked against: the whole
+    chunk's CRC-32 as written (`written`; `seed` is the CRC-32 of the bytes before the payload,
+    and the `tail_len` bytes after it fold in as `tail_fold`), or the zip's CRC-32 of the storage record."""
+
+    expected: int
+    written: bool
+    seed: int = 0
+    tail_len: int = 0
+    tail_fold: int = 0
+
+    @classmethod
+    def of_chunk(cls, written: int, before: bytes, after: bytes) -> PayloadCrc:
+        # CRC-32 is affine in its start value: crc32(after, c) == crc32(zeros, c) ^ crc32(zeros) ^ crc32(after)
+        fold = zlib.crc32(bytes(len(after))) ^ zlib.crc32(after)
+        return cls(written, True, zlib.crc32(before), len(after), fold)
+
+    def found(self, running: int) -> int:
+        """The checked value, from the payload's running CRC-32 (started at `seed`)."""
+        return zlib.crc32(bytes(self.tail_len), running) ^ self.tail_fold if self.tail_len else running
+
+
+@dataclass(frozen=True)
 class Payload:
     """The stored tensor of a chunk: its storage bytes [start, start + nbytes) in `chunk.file`."""
 
     chunk: Chunk
     start: int
     nbytes: int
-    crc32: int | None
+    crc: PayloadCrc | None
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
+
+    @property
+    def seed(self) -> int:
+        """Where the payload's running CRC-32 starts."""
+        return self.crc.seed if self.crc else 0
 
     @property
     def row_major(self) -> bool:
@@ -85,9 +120,12 @@ def damaged(blobs: BlobFolder, chunk: Chunk, key: str, why: str) -> CheckpointDa
     return integrity.damaged(f"{blobs.uri(chunk.file)} (byte {chunk.offset})", key, why)
 
 
-def locate_payload(blobs: BlobFolder, chunk: Chunk, key: str, dtype: torch.dtype) -> Payload | None:
+def locate_payload(
+    blobs: BlobFolder, chunk: Chunk, key: str, dtype: torch.dtype, *, written: int | None = None
+) -> Payload | None:
     """The chunk's payload range, or None when it has stream transforms (read it with load_chunk).
-    The zip's small records (the pickle, the version) are checked against their CRC-32 here."""
+    The zip's small records (the pickle, the version) are checked against their CRC-32 here.
+    `written`: the whole chunk's CRC-32 as its writer recorded it, if it did."""
     if chunk.transforms:
         return None
     head = blobs.read(chunk.file, chunk.offset, min(chunk.length, HEAD_BYTES))
@@ -95,7 +133,8 @@ def locate_payload(blobs: BlobFolder, chunk: Chunk, key: str, dtype: torch.dtype
         if chunk.length != chunk.numel * dtype.itemsize:
             raise damaged(blobs, chunk, key, "is neither a torch.save zip nor raw tensor bytes")
         stride = torch.empty(chunk.sizes, device="meta").stride()
-        return Payload(chunk, chunk.offset, chunk.length, None, dtype, chunk.sizes, stride, 0)
+        crc = None if written is None else PayloadCrc(written, True)
+        return Payload(chunk, chunk.offset, chunk.length, crc, dtype, chunk.sizes, stride, 0)
     view = _HeadTailView(blobs, chunk, head)
     try:
         records = zip_records(view)
@@ -107,19 +146,27 @@ def locate_payload(blobs: BlobFolder, chunk: Chunk, key: str, dtype: torch.dtype
     if len(data) != 1 or not data[0].stored:
         raise damaged(blobs, chunk, key, "is not a single uncompressed tensor record")
     for record in records:
-        if not record.is_storage and not crc_matches(_record_bytes(view, record), record):
+        if not record.is_storage and not crc_matches(_record_bytes(view, record.start, record.end), record):
             raise damaged(
                 blobs, chunk, key, f"(record {record.name}) does not match the CRC-32 its writer recorded"
             )
-    return _payload_of(blobs, chunk, key, meta, data[0])
+    record = data[0]
+    if written is None:
+        crc = PayloadCrc(record.crc32, False)
+    else:
+        before, after = _record_bytes(view, 0, record.start), _record_bytes(view, record.end, chunk.length)
+        crc = PayloadCrc.of_chunk(written, before, after)
+    return _payload_of(blobs, chunk, key, meta, record, crc)
 
 
-def _record_bytes(view: io.RawIOBase, record: ZipRecord) -> bytes:
-    view.seek(record.start)
-    return view.read(record.nbytes)
+def _record_bytes(view: io.RawIOBase, start: int, end: int) -> bytes:
+    view.seek(start)
+    return view.read(end - start)
 
 
-def _payload_of(blobs: BlobFolder, chunk: Chunk, key: str, meta: torch.Tensor, record: ZipRecord) -> Payload:
+def _payload_of(
+    blobs: BlobFolder, chunk: Chunk, key: str, meta: torch.Tensor, record: ZipRecord, crc: PayloadCrc
+) -> Payload:
     if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != chunk.sizes:
         raise damaged(
             blobs, chunk, key, f"holds {type(meta).__name__} {getattr(meta, 'shape', '')}, not {chunk.sizes}"
@@ -131,7 +178,7 @@ def _payload_of(blobs: BlobFolder, chunk: Chunk, key: str, meta: torch.Tensor, r
         chunk=chunk,
         start=chunk.offset + record.start,
         nbytes=record.nbytes,
-        crc32=record.crc32,
+        crc=crc,
         dtype=meta.dtype,
         size=tuple(meta.shape),
         stride=tuple(meta.stride()),
@@ -147,7 +194,7 @@ def load_chunk(blobs: BlobFolder, chunk: Chunk, key: str, payload: Payload | Non
         return checked_value(blobs, chunk, key, bytearray(stream.read())).contiguous()
     buffer = bytearray(payload.nbytes)
     blobs.readinto(chunk.file, payload.start, memoryview(buffer))
-    check_crc(blobs, payload, key, zlib.crc32(buffer))
+    check_crc(blobs, payload, key, zlib.crc32(buffer, payload.seed))
     storage = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
     flat = storage.view(payload.dtype)
     return flat.as_strided(payload.size, payload.stride, payload.storage_offset).contiguous()
@@ -166,10 +213,18 @@ def checked_value(blobs: BlobFolder, chunk: Chunk, key: str, data: bytearray) ->
         raise damaged(blobs, chunk, key, f"cannot be read as plain data ({e})") from e
 
 
-def check_crc(blobs: BlobFolder, payload: Payload, key: str, actual: int) -> None:
-    """`actual`: the payload's CRC-32, computed as it streamed (one piece or several, in order)."""
-    if payload.crc32 is not None and actual != payload.crc32:
-        raise damaged(blobs, payload.chunk, key, "does not match the CRC-32 its writer recorded")
+def check_crc(blobs: BlobFolder, payload: Payload, key: str, running: int) -> None:
+    """`running`: the payload's CRC-32 from `payload.seed`, computed as it streamed (one piece or
+    several, in order)."""
+    crc = payload.crc
+    if crc is None or crc.found(running) == crc.expected:
+        return
+    why = (
+        not_as_written(crc.found(running), crc.expected)
+        if crc.written
+        else "does not match the CRC-32 its writer recorded"
+    )
+    raise damaged(blobs, payload.chunk, key, why)
 
 
 class _HeadTailView(SeekableView):

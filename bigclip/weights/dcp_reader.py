@@ -12,9 +12,11 @@ keeps S3 busy while the caller converts and writes.
 
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,7 +24,8 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from bigclip.checkpoint.integrity import check_object
+from bigclip.checkpoint.integrity import check_object, check_written
+from bigclip.checkpoint.rank_record import read_chunk_crcs
 from bigclip.errors import StorageError
 from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.records import ObjectRecord
@@ -57,6 +60,24 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
+class WrittenCrcs:
+    """Each chunk's CRC-32 as its rank wrote it, by file: sorted offsets and their CRC-32s in two
+    arrays, 12 bytes a chunk (a ViT-bigG-14 checkpoint of 1024 ranks has about 3 million chunks;
+    a dict of Python ints would take ~100 bytes each)."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, tuple[array, array]] = {}
+
+    def add(self, file: str, by_offset: dict[int, int]) -> None:
+        offsets = sorted(by_offset)
+        self._files[file] = (array("Q", offsets), array("I", (by_offset[o] for o in offsets)))
+
+    def get(self, file: str, offset: int) -> int | None:
+        offsets, crcs = self._files.get(file, (array("Q"), array("I")))
+        i = bisect.bisect_left(offsets, offset)
+        return crcs[i] if i < len(offsets) and offsets[i] == offset else None
+
+
 # One unit of read-ahead work: a byte range of a payload, or (payload None) a whole tensor.
 _Task = tuple[TensorInfo, Payload | None, int, int]
 
@@ -65,14 +86,26 @@ class DcpReader:
     """Tensors and values of one DCP checkpoint folder (see module docstring)."""
 
     def __init__(
-        self, blobs: BlobFolder, *, threads: int = 8, metadata_record: ObjectRecord | None = None
+        self,
+        blobs: BlobFolder,
+        *,
+        threads: int = 8,
+        metadata_record: ObjectRecord | None = None,
+        rank_records: Sequence[str] = (),
     ) -> None:
-        """`metadata_record`: `.metadata`'s size and SHA-256 from the manifest, checked on this read."""
+        """`metadata_record`: `.metadata`'s size and SHA-256 from the manifest, checked on this read;
+        `rank_records`: the saved ranks' records, whose CRC-32 of each chunk as written is what
+        the chunks are checked against (without them, each chunk's own zip CRC-32s)."""
         self.blobs = blobs
         self.threads = threads
         data = blobs.read_all(METADATA_NAME)
         check_object(data, metadata_record, where=blobs.uri(METADATA_NAME))
         self.metadata = load_metadata(data)
+        self._written = WrittenCrcs()
+        with ThreadPoolExecutor(threads) as pool:  # tens of KB each, one ranged read per part
+            for by_file in pool.map(lambda record: read_chunk_crcs(blobs, record), rank_records):
+                for file, by_offset in by_file.items():
+                    self._written.add(file, by_offset)
         self._infos: dict[str, TensorInfo] = {}
         self._chunks: dict[str, list[Chunk]] = {}
         for key, md in self.metadata.state_dict_metadata.items():
@@ -99,9 +132,15 @@ class DcpReader:
     def read_value(self, key: str) -> Any:
         info = self.metadata.storage_data[MetadataIndex(key)]
         chunk = Chunk((), (), info.relative_path, info.offset, info.length)
-        return checked_value(
-            self.blobs, chunk, key, bytearray(self.blobs.read(chunk.file, chunk.offset, chunk.length))
-        )
+        data = bytearray(self.blobs.read(chunk.file, chunk.offset, chunk.length))
+        written = self._written_crc(chunk)
+        if written is not None:
+            check_written(memoryview(data), written, where=self.blobs.uri(chunk.file), key=key)
+        return checked_value(self.blobs, chunk, key, data)
+
+    def _written_crc(self, chunk: Chunk) -> int | None:
+        """The chunk's CRC-32 as its writer recorded it (none for transformed chunks, as written)."""
+        return None if chunk.transforms else self._written.get(chunk.file, chunk.offset)
 
     # -- tensors --------------------------------------------------------------------------
 
@@ -109,11 +148,14 @@ class DcpReader:
         """Find every chunk's payload (two small reads each), in parallel; idempotent."""
         todo = [(info, c) for info in infos for c in self._chunks[info.name] if c not in self._payloads]
         with ThreadPoolExecutor(self.threads) as pool:
-            found = pool.map(lambda ic: locate_payload(self.blobs, ic[1], ic[0].name, ic[0].dtype), todo)
+            found = pool.map(lambda ic: self._locate(*ic), todo)
             for (info, chunk), payload in zip(todo, found):
                 if payload is not None and payload.dtype != info.dtype:
                     raise damaged(self.blobs, chunk, info.name, f"holds {payload.dtype}, not {info.dtype}")
                 self._payloads[chunk] = payload
+
+    def _locate(self, info: TensorInfo, chunk: Chunk) -> Payload | None:
+        return locate_payload(self.blobs, chunk, info.name, info.dtype, written=self._written_crc(chunk))
 
     def read(self, name: str) -> torch.Tensor:
         """One whole tensor (memory: the tensor plus one chunk)."""
@@ -143,7 +185,7 @@ class DcpReader:
                     yield info, flat[i : i + step]
                 continue
             if piece_crc is None:  # a payload in several pieces: its CRC runs across them, in order
-                piece_crc = zlib.crc32(data, 0 if start == payload.start else crc)
+                piece_crc = zlib.crc32(data, payload.seed if start == payload.start else crc)
             crc = piece_crc
             if start + nbytes == payload.start + payload.nbytes:
                 check_crc(self.blobs, payload, info.name, crc)
@@ -168,7 +210,7 @@ class DcpReader:
             return self.read(info.name), None
         buffer = bytearray(nbytes)
         self.blobs.readinto(payload.chunk.file, start, memoryview(buffer))
-        return buffer, zlib.crc32(buffer) if nbytes == payload.nbytes else None
+        return buffer, zlib.crc32(buffer, payload.seed) if nbytes == payload.nbytes else None
 
     def _row_major_payloads(self, info: TensorInfo) -> list[Payload] | None:
         """The payloads in tensor order when they tile it as contiguous row-major ranges, else None."""

@@ -26,14 +26,14 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bigclip.checkpoint import catalog
+from bigclip.checkpoint import catalog, rank_record
 from bigclip.checkpoint.integrity import CheckpointDamaged, StreamDigest, read_checked
 from bigclip.checkpoint.lookup import inspect
 from bigclip.checkpoint.manifest import MANIFEST_NAME
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from bigclip.registry.registry import Published, Registry
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-CHECKPOINT_PARTS = (MANIFEST_NAME, METADATA_NAME, ".distcp", "rank.bigclip")  # a DCP checkpoint's files
+CHECKPOINT_PARTS = (MANIFEST_NAME, METADATA_NAME, ".distcp", rank_record.SUFFIX)  # a DCP checkpoint's files
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 
 
@@ -103,8 +103,15 @@ def _from_checkpoint(location: Location, uri: str) -> WeightSource:
     manifest = inspect(location, folder)
     if isinstance(manifest, str):
         raise CheckpointDamaged(manifest)
-    reader = DcpReader(BlobFolder(location, folder), metadata_record=manifest.objects.get(METADATA_NAME))
+    reader = DcpReader(BlobFolder(location, folder), metadata_record=manifest.objects.get(METADATA_NAME),
+                       rank_records=rank_records(manifest.objects))  # fmt: skip
     return WeightSource(reader, manifest.uri, "dcp", "model.", manifest.model, manifest.step)
+
+
+def rank_records(names: Iterable[str], root: str = "") -> list[str]:
+    """The saved ranks' records among a checkpoint's files (relative to its folder `root`)."""
+    prefix = f"{root}/" if root else ""
+    return [n[len(prefix) :] for n in names if n.startswith(prefix) and n.endswith(rank_record.SUFFIX)]
 
 
 def _consolidated_source(location: Location, name: str, uri: str) -> WeightSource:
@@ -125,7 +132,8 @@ def _from_registry(registry: Registry, name: str) -> WeightSource:
     entry = published.entry.rpartition("/")[2]
     common = {"uri": f"registry:{name}", "model": published.model, "step": published.step}
     if published.kind == "dcp":
-        reader = DcpReader(blobs, metadata_record=published.objects[published.entry])
+        reader = DcpReader(blobs, metadata_record=published.objects[published.entry],
+                           rank_records=rank_records(published.objects, published.root))  # fmt: skip
         return WeightSource(reader, kind="dcp", prefix="model.", **common)
     if published.kind == "safetensors":
         source = _safetensors_source(SafetensorsReader(blobs, entry, checked=checked), common["uri"])
