@@ -289,6 +289,29 @@ def test_resuming_an_older_checkpoint_over_newer_ones_is_refused(demo_data, run,
     check(case, cwd=tmp_path, protect=[root])
 
 
+RESUME_PATHS = {  # a path a user may give for a checkpoint: what it is, and what the line says
+    "a run folder": ("job", ("is a run folder", "job/checkpoints (its newest commit, step_00000008)")),
+    "a file inside a checkpoint": (
+        "job/checkpoints/step_00000008/manifest.json",
+        ("is a file inside the checkpoint", "step_00000008: give that folder"),
+    ),
+    "a missing step": (
+        "job/checkpoints/step_00000099",
+        ("nothing is there", "Committed ones under", "step_00000008', "),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("what", list(RESUME_PATHS))
+def test_a_resume_path_that_is_no_checkpoint_says_what_to_give(demo_data, run, tmp_path, what):
+    """Not "no manifest.json" about a manifest, nor the new run's (empty) checkpoints folder."""
+    shutil.copytree(run, tmp_path / "job" / "checkpoints")
+    target, says = RESUME_PATHS[what]
+    case = Case(f"--resume {what}", train(demo_data, tmp_path, "--resume", str(tmp_path / target)), says,
+                max_s=MANIFEST_S)  # fmt: skip
+    check(case, cwd=tmp_path, protect=[tmp_path / "job"])
+
+
 def test_a_renamed_checkpoint_folder_is_refused(run, tmp_path):
     """step_00000004 renamed step_00000012: `--resume latest` orders by the name, so it would resume
     at step 4 and overwrite step 8; its manifest's step disagrees, and that is damage."""

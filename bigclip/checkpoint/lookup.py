@@ -41,11 +41,28 @@ def resolve(root: Location, which: str) -> tuple[Location, str]:
     as_root = open_location(which, any_scheme=True)
     if catalog.entries(as_root):  # a run's checkpoint root: take its newest commit
         return as_root, latest_folder(as_root)
-    committed = [root.child_uri(e.folder) for e in catalog.entries(root) if e.committed]
-    raise StorageError(
-        f"{which} is not a committed checkpoint (no {MANIFEST_NAME}; an interrupted save is never "
-        f"resumed from). Committed ones under {root.uri}: {committed[:5] or 'none'}"
-    )
+    raise StorageError(_not_a_checkpoint(root, which, parent, name, as_root))
+
+
+def _not_a_checkpoint(root: Location, which: str, parent: Location, name: str, as_root: Location) -> str:
+    """Why `which` names no checkpoint, with what to give instead."""
+    if parent.exists(MANIFEST_NAME):
+        return f"{which} is a file inside the checkpoint {parent.uri}: give that folder"
+    run_checkpoints = open_location(as_root.child_uri("checkpoints"), any_scheme=True)
+    in_run = [e.folder for e in catalog.entries(run_checkpoints) if e.committed]  # newest first
+    if in_run:
+        return (f"{which} is a run folder: give its checkpoints folder {run_checkpoints.uri} (its newest commit, "
+                f"{in_run[0]}) or one of its checkpoints ({', '.join(in_run[:3])})")  # fmt: skip
+    missing = not parent.exists(name) and not as_root.list_folders() and not as_root.list_files("")
+    near = parent if catalog.entries(parent) else root  # the checkpoints folder the path points into
+    committed = [near.child_uri(e.folder) for e in catalog.entries(near) if e.committed]
+    if missing:
+        why = f"{which}: nothing is there (no such checkpoint, file or folder)"
+        if not committed:
+            return f"{why}; check the path"
+    else:
+        why = f"{which} is not a committed checkpoint (no {MANIFEST_NAME}; an interrupted save is never resumed from)"
+    return f"{why}. Committed ones under {near.uri}: {committed[:5] or 'none'}"
 
 
 def latest_folder(location: Location) -> str:
