@@ -74,6 +74,12 @@ CASES = [
     data("text-key-absent", "--text-key", "caption.txt",
          says=("--train-data: none of the first", "--text-key 'caption.txt'", "set --text-key"), max_s=LISTED_S),
     # Captioned shards given as a classification set: every image would have been scored a miss.
+    # Not "put a sizes.json beside the shards" where one is there, listing other shards.
+    data("no-sizes-json", says=("cannot tell how many samples", "no sizes.json lists its shards (not captioned/00000.tar)",
+         "bigclip index-shards 'captioned/{00000..00000}.tar'", "--train-num-samples N"),
+         train_data="captioned/{00000..00000}.tar", max_s=LISTED_S),
+    data("sizes-json-of-other-shards", says=("sizes.json lists 1 of its 2 shards (not renamed/00001.tar)",
+         "bigclip index-shards"), train_data="renamed/{00000..00001}.tar", max_s=LISTED_S),
     data("imagenet-val-without-labels", "--imagenet-val", "captioned/{00000..00000}.tar", "--batch-size", "8",
          says=("--imagenet-val", "has no .cls label (it holds", "class index from its .cls member"), max_s=LISTED_S),
 ]  # fmt: skip
@@ -90,6 +96,8 @@ def home(module_tmp) -> Path:
     (home / "captioned").mkdir()  # training shards (images and captions, no .cls) with class names
     shutil.copy(home / "data" / "train" / "00000.tar", home / "captioned" / "00000.tar")
     (home / "captioned" / "classnames.txt").write_text("circle\nsquare\n")
+    shutil.copytree(home / "data" / "train", home / "renamed")  # sizes.json lists 00000.tar and an old name
+    (home / "renamed" / "sizes.json").write_text('{"00000.tar": 8, "old-00001.tar": 8}')
     return home
 
 

@@ -14,6 +14,7 @@ import random
 import pytest
 from test_data_common import IMAGE_SIZE, TOKENIZER, data_config, valid_keys, write_dataset
 
+from bigclip.data.accounting import EpochAccount
 from bigclip.data.loader import build_train_loader
 from bigclip.data.resume.assignment import ShardTask, balanced
 from bigclip.data.resume.position import DataPosition, RankProgress
@@ -104,6 +105,24 @@ def test_without_sizes_the_shortfall_is_counted_and_named(tmp_path):
     line = account.line()
     assert f"in {account.steps} of 15 planned steps, SHORT by {15 - account.steps} steps" in line
     assert "ran out of data" in line and "bigclip index-shards" in line
+
+
+def test_a_resampled_epoch_is_not_said_to_lack_sizes():
+    """--dataset-resampled draws with replacement: there is no listed total to read, whatever sizes.json says."""
+    account = EpochAccount(
+        epoch=0, samples=64, steps=2, planned_steps=2, global_batch=32, listed=None, resampled=True
+    )
+    line = account.line()
+    assert "read 64 samples (drawn with replacement: --dataset-resampled) in 2 of 2 planned steps" in line
+    assert "sizes.json" not in line
+
+
+def test_a_shard_named_twice_is_read_once_and_the_log_says_so(shards, caplog):
+    """OpenCLIP reads A::A twice per epoch; here each shard is read once, and the log says so."""
+    with caplog.at_level(logging.WARNING, logger="bigclip.data"):
+        found = validate_data(data_config(f"{shards}::{shards}"), world_size=1)
+    assert len(found.urls) == len(SIZES) and found.total_samples == TOTAL
+    assert "--train-data names 5 shard(s) more than once; each is read once per epoch" in caplog.text
 
 
 def test_sizes_json_settles_the_epoch_before_any_read(shards, tmp_path, caplog):

@@ -87,7 +87,8 @@ class EpochAccount:
     steps: int
     planned_steps: int
     global_batch: int
-    listed: int | None  # sizes.json's total, when it covers every shard
+    listed: int | None  # sizes.json's total, when it covers every shard (and samples are not resampled)
+    resampled: bool = False  # --dataset-resampled: drawn with replacement, no total to read
     corrupt: Counter = field(default_factory=Counter)
     broken: list[str] = field(default_factory=list)
     empty: list[str] = field(default_factory=list)
@@ -106,6 +107,8 @@ class EpochAccount:
         head = f"epoch {self.epoch} read {self.samples}"
         if self.listed is not None:
             head += f" of the {self.listed} samples sizes.json lists ({self.listed - self.samples} not read)"
+        elif self.resampled:
+            head += " samples (drawn with replacement: --dataset-resampled)"
         else:
             head += " samples (sizes.json does not list every shard)"
         head += f" in {self.steps} of {self.planned_steps} planned steps"

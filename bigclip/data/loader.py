@@ -287,6 +287,7 @@ class TrainLoader:
             planned_steps=self.steps_per_epoch,
             global_batch=self.global_batch,
             listed=self.shards.total_samples if not self.start.resampled else None,
+            resampled=self.start.resampled,
         )
         mine = self.stats.rank_counts(ran_dry=self._ran_dry)
         account = combine(account, gather_counts(mine, self.group, self.world_size))

@@ -48,6 +48,7 @@ class ShardList:
     sizes: tuple[int | None, ...]
     missing: tuple[str, ...] = ()
     weights: tuple[float, ...] | None = None  # per shard, from --train-data-upsampling-factors
+    repeated: int = 0  # names the pattern gave more than once (each shard is listed once)
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -108,6 +109,10 @@ class ShardList:
 
 def expand_pattern(pattern: str, *, what: str = "shard pattern") -> list[str]:
     """'a/{0..2}.tar::b/x.tar' -> ['a/0.tar', 'a/1.tar', 'a/2.tar', 'b/x.tar'] (order kept, no duplicates)."""
+    return list(dict.fromkeys(_expand(pattern, what=what)))
+
+
+def _expand(pattern: str, *, what: str) -> list[str]:
     urls: list[str] = []
     for source in pattern.split("::"):
         try:
@@ -118,14 +123,15 @@ def expand_pattern(pattern: str, *, what: str = "shard pattern") -> list[str]:
     if not urls:
         raise DataError(f"{what} {pattern!r} names no shard (every part of it is empty); give a shard pattern "
                         "such as /data/{00000..00099}.tar")  # fmt: skip
-    return list(dict.fromkeys(urls))
+    return urls
 
 
 def validate_shards(pattern: str, *, what: str = "--train-data") -> ShardList:
     """The existing shards of `pattern`; `DataError` (in seconds) when none exists or a store is unreachable."""
     if not pattern.strip():
         raise DataError(f"{what} is empty; give a shard pattern such as /data/{{00000..00099}}.tar")
-    urls = expand_pattern(pattern, what=what)
+    named = _expand(pattern, what=what)
+    urls = list(dict.fromkeys(named))
     folders = {directory: _Folder.list(directory) for directory in dict.fromkeys(map(_directory, urls))}
     existing = [u for u in urls if _name(u) in folders[_directory(u)].names]
     missing = [u for u in urls if _name(u) not in folders[_directory(u)].names]
@@ -149,7 +155,8 @@ def validate_shards(pattern: str, *, what: str = "--train-data") -> ShardList:
         )
     tables = {d: folders[d].sizes() for d in dict.fromkeys(map(_directory, existing))}
     sizes = [_checked_size(tables[_directory(u)].get(_name(u)), u) for u in existing]
-    return ShardList(pattern=pattern, urls=tuple(existing), sizes=tuple(sizes), missing=tuple(missing))
+    return ShardList(pattern=pattern, urls=tuple(existing), sizes=tuple(sizes), missing=tuple(missing),
+                     repeated=len(named) - len(urls))  # fmt: skip
 
 
 def _advice(url: str) -> str:

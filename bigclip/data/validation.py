@@ -30,9 +30,17 @@ def epoch_samples(cfg: DataConfig, shards: ShardList) -> int:
         return cfg.train_num_samples
     if shards.total_samples is not None:
         return shards.total_samples
+    unlisted = [url for url, size in zip(shards.urls, shards.sizes) if size is None]
+    listed = len(shards.urls) - len(unlisted)
+    which = (
+        f"sizes.json lists {listed} of its {len(shards.urls)} shards"
+        if listed
+        else "no sizes.json lists its shards"
+    )
     raise DataError(
-        f"cannot tell how many samples {cfg.train_data!r} holds: pass --train-num-samples N, or put a "
-        'sizes.json ({"00000.tar": count, ...}) beside the shards'
+        f"cannot tell how many samples {cfg.train_data!r} holds: {which} (not {unlisted[0]}); count them "
+        f"with `bigclip index-shards '{cfg.train_data}'` (it writes sizes.json beside them), or pass "
+        "--train-num-samples N"
     )
 
 
@@ -62,6 +70,9 @@ def _validate_data_here(cfg: DataConfig, *, world_size: int, evaluation_only: bo
     keys = SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key)
     shards = validate_shards(cfg.train_data).with_weights(cfg.train_data_upsampling_factors)
     check_sample_keys(shards.urls[0], keys, what="--train-data")
+    if shards.repeated and not cfg.dataset_resampled:  # OpenCLIP would read them twice: say it is not so
+        log.warning("--train-data names %d shard(s) more than once; each is read once per epoch (to weight "
+                    "sources, use --dataset-resampled with --train-data-upsampling-factors)", shards.repeated)  # fmt: skip
     if cfg.val_data:
         check_sample_keys(validate_shards(cfg.val_data, what="--val-data").urls[0], keys, what="--val-data")
     samples = epoch_samples(cfg, shards)
