@@ -90,6 +90,8 @@ CASES = [
     train("image-size-below-patch", "--force-image-size", "4", says=("--force-image-size 4", "patch size")),
     train("patch-dropout-one", "--force-patch-dropout", "1.0", says=("--force-patch-dropout", "[0, 1)")),
     train("context-length-negative", "--force-context-length", "-1", says=("--force-context-length",)),
+    train("context-length-huge", "--force-context-length", "100000",
+          says=("--force-context-length 100000: give 1 to 8192 tokens", "37.3 GiB for the mask alone")),
     train("ckpt-every-without-ckpt", "--grad-checkpointing-every", "2", says=("add it",)),
     train("compile-mode-without-compile", "--torchcompile-mode", "max-autotune", says=("need --torchcompile",)),
     train("int8-attention-alone", "--int8-attention", says=("--int8-attention needs a SwitchBack --linear-kind", "--int8 switchback-global")),

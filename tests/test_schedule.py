@@ -62,6 +62,12 @@ def test_the_lr_schedule_ends_where_the_run_does():
     line = schedule_line(cfg, horizon(epochs=5, max_steps=200), step=0, steps_per_epoch=31)
     assert "steps 0 to 155 (--epochs 5 x 31 steps; --max-steps 200 is not reached)" in line
     assert "cosine to 0 at step 155" in line
+    # resumed at its end (a requeue after the last save): the line says there is nothing to train
+    done = schedule_line(cfg, horizon(step=200, epoch=6, max_steps=200), step=200, steps_per_epoch=31)
+    assert (
+        done.startswith("schedule: nothing to train: the run is at step 200, its end is step 200")
+        and "raise --max-steps" in done
+    )
 
 
 def test_warmup_longer_than_the_run_is_warned_once_and_not_otherwise():

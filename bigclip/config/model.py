@@ -9,6 +9,8 @@ from bigclip.config.linear_kinds import LINEAR_KINDS, linear_kind
 from bigclip.config.linear_speedups import FILTERS
 from bigclip.errors import ConfigError
 
+MAX_CONTEXT_LENGTH = 8192  # tokens: 256 MiB of fp32 causal mask; CLIP's 77, SigLIP's 64, BERT-like towers 512
+
 
 @dataclass
 class ModelConfig:
@@ -82,8 +84,12 @@ class ModelConfig:
         size = self.force_image_size
         if size and (len(size) > 2 or len(set(size)) != 1 or size[0] < 1):
             raise ConfigError(f"--force-image-size takes N or N N (bigclip's ViTs are square), got {size}")
-        if self.force_context_length < 0:
-            raise ConfigError(f"--force-context-length must be positive, got {self.force_context_length}")
+        if not 0 <= self.force_context_length <= MAX_CONTEXT_LENGTH:
+            raise ConfigError(
+                f"--force-context-length {self.force_context_length}: give 1 to {MAX_CONTEXT_LENGTH} tokens (CLIP "
+                "captions take 77; the text tower's mask and attention grow with its square: "
+                f"{self.force_context_length**2 * 4 / 2**30:.3g} GiB for the mask alone)"
+            )
         if not 0.0 <= self.force_patch_dropout < 1.0:
             raise ConfigError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
         refined = self.grad_checkpointing_every != 1 or self.grad_checkpointing_policy != "full"

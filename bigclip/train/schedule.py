@@ -104,6 +104,9 @@ def warmup_warning(cfg: OptimConfig, horizon: Horizon, *, step: int, steps_per_e
 def schedule_line(cfg: OptimConfig, horizon: Horizon, *, step: int, steps_per_epoch: int) -> str:
     """The log's one line on the schedule: where it starts and ends, and why there."""
     end = horizon.end_step
+    if step >= end:  # a requeue after the last save, or --max-steps lowered: not a silent exit
+        return (f"schedule: nothing to train: the run is at step {step}, its end is step {end} ({horizon.reason}); "
+                "to train on, raise --max-steps or --epochs")  # fmt: skip
     lr = lr_at(step, cfg, end, steps_per_epoch=steps_per_epoch)
     if cfg.skip_scheduler:
         shape = f"--skip-scheduler: LR {cfg.lr:g} throughout"
