@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.bad_input import ROOT, SETTLED_BEFORE_WORK_S, Case, bigclip, check
+from support.bad_input import ROOT, SETTLED_BEFORE_WORK_S, TORCH_FIRST_S, Case, bigclip, check
 from support.no_torch import refusals_without_torch
 
 PLAN = ("--gpus", "8")
-# doctor's checks of a location load torch (storage): 3-5 s on an idle 2-core box, 10 s at a load of 8.
-# The other commands parse and check their options before importing torch (tests/test_cli_no_torch.py).
-TORCH_FIRST_S = 15.0
+# doctor's checks of a location load torch (storage): 3-5 s on an idle 2-core box, 10 s at a load of 8
+# (TORCH_FIRST_S). The other commands parse and check their options before importing torch
+# (tests/test_cli_no_torch.py).
 
 
 def late(name: str, *args: str, says: tuple[str, ...], **kw) -> Case:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.bad_input import ROOT, Case, bigclip, check
+from support.bad_input import ROOT, TORCH_FIRST_S, Case, bigclip, check
 from support.hf_cache import populate_cache
 from support.hf_tokenizers import eos_folder
 from support.openclip_ref import open_clip_config
@@ -193,11 +193,11 @@ def test_bad_eval_command(case: Case, home: Path) -> None:
 
 
 NO_GPU = [
-    train(
-        "device-cuda-without-gpu", "--device", "cuda", says=("--device cuda", "no GPU", "leave --device out")
-    ),
-    train("device-cuda-index-without-gpu", "--device", "cuda:3", says=("--device cuda:3", "no GPU")),
-]
+    train("device-cuda-without-gpu", "--device", "cuda", says=("--device cuda", "no GPU", "leave --device out"),
+          max_s=TORCH_FIRST_S),
+    train("device-cuda-index-without-gpu", "--device", "cuda:3", says=("--device cuda:3", "no GPU"),
+          max_s=TORCH_FIRST_S),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

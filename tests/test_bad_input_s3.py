@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.bad_input import Case, bigclip, check, run
+from support.bad_input import TORCH_FIRST_S, Case, bigclip, check, run
 from support.s3_fault_proxy import FaultProxy
 
 from bigclip.demo.loopback_s3 import LoopbackS3
@@ -36,7 +36,6 @@ LOST_S = 40.0
 # Two tries per request where an endpoint goes away mid-run: the verdict after the last try is the
 # same as after the default ten, without ten back-offs of waiting (~2 minutes).
 FEW_TRIES = {"AWS_MAX_ATTEMPTS": "2"}
-TORCH_FIRST_S = 15.0  # doctor imports torch (storage) before it tries the endpoint
 LOCAL = "data/train/{00000..00001}.tar"
 TRAIN = ("--model", "tiny", "--logs", "logs", "--name", "fresh", "--batch-size", "4", "--workers", "0")
 NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_PROFILE": None,

@@ -66,7 +66,10 @@ def assert_resumes_from_step_1(store: CheckpointStore) -> None:
     target = make_state(0)
     assert store.load(target, "latest").step == 1
     assert all(torch.equal(target["model"][k], v) for k, v in make_state(1)["model"].items())
-    with pytest.raises(StorageError, match="not a committed checkpoint"):
+    # (on S3 a save that failed leaves nothing; on a disk, files without a manifest)
+    with pytest.raises(
+        StorageError, match=r"(not a committed checkpoint|nothing is there).*Committed ones .*step_00000001"
+    ):
         store.load(make_state(0), store.location.child_uri("step_00000002"))
 
 

@@ -171,12 +171,24 @@ def check_channels(mean: Sequence[float], std: Sequence[float]) -> None:
 
 
 def _check_pattern(flag: str, pattern: str) -> None:
-    """A shard pattern's braces must pair up (else braceexpand raises deep inside the data loader)."""
+    """A shard pattern's braces must pair up (else braceexpand raises deep inside the data loader),
+    and it must name a shard (`::`, or only spaces: refused here, before torch is imported)."""
+    if not pattern.strip():
+        return  # not given (each flag's own check says whether it must be)
+    named = False
     for source in pattern.split("::"):
         try:
-            next(iter(braceexpand(source)), None)
+            first = next((u for u in braceexpand(source) if u.strip()), None)
         except UnbalancedBracesError:
             raise ConfigError(
                 f"{flag} {pattern!r}: unbalanced braces in {source!r}; close each range, e.g. "
                 "/data/{00000..00099}.tar"
             ) from None
+        named = named or first is not None
+    if not named:
+        raise ConfigError(names_no_shard(flag, pattern))
+
+
+def names_no_shard(flag: str, pattern: str) -> str:
+    return (f"{flag} {pattern!r} names no shard (every part of it is empty); give a shard pattern such as "
+            "/data/{00000..00099}.tar")  # fmt: skip

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from braceexpand import UnbalancedBracesError, braceexpand
 
+from bigclip.config.data import names_no_shard
 from bigclip.data.streams import data_location
 from bigclip.errors import BigclipError, DataError
 from bigclip.storage.locations import LocalLocation, Location
@@ -121,8 +122,7 @@ def _expand(pattern: str, *, what: str) -> list[str]:
             raise DataError(f"{what} {pattern!r}: unbalanced braces in {source.strip()!r}; close each range, "
                             "e.g. /data/{00000..00099}.tar") from None  # fmt: skip
     if not urls:
-        raise DataError(f"{what} {pattern!r} names no shard (every part of it is empty); give a shard pattern "
-                        "such as /data/{00000..00099}.tar")  # fmt: skip
+        raise DataError(names_no_shard(what, pattern))
     return urls
 
 

@@ -24,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTLED_BEFORE_WORK_S = 5.0  # the bound for anything flags or a manifest can settle
+# What needs torch to tell (its devices, the machine's limits as a launched rank sees them, a storage
+# client): torch's import alone is 3-5 s of CPU on an idle 2-core box, and more under a test load.
+TORCH_FIRST_S = 15.0
 WALL_PER_CPU = (
     6  # wall seconds allowed per CPU second of budget: two test workers and their ranks share 2 cores
 )
