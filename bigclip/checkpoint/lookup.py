@@ -54,8 +54,11 @@ def _not_a_checkpoint(root: Location, which: str, parent: Location, name: str, a
         return (f"{which} is a run folder: give its checkpoints folder {run_checkpoints.uri} (its newest commit, "
                 f"{in_run[0]}) or one of its checkpoints ({', '.join(in_run[:3])})")  # fmt: skip
     missing = not parent.exists(name) and not as_root.list_folders() and not as_root.list_files("")
-    near = parent if catalog.entries(parent) else root  # the checkpoints folder the path points into
-    committed = [near.child_uri(e.folder) for e in catalog.entries(near) if e.committed]
+    entries = catalog.entries(
+        parent
+    )  # listed once: the checkpoints folder the path points into, if it is one
+    near, entries = (parent, entries) if entries else (root, catalog.entries(root))
+    committed = [near.child_uri(e.folder) for e in entries if e.committed]
     if missing:
         why = f"{which}: nothing is there (no such checkpoint, file or folder)"
         if not committed:

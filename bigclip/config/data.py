@@ -11,6 +11,9 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from bigclip.config.fields import TOKENIZERS, opt
 from bigclip.errors import ConfigError
 
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # --image-mean/--image-std when not given
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
 
 @dataclass
 class DataConfig:
@@ -124,9 +127,9 @@ class DataConfig:
                               ("--imagenet-val", self.imagenet_val)):  # fmt: skip
             _check_pattern(flag, pattern)
         self._check_upsampling()
-        if self.image_mean or self.image_std:  # (the defaults are OpenAI CLIP's)
-            check_channels(channel_values(self.image_mean, (0.5,), flag="--image-mean"),
-                           channel_values(self.image_std, (0.5,), flag="--image-std"))  # fmt: skip
+        if self.image_mean or self.image_std:  # (a flag not given: OpenAI CLIP's, in range; checked as such)
+            check_channels(channel_values(self.image_mean, OPENAI_CLIP_MEAN, flag="--image-mean"),
+                           channel_values(self.image_std, OPENAI_CLIP_STD, flag="--image-std"))  # fmt: skip
         if self.tokenizer not in TOKENIZERS:  # e.g. from a YAML file or an old checkpoint's config
             raise ConfigError(f"--tokenizer {self.tokenizer!r}: use one of {', '.join(TOKENIZERS)}")
 

@@ -35,10 +35,9 @@ import random
 import numpy as np
 from PIL import Image
 
+from bigclip.config.data import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: F401 (the data code's names for them)
 from bigclip.data.augment import Augmentation, apply_colour
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC = Image.Resampling.BICUBIC
 BILINEAR = Image.Resampling.BILINEAR
 FAST_FILTER = BILINEAR
