@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from support.train_harness import demo_argv
+from support.train_harness import demo_argv, train_worker
 
 from bigclip.cli_args import parse_train_args
 from bigclip.distributed import spawn
@@ -111,7 +112,6 @@ def test_torchcompile_mode_and_backend_reach_torch_compile_in_training(demo_data
 
 @pytest.mark.slow
 def test_scalars_every_metric_step_and_the_log_line_every_log_step(demo_data, tmp_path):
-    from support.train_harness import train_worker
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     argv = demo_argv(demo_data, tmp_path, "--max-steps", "7", "--val-frequency", "0",
@@ -129,6 +129,25 @@ def test_scalars_every_metric_step_and_the_log_line_every_log_step(demo_data, tm
     log = (Path(summary["run_dir"]) / "out.log").read_text()
     done = [int(n) for n in re.findall(r"Train Epoch: 0 \[\s*(\d+)/", log)]
     assert done == [3 * 32, 6 * 32, 7 * 32]  # samples done at steps 3, 6 and the last
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_an_epoch_that_ends_early_logs_its_last_step(demo_data, tmp_path):
+    """OpenCLIP logs an epoch's last batch. Here 3 shards of 384 without sizes.json go to 2 ranks
+    by whole shards (768 and 384 samples): the epoch planned 18 steps ends at 12, where rank 1
+    runs out, and that step is logged (the run's summary carries its loss), though it is no
+    multiple of --log-every-n-steps."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for n in range(3):
+        shutil.copy(Path(demo_data.train_pattern).parent / f"{n:05d}.tar", data)
+    argv = demo_argv(demo_data, tmp_path, "--train-data", str(data / "{00000..00002}.tar"), "--train-num-samples",
+                     "1152", "--val-frequency", "0", "--log-every-n-steps", "100")  # fmt: skip
+    summary = spawn(train_worker, 2, argv)[0]
+    assert summary["step"] == 12 and summary["loss"] is not None, summary
+    log = (Path(summary["run_dir"]) / "out.log").read_text()
+    assert re.findall(r"Train Epoch: 0 \[\s*(\d+)/\s*(\d+)", log) == [("768", "1152")], log[-3000:]
 
 
 def test_chunked_retrieval_scores_equal_the_whole_matrix():

@@ -361,6 +361,7 @@ def train_one_epoch(run: Run, loader: TrainLoader) -> bool:
     """Train until the epoch's data ends (True) or the step budget does (False, unless at the epoch end)."""
     cfg, progress, state = run.cfg, run.progress, run.progress.state
     timer, loss_avg = StepTimer(), Average()
+    out, logged_at = None, state.step
     for group, keys in micro_batches(loader, k=cfg.optim.accum_freq):
         timer.data_ready()
         if cfg.log.batch_keys_file:
@@ -379,15 +380,18 @@ def train_one_epoch(run: Run, loader: TrainLoader) -> bool:
         run.guards.watchdog.step_done(state.step)  # no sync: it only notes the time
         console = state.step % cfg.log.log_every_n_steps == 0 or state.step == progress.total_steps
         if console or state.step % cfg.log.log_metric_every_n_steps == 0:  # as OpenCLIP main: both
-            log_step(
-                run, out, timer, loss_avg, lr, steps_per_epoch=loader.steps_per_epoch // cfg.optim.accum_freq,
-                capacity=loader.stats.take_capacity(), console=console,
-            )  # fmt: skip
+            logged_at = state.step
+            log_step(run, out, timer, loss_avg, lr, loader, console=console)
         if state.step >= progress.total_steps:  # ending with the epoch, it completes it (evaluated, saved)
             return state.epoch_step >= progress.steps_per_epoch
         signum = run.checkpointer.maybe_save(state, data_position=loader.rank_state)
         if signum:
             stop_for_requeue(run, loader, signum)
+    if out is not None and logged_at != state.step:
+        # OpenCLIP logs an epoch's last batch; here the epoch may also end early, on every rank
+        # together, where a rank's data ran out (the loader's collective check): the summary's
+        # loss is then this step's, not an older one or none.
+        log_step(run, out, timer, loss_avg, progress.last_lr, loader, console=True)
     return True
 
 
@@ -606,14 +610,18 @@ def verify_inputs(loss_fn: nn.Module, *, step: int) -> None:
 
 
 def log_step(
-    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, steps_per_epoch: int,
-    capacity: float, console: bool = True,
+    run: Run, out: StepOutput, timer: StepTimer, loss_avg: Average, lr: float, loader: TrainLoader,
+    console: bool = True,
 ) -> None:  # fmt: skip
     """Every --log-metric-every-n-steps: OpenCLIP's `train/` scalars, then bigclip's own, to the
     metric sinks; with `console` (--log-every-n-steps), OpenCLIP's log line too, with the loader's
     capacity, TFLOP/s per GPU, MFU and the ETA appended. Collective (every rank calls it on the same
     steps): the loss written is the global batch's."""
     state = run.progress.state
+    steps_per_epoch, capacity = (
+        loader.steps_per_epoch // run.cfg.optim.accum_freq,
+        loader.stats.take_capacity(),
+    )
     verify_inputs(run.loss_fn, step=state.step)  # before anything is logged as a finite loss
     loss = out.loss.clone()
     # The slowest rank's data-loader capacity (samples/s its workers could deliver) sets the pace.
