@@ -121,3 +121,24 @@ def test_word_cache_is_bounded_and_ids_unchanged(monkeypatch):
     assert [fresh.encode(w) for w in words] == expected
     assert len(fresh._cache) <= 50 + 2
     assert fresh.encode("<start_of_text>") == [49406]  # the special tokens survive a reset
+
+
+def test_long_words_merge_as_openclips(reference):
+    """Single pieces of thousands of characters (a damaged caption, a run of CJK without spaces)
+    merge to OpenCLIP's ids in full, not only the first 77: the heap's order is OpenCLIP's rounds'."""
+    rng = random.Random(5)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(1500)), "a" * 1200, "ab" * 700,
+             "la" * 333 + "x", cjk(rng, 400), "".join(rng.choice("!?#$%&*+-/<=>@^_|~") for _ in range(900))]  # fmt: skip
+    theirs, ours = reference.SimpleTokenizer(), ClipBpeTokenizer()
+    for word in words:
+        assert ours.encode(word) == theirs.encode(word), word[:40]
+
+
+def test_a_megabyte_caption_gives_the_row_of_its_first_words():
+    """Splitting stops once a row is full (77 ids), so a damaged caption costs its first words."""
+    tok = ClipBpeTokenizer()
+    head = " ".join(WORDS * 10)  # over 77 tokens already
+    tail = "".join(random.Random(1).choices(string.ascii_letters + " ", k=1 << 20))
+    assert torch.equal(tok(head + " " + tail), tok(head))
+    # one megabyte-long run of letters: the first MAX_WORD_CHARS are merged (over 77 ids already)
+    assert torch.equal(tok("q" * (1 << 20)), tok("q" * bpe_tokenizer.MAX_WORD_CHARS))
