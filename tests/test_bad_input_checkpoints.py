@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.bad_input import Case, bigclip, check
+from support.bad_input import TORCH_FIRST_S, Case, bigclip, check
 from support.train_harness import demo_argv, train_and_weights
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -391,6 +391,20 @@ def damaged_registry(registry: Registry, tmp_path: Path, what: str) -> Path:
     path, offset = tensor_byte(folder, what)
     flip(path.resolve(), offset)
     return copy
+
+
+@pytest.mark.parametrize(
+    "name, says",
+    [("tiny-v1", ("tiny-v1 is already published", "never changes", "new name (e.g. tiny-v1-v2)")),
+     ("Tiny-V1", ("Tiny-V1 differs from tiny-v1", "only in letter case", "publish under another name"))],
+    ids=["name-taken", "name-differs-only-in-case"],
+)  # fmt: skip
+def test_publishing_under_a_taken_name_is_refused(registry, run, tmp_path, name, says):
+    root = Path(registry.location.root)
+    # publish imports DCP (torch) to read checkpoints, then checks the name before reading the source
+    case = Case(f"publish as {name}", bigclip("publish", str(run / "step_00000004"), name, "--registry", str(root),
+                "--no-progress"), says, max_s=TORCH_FIRST_S)  # fmt: skip
+    check(case, cwd=tmp_path, protect=[root])
 
 
 REGISTRY_ROWS = {

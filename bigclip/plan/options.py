@@ -65,9 +65,17 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+MIN_MFU = 0.01  # large trainings reach 0.3-0.6 of peak; a value below this is a typo, not a plan
+
+
 def hardware_from(args: argparse.Namespace) -> Hardware:
-    if not 0 < args.mfu <= 1 or not 0 <= args.headroom < 1 or not args.link_gbps > 0:
-        raise ConfigError("--mfu must be in (0, 1], --headroom in [0, 1) and --link-gbps above 0")
+    if not MIN_MFU <= args.mfu <= 1:  # below it every time the plan prices is off by orders of magnitude
+        raise ConfigError(
+            f"--mfu {args.mfu:g}: give the fraction of the GPUs' peak FLOP/s the run reaches, from {MIN_MFU:g} "
+            "to 1 (e.g. 0.4 for 40%)"
+        )
+    if not 0 <= args.headroom < 1 or not args.link_gbps > 0:
+        raise ConfigError("--headroom must be in [0, 1) and --link-gbps above 0")
     for flag in ("gpu_memory_gib", "peak_tflops", "part_size_mib"):
         value = getattr(args, flag)
         if not 0 < value < math.inf:

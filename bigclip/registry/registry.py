@@ -150,6 +150,16 @@ class Registry:
 
     # -- publishing -----------------------------------------------------------------------
 
+    def _check_case(self, name: str) -> None:
+        """A name is never two names on a case-insensitive copy of the registry (a macOS or Windows
+        disk, an rsync onto one): there NAME and name would share one folder and mix their files."""
+        same = [n for n in self.names() if n != name and n.casefold() == name.casefold()]
+        if same:
+            raise StorageError(
+                f"{name} differs from {same[0]} in {self.uri} only in letter case, and a copy of the "
+                "registry on a case-insensitive disk would hold both in one folder; publish under another name"
+            )
+
     def publish(self, src: str, name: str, *, model: str = "", progress: bool = False) -> Published:
         folder = self._folder(name)
         if self.is_published(name):
@@ -160,6 +170,7 @@ class Registry:
             raise StorageError(
                 f"{name} is being removed (or its removal was interrupted: rerun `checkpoints rm {name}`)"
             )
+        self._check_case(name)
         info, files = expand_source(src)
         removed = self.blobs.remove_stale_temporaries()
         if removed:
