@@ -184,16 +184,20 @@ def test_imagenet_sized_sets_use_open_clips_names_and_templates(tmp_path):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_the_demos_training_classifies_shapes_above_chance(tmp_path):
-    """The demo's recipe at a quarter of its global batch (600 steps of 64 on 2 ranks: the time a
-    test can take), then zero-shot on the demo's classification set: new images labelled by the
-    shape drawn, 4 classes, chance 25%. At this batch the tiny model learns colours and
-    backgrounds first and shapes late, so the bar is 3 standard errors above chance, not more."""
-    data = write_demo_data(str(tmp_path / "data"), samples=6400, shards=4, val_samples=0, seed=0)
+    """The demo's recipe at a quarter of its global batch and steps (300 steps of 64 on 2 ranks: the
+    time a test can take), then zero-shot on a classification set like the demo's, 4 times larger
+    (1,600 new images labelled by the shape drawn, 4 classes, chance 25%): at this batch the tiny
+    model learns colours and backgrounds first and shapes late, so the bar is 3 standard errors
+    above chance, and more images make that bar lower. Measured here: 32-35% for seeds 0 and 1
+    against a bar of 28.2% (600 steps scored against 400 images: 33.8% against 31.5%)."""
+    data = write_demo_data(
+        str(tmp_path / "data"), samples=6400, shards=4, val_samples=0, classify_samples=1600, seed=0
+    )
     # --zeroshot-frequency = --epochs: zero-shot only after the last step, the one result read
-    argv = [*recipe_argv(data, 600, 32), "--logs", str(tmp_path), "--name", "demo", "--save-frequency", "0",
+    argv = [*recipe_argv(data, 300, 32), "--logs", str(tmp_path), "--name", "demo", "--save-frequency", "0",
             "--zeroshot-frequency", "100"]  # fmt: skip
     summary = spawn(train_worker, 2, argv)[0]
     top1, chance = summary["eval"]["imagenet-zeroshot-val-top1"], 1 / len(SHAPES)
     assert top1 > chance + 3 * math.sqrt(chance * (1 - chance) / data.classify_samples)
     results = [json.loads(line) for line in (tmp_path / "demo" / "results.jsonl").read_text().splitlines()]
-    assert results[-1]["imagenet-zeroshot-val-top1"] == top1 and results[-1]["step"] == 600
+    assert results[-1]["imagenet-zeroshot-val-top1"] == top1 and results[-1]["step"] == 300
