@@ -132,6 +132,20 @@ def test_scalars_every_metric_step_and_the_log_line_every_log_step(demo_data, tm
 
 
 @pytest.mark.slow
+def test_every_epochs_last_step_is_logged(demo_data, tmp_path):
+    """As OpenCLIP's log: an epoch's last batch prints its line (and writes its scalars), whatever
+    --log-every-n-steps is: 2 epochs of 8 steps print lines at steps 8 and 16 only (scalars every 4)."""
+    argv = demo_argv(demo_data, tmp_path, "--epochs", "2", "--train-num-samples", "256", "--val-frequency", "0",
+                     "--log-every-n-steps", "100", "--log-metric-every-n-steps", "4")  # fmt: skip
+    summary = spawn(train_worker, 1, argv)[0]
+    log = (Path(summary["run_dir"]) / "out.log").read_text()
+    assert re.findall(r"Train Epoch: (\d) \[\s*(\d+)/(\d+)", log) == [
+        ("0", "256", "256"),
+        ("1", "256", "256"),
+    ]
+
+
+@pytest.mark.slow
 @pytest.mark.dist
 def test_an_epoch_that_ends_early_logs_its_last_step(demo_data, tmp_path):
     """OpenCLIP logs an epoch's last batch. Here 3 shards of 384 without sizes.json go to 2 ranks

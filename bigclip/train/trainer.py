@@ -378,7 +378,9 @@ def train_one_epoch(run: Run, loader: TrainLoader) -> bool:
         state.samples_seen += run.global_batch
         timer.step_done()
         run.guards.watchdog.step_done(state.step)  # no sync: it only notes the time
-        console = state.step % cfg.log.log_every_n_steps == 0 or state.step == progress.total_steps
+        # OpenCLIP prints an epoch's last batch too
+        last = state.step == progress.total_steps or state.epoch_step == progress.steps_per_epoch
+        console = last or state.step % cfg.log.log_every_n_steps == 0
         if console or state.step % cfg.log.log_metric_every_n_steps == 0:  # as OpenCLIP main: both
             logged_at = state.step
             log_step(run, out, timer, loss_avg, lr, loader, console=console)
@@ -388,9 +390,9 @@ def train_one_epoch(run: Run, loader: TrainLoader) -> bool:
         if signum:
             stop_for_requeue(run, loader, signum)
     if out is not None and logged_at != state.step:
-        # OpenCLIP logs an epoch's last batch; here the epoch may also end early, on every rank
-        # together, where a rank's data ran out (the loader's collective check): the summary's
-        # loss is then this step's, not an older one or none.
+        # The epoch ended before its planned last step, on every rank together, where a rank's data
+        # ran out (the loader's collective check): its last step is logged all the same, and the
+        # summary's loss is that step's, not an older one or none.
         log_step(run, out, timer, loss_avg, progress.last_lr, loader, console=True)
     return True
 
