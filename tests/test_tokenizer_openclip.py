@@ -134,6 +134,7 @@ def test_long_words_merge_as_openclips(reference):
         assert ours.encode(word) == theirs.encode(word), word[:40]
 
 
+@pytest.mark.timeout(120)  # OpenCLIP's quadratic merges would take hours here: a failure, not a hang
 def test_a_megabyte_caption_gives_the_row_of_its_first_words():
     """Splitting stops once a row is full (77 ids), so a damaged caption costs its first words."""
     tok = ClipBpeTokenizer()

@@ -620,10 +620,8 @@ def log_step(
     capacity, TFLOP/s per GPU, MFU and the ETA appended. Collective (every rank calls it on the same
     steps): the loss written is the global batch's."""
     state = run.progress.state
-    steps_per_epoch, capacity = (
-        loader.steps_per_epoch // run.cfg.optim.accum_freq,
-        loader.stats.take_capacity(),
-    )
+    steps_per_epoch = loader.steps_per_epoch // run.cfg.optim.accum_freq  # this epoch's loader's plan
+    capacity = loader.stats.take_capacity()  # since the last log step
     verify_inputs(run.loss_fn, step=state.step)  # before anything is logged as a finite loss
     loss = out.loss.clone()
     # The slowest rank's data-loader capacity (samples/s its workers could deliver) sets the pace.
