@@ -34,6 +34,7 @@ from bigclip.cli_args import parse_train_args
 from bigclip.demo.loopback_s3 import LoopbackS3
 from bigclip.train.preemption import REQUEUE_EXIT_CODE
 from bigclip.train.schedule import lr_at
+from bigclip.train.signals import GRACE_ENV
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 BUCKET = "stop-signals"
@@ -214,6 +215,35 @@ def test_a_stop_at_one_rank_alone_during_the_checkpoint_read_still_requeues(demo
     assert "so this rank's set-up failed: loading s3://" in said and said.endswith(
         "exiting with 85 (requeue)"
     ), said
+
+
+def test_a_stop_at_one_rank_alone_at_the_rendezvous_leaves_the_marker(demo_data, tmp_path):
+    """SIGTERM to rank 1 while it waits at the rendezvous for rank 0's store (a kill that Slurm
+    retries at a node that answers again reaches the rerun's ranks there as they start): it exits
+    85 and leaves the requeue marker in the run folder the sbatch script made. srun's own exit code
+    is not 85 once it has killed the other node's ranks, so without the marker the job ended FAILED
+    instead of being requeued."""
+    logs = tmp_path / "logs"
+    (logs / "run").mkdir(parents=True)  # as the sbatch script makes it before srun
+    argv = ["--model", "tiny", "--train-data", demo_data.train_pattern, "--train-num-samples", "256",
+            "--batch-size", "32", "--workers", "1", "--logs", str(logs), "--name", "run"]  # fmt: skip
+    with socket.create_server(("127.0.0.1", 0)) as store:  # rank 0's store, which never answers
+        env = {
+            k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")
+        }
+        env |= {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.getsockname()[1]), "OMP_NUM_THREADS": "1", GRACE_ENV: "5"}  # fmt: skip
+        rank1 = subprocess.Popen([sys.executable, "-m", "bigclip.train", *argv], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        store.settimeout(WAIT_S)
+        connection, _ = store.accept()  # rank 1 has reached the rendezvous
+        with connection:
+            rank1.send_signal(signal.SIGTERM)
+            out, _ = rank1.communicate(timeout=WAIT_S)
+    assert rank1.returncode == REQUEUE_EXIT_CODE, out[-3000:]
+    marker = json.loads((logs / "run" / "requeue.json").read_text())
+    assert marker["signal"] == "SIGTERM" and marker["rank"] == 1, marker
+    assert marker["reason"] == "stopped during start-up: nothing trained to checkpoint", marker
 
 
 def test_a_stop_during_the_first_step_while_it_waits_for_data(demo_data, tmp_path, s3, proxy):

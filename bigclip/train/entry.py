@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bigclip.errors import BigclipError, StorageError
-from bigclip.train.phases import say
+from bigclip.train.phases import launcher_rank, say
 from bigclip.train.signals import REQUEUE_EXIT_CODE, catch_preemption_signals, preemption_flag
 
 if TYPE_CHECKING:
@@ -99,6 +99,11 @@ def checked_config(argv: list[str], *, prog: str = "bigclip train") -> TrainConf
     from bigclip.train.preflight import check_flags, check_machine
 
     cfg = parse_train_args(argv, prog=prog if prog == EVAL_PROG else "bigclip train")
+    if cfg.log.name:
+        # Where a stop from here on leaves its requeue marker (in the folder the sbatch script made):
+        # a kill that reaches one node's ranks alone while they import torch or wait at the
+        # rendezvous must have the job requeued, not ended FAILED on srun's exit code (signals.py).
+        preemption_flag().note(run_dir=Path(cfg.log.logs) / cfg.log.name, rank=launcher_rank())
     if prog == EVAL_PROG:
         _check_eval_command(cfg)
     if not _in_process_group():  # else whoever made the group was the launcher
