@@ -65,8 +65,11 @@ ref-venv:
 	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps "$(OPEN_CLIP)" )
 
 # Both stacks: the whole suite on the main one, then the low stack's subset, whatever the first gave
-# (one run reports both; the exit status fails if either did).
-test: install slurm-deps ref-venv
+# (one run reports both; the exit status fails if either did). The four installs come first, side by
+# side (downloads and unpacking, minutes each), each target's output kept together; one that failed
+# is tried again, and says why, by the tier that needs it.
+test:
+	@$(MAKE) --no-print-directory -k -j 4 --output-sync=target install slurm-deps ref-venv $(LOW_STAMP) || true
 	@status=0; $(MAKE) --no-print-directory test-main || status=1; \
 	$(MAKE) --no-print-directory test-low || status=1; exit $$status
 
