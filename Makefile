@@ -29,6 +29,10 @@ QUICK ?=
 # pip's six resumes stuck at one byte count): three tries, 30 s apart, for a transient failure.
 RETRY = for try in 1 2 3; do $(1) && break; [ $$try = 3 ] && exit 1; echo "make: attempt $$try of 3 failed; retrying in 30 s"; sleep 30; done
 
+# Both venvs' editable installs write bigclip.egg-info in this folder, and `make test` runs them side
+# by side: one at a time.
+ONE_AT_A_TIME := $(if $(shell command -v flock),flock $(abspath .egg-info.lock),)
+
 install: $(STAMP)
 
 $(VPY):
@@ -38,7 +42,7 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	@$(VPY) -c "import torch" 2>/dev/null || { $(call RETRY,$(PIP) install "$(TORCH)"); }
 	@$(VPY) -c "import deepspeed" 2>/dev/null || { $(call RETRY,DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "$(DEEPSPEED)"); }
-	$(call RETRY,$(PIP) install -e ".[dev]")
+	$(call RETRY,$(ONE_AT_A_TIME) $(PIP) install -e ".[dev]")
 	@# OpenCLIP's own model code is the tests' reference; its torchvision dependency has no CPU
 	@# build here and is not needed for ViT models, hence --no-deps.
 	$(PIP) install --no-deps "$(OPEN_CLIP)"
@@ -111,7 +115,7 @@ $(LOW_STAMP): pyproject.toml $(STACKS)
 	$(PYTHON) $(STACKS) constraints > $(LOW_CONSTRAINTS)
 	$(call RETRY,$(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) torch)
 	$(call RETRY,DS_BUILD_OPS=0 $(LOW_PY) -m pip install -q --no-build-isolation -c $(LOW_CONSTRAINTS) deepspeed)
-	$(call RETRY,$(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) -e ".[dev]")
+	$(call RETRY,$(ONE_AT_A_TIME) $(LOW_PY) -m pip install -q -c $(LOW_CONSTRAINTS) -e ".[dev]")
 	$(LOW_PY) -m pip install -q --no-deps "$(OPEN_CLIP)"
 	@touch $(LOW_STAMP)
 
