@@ -246,6 +246,37 @@ def test_a_stop_at_one_rank_alone_at_the_rendezvous_leaves_the_marker(demo_data,
     assert marker["reason"] == "stopped during start-up: nothing trained to checkpoint", marker
 
 
+# `python -m bigclip.train FLAGS` with a SIGTERM that came while its entry was still importing:
+# bigclip.train.__main__ has blocked it, so it is delivered as the handlers go in.
+SIGNAL_BEFORE_THE_HANDLERS = """
+import os, runpy, signal, sys
+from bigclip.train.signals import SignalFlag
+install = SignalFlag.install
+def install_after_a_signal(self):
+    if not self._previous:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return install(self)
+SignalFlag.install = install_after_a_signal
+sys.argv = ["bigclip.train", *sys.argv[1:]]
+runpy.run_module("bigclip.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_stop_before_the_flags_are_read_leaves_the_marker(demo_data, tmp_path):
+    """A signal that waited for the handlers (it came while the entry imported) stops the rank
+    before its flags are read: it still leaves the marker in LOGS/NAME."""
+    logs = tmp_path / "logs"
+    (logs / "run").mkdir(parents=True)
+    argv = ["--model", "tiny", "--train-data", demo_data.train_pattern, "--logs", str(logs), "--name", "run"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    done = subprocess.run([sys.executable, "-c", SIGNAL_BEFORE_THE_HANDLERS, *argv], env=env, text=True,
+                          capture_output=True, timeout=WAIT_S)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == REQUEUE_EXIT_CODE and "SIGTERM received during start-up" in out, out[-3000:]
+    marker = json.loads((logs / "run" / "requeue.json").read_text())
+    assert marker["reason"] == "stopped during start-up: nothing trained to checkpoint", marker
+
+
 def test_a_stop_during_the_first_step_while_it_waits_for_data(demo_data, tmp_path, s3, proxy):
     """The first batch's shard read held by S3: SIGTERM is said at once and the rank leaves
     without waiting for the data (nothing trained yet)."""

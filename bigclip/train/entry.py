@@ -20,6 +20,7 @@ handlers come before torch, through both doors).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -44,15 +45,16 @@ def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
     """Train with `argv` (default: sys.argv[1:]); returns the exit code (85: requeue me). Without
     --train-data and with an evaluation set, the run evaluates its weights and ends (OpenCLIP's
     evaluation-only run)."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
         catch_preemption_signals()  # in the try: a signal pending at the unblock raises here
-        return _train(sys.argv[1:] if argv is None else argv, prog=prog)
+        return _train(argv, prog=prog)
     except BaseException as e:
         # A stop before the first step, however it surfaced: StopRequested, wrapped by a library
         # (DCP re-raises what its load raised as its own error), or a collective that failed first
         # because a peer left for the same signal.
         if preemption_flag().exits_now:
-            return stopped_before_training(preemption_flag())
+            return stopped_before_training(preemption_flag(), argv)
         peer = preemption_flag().peer_stop()
         if peer:
             return failed_after_peer_stop(e, peer, prog=prog)
@@ -99,11 +101,7 @@ def checked_config(argv: list[str], *, prog: str = "bigclip train") -> TrainConf
     from bigclip.train.preflight import check_flags, check_machine
 
     cfg = parse_train_args(argv, prog=prog if prog == EVAL_PROG else "bigclip train")
-    if cfg.log.name:
-        # Where a stop from here on leaves its requeue marker (in the folder the sbatch script made):
-        # a kill that reaches one node's ranks alone while they import torch or wait at the
-        # rendezvous must have the job requeued, not ended FAILED on srun's exit code (signals.py).
-        preemption_flag().note(run_dir=Path(cfg.log.logs) / cfg.log.name, rank=launcher_rank())
+    note_run_dir(cfg)
     if prog == EVAL_PROG:
         _check_eval_command(cfg)
     if not _in_process_group():  # else whoever made the group was the launcher
@@ -113,6 +111,15 @@ def checked_config(argv: list[str], *, prog: str = "bigclip train") -> TrainConf
         "the resume target)")  # fmt: skip
     check_machine(cfg)  # torch: only now, and only torch (the trainer's imports take seconds more)
     return cfg
+
+
+def note_run_dir(cfg: TrainConfig) -> None:
+    """Where a stop from now on leaves its requeue marker: LOGS/NAME, which the sbatch script made.
+    A kill that reaches one node's ranks alone while they import torch or wait at the rendezvous
+    must have the job requeued, not ended FAILED on srun's exit code (signals.py). A run without
+    --name is named once its process group is up (trainer.py notes it then)."""
+    if cfg.log.name:
+        preemption_flag().note(run_dir=Path(cfg.log.logs) / cfg.log.name, rank=launcher_rank())
 
 
 def _check_eval_command(cfg: TrainConfig) -> None:
@@ -172,10 +179,16 @@ def _first_missing(path: Path) -> Path | None:
     return missing
 
 
-def stopped_before_training(flag: SignalFlag) -> int:
+def stopped_before_training(flag: SignalFlag, argv: list[str]) -> int:
     """A stop signal before the first step completed: say so (if the watcher has not yet), leave
     the requeue marker, exit 85 (the requeued run starts where this one did)."""
     flag.say_once()
+    if flag.run_dir is None:  # a signal that waited for the handlers: the flags were not read yet
+        from bigclip.cli_args import parse_train_args
+
+        # Bad flags: no folder to leave it in, and their error is said when the rerun reads them.
+        with contextlib.suppress(Exception, SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            note_run_dir(parse_train_args(argv))
     flag.requeue_marker()
     return REQUEUE_EXIT_CODE
 
