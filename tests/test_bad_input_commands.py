@@ -83,6 +83,8 @@ CASES = [
         env={"BIGCLIP_REGISTRY": ""}),
     row("publish-source-missing", "publish", "nope", "v1", "--registry", "reg",
         says=("nope: no such file or folder", "s3://")),
+    row("publish-name-invalid", "publish", "siglip.pt", "tiny v1!", "--registry", "reg",
+        says=("invalid checkpoint name 'tiny v1!'", "e.g. vit-h-14-laion2b-v1")),
     row("checkpoints-registry-is-a-file", "checkpoints", "list", "--registry", "notes.txt",
         says=("registry notes.txt is a file, not a registry folder", "s3:// prefix")),
     row("publish-registry-is-a-file", "publish", "siglip.pt", "v1", "--registry", "notes.txt",

@@ -23,6 +23,7 @@ from bigclip.config import CheckpointConfig
 from bigclip.config.checkpoint import registry_uri
 from bigclip.errors import ConfigError, StorageError
 from bigclip.registry.git_source import GIT_PREFIX
+from bigclip.registry.published import check_name
 from bigclip.storage.progress import human_bytes
 from bigclip.storage.schemes import is_local, local_path
 from bigclip.storage.settings import configure_storage
@@ -208,6 +209,7 @@ def publish_main(argv: list[str]) -> int:
     add_registry_args(parser)
     args = parser.parse_args(argv)
     require_registry(args, exists=False)
+    check_name(args.name)  # before torch (the registry's import): a misspelt name is said in a moment
     if (
         is_local(args.src)
         and not args.src.startswith(GIT_PREFIX)
