@@ -42,14 +42,20 @@ STEPS_PER_EPOCH = 8  # --train-num-samples 256 at --batch-size 32
 WAIT_S = 300  # an upper bound for a phase to be reached on a loaded machine, never a sleep
 
 
+def no_launcher_env() -> dict[str, str]:
+    """This process's environment without a launcher's rank variables (the test sets its own)."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+
+
 class Watched:
     """A `bigclip train` process whose output lines the test reads as they come."""
 
     def __init__(self, argv: list[str], *, endpoint: str) -> None:
-        env = {
-            k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")
-        }
-        env |= {"OMP_NUM_THREADS": "1"} | ({"AWS_ENDPOINT_URL": endpoint} if endpoint else {})
+        env = (
+            no_launcher_env()
+            | {"OMP_NUM_THREADS": "1"}
+            | ({"AWS_ENDPOINT_URL": endpoint} if endpoint else {})
+        )
         self.proc = subprocess.Popen([sys.executable, "-m", "bigclip", "train", *argv], env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
         self.lines: list[str] = []
@@ -228,11 +234,10 @@ def test_a_stop_at_one_rank_alone_at_the_rendezvous_leaves_the_marker(demo_data,
     argv = ["--model", "tiny", "--train-data", demo_data.train_pattern, "--train-num-samples", "256",
             "--batch-size", "32", "--workers", "1", "--logs", str(logs), "--name", "run"]  # fmt: skip
     with socket.create_server(("127.0.0.1", 0)) as store:  # rank 0's store, which never answers
-        env = {
-            k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")
-        }
-        env |= {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(store.getsockname()[1]), "OMP_NUM_THREADS": "1", GRACE_ENV: "5"}  # fmt: skip
+        port = str(store.getsockname()[1])
+        env = no_launcher_env() | {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+                                   GRACE_ENV: "5"}  # fmt: skip
         rank1 = subprocess.Popen([sys.executable, "-m", "bigclip.train", *argv], env=env, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
         store.settimeout(WAIT_S)
@@ -268,9 +273,8 @@ def test_a_stop_before_the_flags_are_read_leaves_the_marker(demo_data, tmp_path)
     logs = tmp_path / "logs"
     (logs / "run").mkdir(parents=True)
     argv = ["--model", "tiny", "--train-data", demo_data.train_pattern, "--logs", str(logs), "--name", "run"]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    done = subprocess.run([sys.executable, "-c", SIGNAL_BEFORE_THE_HANDLERS, *argv], env=env, text=True,
-                          capture_output=True, timeout=WAIT_S)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", SIGNAL_BEFORE_THE_HANDLERS, *argv], env=no_launcher_env(),
+                          text=True, capture_output=True, timeout=WAIT_S)  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode == REQUEUE_EXIT_CODE and "SIGTERM received during start-up" in out, out[-3000:]
     marker = json.loads((logs / "run" / "requeue.json").read_text())
