@@ -23,7 +23,7 @@ BENCH_PYTHON ?= $(PYTHON)
 ROWS ?=
 QUICK ?=
 
-.PHONY: install demo test test-fast test-main test-low ref-venv lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
+.PHONY: install demo test test-fast test-main test-low ds-ops-main ds-ops-low ref-venv lint bench bench-gpu wheelhouse gpu-wheels clean slurm-deps
 
 # A wheel fetched from a network index can break off mid-download (seen on the development box:
 # pip's six resumes stuck at one byte count): three tries, 30 s apart, for a transient failure.
@@ -69,11 +69,12 @@ ref-venv:
 	    $(REF_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps "$(OPEN_CLIP)" )
 
 # Both stacks: the whole suite on the main one, then the low stack's subset, whatever the first gave
-# (one run reports both; the exit status fails if either did). The four installs come first, side by
-# side (downloads and unpacking, minutes each), each target's output kept together; one that failed
-# is tried again, and says why, by the tier that needs it.
+# (one run reports both; the exit status fails if either did). The four installs and each stack's
+# DeepSpeed op come first, side by side (downloads, unpacking and a compile, minutes each), each
+# target's output kept together; one that failed is tried again, and says why, by the tier that
+# needs it.
 test:
-	@$(MAKE) --no-print-directory -k -j 4 --output-sync=target install slurm-deps ref-venv $(LOW_STAMP) || true
+	@$(MAKE) --no-print-directory -k -j 4 --output-sync=target ds-ops-main slurm-deps ref-venv ds-ops-low || true
 	@status=0; $(MAKE) --no-print-directory test-main || status=1; \
 	$(MAKE) --no-print-directory test-low || status=1; exit $$status
 
@@ -89,14 +90,19 @@ test-fast: install
 # leaves the lock behind, and every later DeepSpeed start waits on it for ever ("building the model:
 # still running after ..."). So each stack builds it before its tests, in a folder of its own (the
 # op is per torch build; the default ~/.cache/torch_extensions/py311_cpu is every venv's).
+# Once built, loading it again takes seconds.
 DS_OPS = TORCH_EXTENSIONS_DIR=$(2) $(1) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
 MAIN_EXT := $(abspath $(VENV))/torch_extensions
-
-# Two pytest-xdist workers, one test file a unit of work (tests/conftest.py says how and why).
-XDIST := -n 2
-test-main: install slurm-deps ref-venv
+LOW_EXT = $(abspath $(LOW_VENV))/torch_extensions
+ds-ops-main: install
 	$(call DS_OPS,$(VPY),$(MAIN_EXT))
-	TORCH_EXTENSIONS_DIR=$(MAIN_EXT) BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q $(XDIST) --durations=30 tests
+
+# pytest-xdist workers, one test file a unit of work (tests/conftest.py says how and why). The main
+# stack's suite has a third, which drives the real-Slurm files alone: they mostly wait.
+XDIST := -n 2
+MAIN_XDIST := -n 3
+test-main: ds-ops-main slurm-deps ref-venv
+	TORCH_EXTENSIONS_DIR=$(MAIN_EXT) BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q $(MAIN_XDIST) --durations=30 tests
 
 # The low stack (.venv-low): torch 2.11.0 with the Triton it pins (3.6.0), the GPU machines' stack,
 # and every other direct dependency at the lower bound pyproject.toml declares, so the bounds are
@@ -119,9 +125,11 @@ $(LOW_STAMP): pyproject.toml $(STACKS)
 	$(LOW_PY) -m pip install -q --no-deps "$(OPEN_CLIP)"
 	@touch $(LOW_STAMP)
 
-test-low: $(LOW_STAMP) ref-venv
-	$(call DS_OPS,$(LOW_PY),$(abspath $(LOW_VENV))/torch_extensions)
-	TORCH_EXTENSIONS_DIR=$(abspath $(LOW_VENV))/torch_extensions BIGCLIP_STACK=low \
+ds-ops-low: $(LOW_STAMP)
+	$(call DS_OPS,$(LOW_PY),$(LOW_EXT))
+
+test-low: ds-ops-low ref-venv
+	TORCH_EXTENSIONS_DIR=$(LOW_EXT) BIGCLIP_STACK=low \
 	    BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(LOW_PY) -m pytest -q $(XDIST) --durations=30 $$($(PYTHON) $(STACKS) tests)
 
 # A real one-node Slurm for tests/test_slurm_cluster.py: Debian's slurm-wlm and munge, installed with

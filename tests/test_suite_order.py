@@ -1,13 +1,18 @@
-"""The order `make test` hands test files to its two workers: the real-Slurm unit, then the files
-that cost most in the last recorded run (benchmarks/test_times.py records them per stack)."""
+"""The order `make test` hands test files to its workers: the real-Slurm unit, in a worker of its
+own from three workers, then the files that cost most in the last recorded run
+(benchmarks/test_times.py records them per stack). The scheduler is xdist's own class, driven here
+through its calls from xdist's session, with handles that record what each worker is sent."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 from conftest import CLUSTER_MODULES, file_order, recorded_costs
+from support.file_scheduling import FileScheduling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +63,58 @@ def test_an_older_record_without_stacks_gives_no_order(tmp_path):
         json.dumps({"rows": [{"tier": "test", "slowest": ["9.0s call tests/test_a.py::t"]}]})
     )
     assert not recorded_costs("main", tmp_path / "t.json")
+
+
+class Worker:
+    """What xdist's session needs of a worker: it is sent test indices and told to shut down."""
+
+    def __init__(self, name):
+        self.name, self.sent, self.shutting_down = name, [], False
+        self.gateway = type("Gateway", (), {"id": name})()  # named in xdist's collection check
+
+    def send_runtest_some(self, indices):
+        self.sent.extend(indices)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def run_schedule(workers: int, files: list[str]) -> dict[str, list[str]]:
+    """The files each worker ran, the suite's tests finishing in the order they were sent."""
+    config = SimpleNamespace(  # `-n workers`, the order kept as conftest's hook keeps it
+        getvalue={"tx": [f"{workers}*popen"]}.get, option=SimpleNamespace(loadscopereorder=False)
+    )
+    sched = FileScheduling(config)
+    nodes = [Worker(f"gw{i}") for i in range(workers)]
+    collection = [f"tests/{name}::test_{i}" for name in files for i in range(3)]
+    for node in nodes:
+        sched.add_node(node)
+        sched.add_node_collection(node, collection)
+    sched.schedule()
+    done = {node: 0 for node in nodes}
+    while sched.has_pending:
+        node = min((n for n in nodes if len(n.sent) > done[n]), key=lambda n: done[n])
+        sched.mark_test_complete(node, node.sent[done[node]])
+        done[node] += 1
+    ran = {n.name: list(dict.fromkeys(collection[i].split("::")[0][6:] for i in n.sent)) for n in nodes}
+    assert sorted(sum(ran.values(), [])) == sorted(files)  # each file once, whole
+    assert all(node.shutting_down for node in nodes)
+    return ran
+
+
+FILES = [*CLUSTER_MODULES, "test_zeroshot.py", "test_plan.py", *(f"test_{c}.py" for c in "abcdefgh")]
+
+
+def test_from_three_workers_the_slurm_unit_has_one_of_its_own():
+    ran = run_schedule(3, FILES)
+    assert ran["gw0"] == list(CLUSTER_MODULES)
+    assert {"gw1", "gw2"} == {
+        name for name, files in ran.items() if "test_zeroshot.py" in files or "test_plan.py" in files
+    }
+
+
+@pytest.mark.parametrize("files", [FILES, FILES[3:]], ids=["with-slurm", "without"])
+def test_with_two_workers_or_no_slurm_unit_every_worker_takes_any_file(files):
+    for workers in (2, 3) if files is not FILES else (2,):
+        ran = run_schedule(workers, files)
+        assert all(len(files_run) > 1 for files_run in ran.values())
