@@ -66,10 +66,11 @@ def test_an_older_record_without_stacks_gives_no_order(tmp_path):
 
 
 class Worker:
-    """What xdist's session needs of a worker: it is sent test indices and told to shut down."""
+    """What xdist's session sees of a worker: it is sent test indices and told to shut down, and, as
+    xdist's worker, runs a test only once it knows what follows (the next test, or the end)."""
 
     def __init__(self, name):
-        self.name, self.sent, self.shutting_down = name, [], False
+        self.name, self.sent, self.done, self.shutting_down = name, [], 0, False
         self.gateway = type("Gateway", (), {"id": name})()  # named in xdist's collection check
 
     def send_runtest_some(self, indices):
@@ -78,9 +79,13 @@ class Worker:
     def shutdown(self):
         self.shutting_down = True
 
+    def can_run(self):
+        return self.done < len(self.sent) - (0 if self.shutting_down else 1)
 
-def run_schedule(workers: int, files: list[str]) -> dict[str, list[str]]:
-    """The files each worker ran, the suite's tests finishing in the order they were sent."""
+
+def run_schedule(workers: int, files: list[str]) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """The files each worker ran, and how many of the suite's tests were left when it finished its
+    last; the workers finish tests in turn."""
     config = SimpleNamespace(  # `-n workers`, the order kept as conftest's hook keeps it
         getvalue={"tx": [f"{workers}*popen"]}.get, option=SimpleNamespace(loadscopereorder=False)
     )
@@ -91,23 +96,30 @@ def run_schedule(workers: int, files: list[str]) -> dict[str, list[str]]:
         sched.add_node(node)
         sched.add_node_collection(node, collection)
     sched.schedule()
-    done = {node: 0 for node in nodes}
-    while sched.has_pending:
-        node = min((n for n in nodes if len(n.sent) > done[n]), key=lambda n: done[n])
-        sched.mark_test_complete(node, node.sent[done[node]])
-        done[node] += 1
+    left_when_done: dict[str, int] = {}
+    for count in range(1, len(collection) + 1):
+        if sched.tests_finished:  # xdist's session then tells every worker to end
+            for node in nodes:
+                node.shutdown()
+        runnable = [node for node in nodes if node.can_run()]
+        assert runnable, "every worker waits on the scheduler"
+        node = min(runnable, key=lambda n: n.done)
+        sched.mark_test_complete(node, node.sent[node.done])
+        node.done += 1
+        left_when_done[node.name] = len(collection) - count
     ran = {n.name: list(dict.fromkeys(collection[i].split("::")[0][6:] for i in n.sent)) for n in nodes}
     assert sorted(sum(ran.values(), [])) == sorted(files)  # each file once, whole
-    assert all(node.shutting_down for node in nodes)
-    return ran
+    assert all(node.done == len(node.sent) for node in nodes)
+    return ran, left_when_done
 
 
-FILES = [*CLUSTER_MODULES, "test_zeroshot.py", "test_plan.py", *(f"test_{c}.py" for c in "abcdefgh")]
+FILES = [*CLUSTER_MODULES, "test_zeroshot.py", "test_plan.py", *(f"test_{c}.py" for c in "abcdefghijklmnop")]
 
 
-def test_from_three_workers_the_slurm_unit_has_one_of_its_own():
-    ran = run_schedule(3, FILES)
+def test_from_three_workers_the_slurm_unit_has_one_of_its_own_that_ends_with_it():
+    ran, left_when_done = run_schedule(3, FILES)
     assert ran["gw0"] == list(CLUSTER_MODULES)
+    assert left_when_done["gw0"] > 20  # its last test is not held back to the suite's end
     assert {"gw1", "gw2"} == {
         name for name, files in ran.items() if "test_zeroshot.py" in files or "test_plan.py" in files
     }
@@ -116,5 +128,5 @@ def test_from_three_workers_the_slurm_unit_has_one_of_its_own():
 @pytest.mark.parametrize("files", [FILES, FILES[3:]], ids=["with-slurm", "without"])
 def test_with_two_workers_or_no_slurm_unit_every_worker_takes_any_file(files):
     for workers in (2, 3) if files is not FILES else (2,):
-        ran = run_schedule(workers, files)
+        ran, _ = run_schedule(workers, files)
         assert all(len(files_run) > 1 for files_run in ran.values())

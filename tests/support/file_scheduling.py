@@ -30,12 +30,12 @@ class FileScheduling(LoadFileScheduling):
         return CLUSTER_UNIT if path.rsplit("/", 1)[-1] in CLUSTER_MODULES else path
 
     def _assign_work_unit(self, node) -> None:
-        if next(iter(self.workqueue)) == CLUSTER_UNIT and len(self.nodes) >= OWN_WORKER_FROM:
-            self.cluster_node = node
+        alone = next(iter(self.workqueue)) == CLUSTER_UNIT and len(self.nodes) >= OWN_WORKER_FROM
         super()._assign_work_unit(node)
+        if alone:  # nothing will follow: a worker runs its last test only once it knows that
+            self.cluster_node = node
+            node.shutdown()
 
     def _reschedule(self, node) -> None:
         if node is not self.cluster_node:
             super()._reschedule(node)
-        elif not node.shutting_down and not self._pending_of(self.assigned_work[node]):
-            node.shutdown()
