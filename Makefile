@@ -97,12 +97,11 @@ LOW_EXT = $(abspath $(LOW_VENV))/torch_extensions
 ds-ops-main: install
 	$(call DS_OPS,$(VPY),$(MAIN_EXT))
 
-# pytest-xdist workers, one test file a unit of work (tests/conftest.py says how and why). The main
-# stack's suite has a third, which drives the real-Slurm files alone: they mostly wait.
+# Two pytest-xdist workers, one test file a unit of work (tests/conftest.py says how and why). The
+# suite keeps two cores busy (its ranks are the workers' own processes): a third worker slowed it.
 XDIST := -n 2
-MAIN_XDIST := -n 3
 test-main: ds-ops-main slurm-deps ref-venv
-	TORCH_EXTENSIONS_DIR=$(MAIN_EXT) BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q $(MAIN_XDIST) --durations=30 tests
+	TORCH_EXTENSIONS_DIR=$(MAIN_EXT) BIGCLIP_REFERENCE_PYTHON=$(REF_PY) $(VPY) -m pytest -q $(XDIST) --durations=30 tests
 
 # The low stack (.venv-low): torch 2.11.0 with the Triton it pins (3.6.0), the GPU machines' stack,
 # and every other direct dependency at the lower bound pyproject.toml declares, so the bounds are

@@ -1,14 +1,14 @@
 """Shared fixtures and the suite's scheduling.
 
-`make test` runs the main stack's suite in three pytest-xdist workers and the low stack's in two
-(tests/support/file_scheduling.py): each test file is one unit of work, so a module's expensive
-fixtures are built once, in one worker; the files that run a real Slurm cluster are one unit
-together and come first, in a worker of their own, as they spend most of their time waiting on the
-scheduler while the other two keep the CPUs busy. The other files follow, the most expensive first
-(by the last recorded `make test`: `python benchmarks/test_times.py` keeps each stack's slowest
-tests), so that no long file is left to run alone at the end while another worker idles.
-(`pytest_xdist_make_scheduler` below, rather than xdist_group marks: xdist 3.8 groups by a suffix it
-writes into `item._nodeid`, which pytest 9.2's nodes no longer read.)
+`make test` runs the suite in two pytest-xdist workers. Each test file is one unit of work, so a
+module's expensive fixtures are built once, in one worker; the files that run a real Slurm cluster
+are one unit together (their daemons, ports and network namespaces cannot coexist) and come first,
+as they spend most of their time waiting on the scheduler while the other worker keeps the CPUs
+busy. The other files follow, the most expensive first (by the last recorded `make test`:
+`python benchmarks/test_times.py` keeps each stack's slowest tests), so that no long file is left
+to run alone at the end while the other worker idles. (`pytest_xdist_make_scheduler` below,
+rather than xdist_group marks: xdist 3.8 groups by a suffix it writes into `item._nodeid`, which
+pytest 9.2's nodes no longer read.)
 """
 
 from __future__ import annotations
@@ -92,7 +92,12 @@ def file_order(name: str, costs: Counter[str]) -> tuple[bool, float]:
 @pytest.hookimpl(optionalhook=True)  # a venv without xdist (test_gpu_image's) runs this conftest too
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """One unit of work per test file, the real-Slurm files one unit, in collection order."""
-    from support.file_scheduling import FileScheduling
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):  # xdist's --dist loadfile, the cluster files merged
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "real-slurm" if path.rsplit("/", 1)[-1] in CLUSTER_MODULES else path
 
     config.option.loadscopereorder = False  # keep the order above: the long, mostly idle unit first
     return FileScheduling(config, log)
