@@ -74,11 +74,16 @@ def test_what_a_stop_does_follows_the_innermost_phase_that_says(said):
 
 
 def c_call_seconds(seconds: float) -> int:
-    """pbkdf2 iterations that keep a thread in C code (no Python runs there) for about `seconds`
-    on this machine: measured, not assumed."""
-    start = time.perf_counter()
-    hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 100_000)
-    return int(100_000 * seconds / max(time.perf_counter() - start, 1e-6))
+    """pbkdf2 iterations that keep a thread in C code (no Python runs there) for at least about
+    `seconds` on this machine: measured, not assumed. The fastest of three tries sets the rate: a
+    try slowed by the other tests' processes would make the call end early, before the lines the
+    tests order against it (seen once: it returned within the 1.2 s timer)."""
+    fastest = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 100_000)
+        fastest = min(fastest, time.perf_counter() - start)
+    return int(100_000 * seconds / max(fastest, 1e-6))
 
 
 def run_stop(tmp_path: Path, phase: str, on_stop: str, *, iterations: int, env: dict | None = None):
@@ -130,7 +135,9 @@ def test_a_stop_before_the_first_step_ends_the_process_at_once(tmp_path):
     done, lines = run_stop(tmp_path, "reading checkpoint X", "EXIT_NOW", iterations=c_call_seconds(3))
     said = next(i for i, line in enumerate(lines) if "SIGTERM received during reading checkpoint X" in line)
     assert said < lines.index("a second after the signal") and "exiting now with 85 (requeue)" in lines[said]
-    assert done.returncode == 85 and lines[-1].startswith("StopRequested: SIGTERM received during reading")
+    assert done.returncode == 85, done.stdout + done.stderr
+    stopped = [line for line in lines if line.startswith("StopRequested: SIGTERM received during reading")]
+    assert stopped and "C call: returned" not in lines and "carried on" not in lines, lines
 
 
 def test_a_main_thread_stuck_in_c_code_past_the_grace_time_is_ended_by_the_watcher(tmp_path):
