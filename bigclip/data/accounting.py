@@ -21,8 +21,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from bigclip.data.streams import data_location
 from bigclip.errors import DataError
 from bigclip.storage.access_checks import endpoint_unreachable, run_check
@@ -148,14 +146,6 @@ def _named(urls: list[str]) -> str:
         return "0"
     more = f", +{len(urls) - NAMED} more" if len(urls) > NAMED else ""
     return f"{len(urls)} ({', '.join(urls[:NAMED])}{more})"
-
-
-def gather_counts(mine: RankCounts, group: dist.ProcessGroup | None, world_size: int) -> list[RankCounts]:
-    if group is None:
-        return [mine]
-    gathered: list[RankCounts | None] = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=group)
-    return [g for g in gathered if g is not None]
 
 
 def combine(account: EpochAccount, ranks: list[RankCounts]) -> EpochAccount:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -58,33 +58,24 @@ class Chunk:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def columns(self) -> list[Any]:
+        """The fields in order: tensors, and the keys' list (not copied, unlike `astuple`)."""
+        return [getattr(self, f.name) for f in fields(self)]
+
     def split(self, n: int) -> tuple[Chunk, Chunk]:
-        parts = (
-            self.images,
-            self.erase,
-            self.texts,
-            self.keys,
-            self.shards,
-            self.after,
-            self.workers,
-            self.states,
-        )
-        return Chunk(*(p[:n] for p in parts)), Chunk(*(p[n:] for p in parts))
+        columns = self.columns()
+        return Chunk(*(c[:n] for c in columns)), Chunk(*(c[n:] for c in columns))
 
     @classmethod
     def cat(cls, chunks: list[Chunk]) -> Chunk:
         if len(chunks) == 1:
             return chunks[0]
-        return cls(
-            torch.cat([c.images for c in chunks]),
-            torch.cat([c.erase for c in chunks]),
-            torch.cat([c.texts for c in chunks]),
-            [k for c in chunks for k in c.keys],
-            torch.cat([c.shards for c in chunks]),
-            torch.cat([c.after for c in chunks]),
-            torch.cat([c.workers for c in chunks]),
-            torch.cat([c.states for c in chunks]),
-        )
+        return cls(*(_join(parts) for parts in zip(*(c.columns() for c in chunks))))
+
+
+def _join(parts: tuple[Any, ...]) -> Any:
+    """One column of several chunks: tensors concatenated, key lists joined."""
+    return [k for keys in parts for k in keys] if isinstance(parts[0], list) else torch.cat(parts)
 
 
 class WorkerOrder(Iterator[dict[str, Any]]):

@@ -72,10 +72,7 @@ class Decoded:
 
 
 def _first(files: dict[str, bytes], extensions: tuple[str, ...]) -> bytes | None:
-    for ext in extensions:
-        if ext in files:
-            return files[ext]
-    return None
+    return next((files[ext] for ext in extensions if ext in files), None)
 
 
 def decode_image(data: bytes, *, load: bool = True) -> Image.Image | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bigclip.data.bpe_tokenizer import clean_whitespace
+from bigclip.data.bpe_tokenizer import clean, clean_whitespace
 from bigclip.errors import ConfigError
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -26,12 +26,8 @@ def _canonicalize(text: str) -> str:
     return " ".join(text.split())
 
 
-def _lower(text: str) -> str:
-    return clean_whitespace(text).lower()
-
-
 # named_configs.TOKENIZER_KWARGS lists these names for the torch-free config check.
-CLEANERS = {"whitespace": clean_whitespace, "lower": _lower, "canonicalize": _canonicalize}
+CLEANERS = {"whitespace": clean_whitespace, "lower": clean, "canonicalize": _canonicalize}
 
 
 class HFTokenizer:

@@ -78,10 +78,6 @@ class JobBoard:
         self.local: list[ReaderJob] = []  # --workers 0: read in this process
         self._held: ReaderJob | None = None  # in a worker: the job it took last
 
-    @classmethod
-    def in_process(cls) -> JobBoard:
-        return cls(0)
-
     def post(self, jobs: list[ReaderJob]) -> None:
         """Hand out an epoch's jobs, the i-th to worker i (in the training process: before iterating)."""
         if not self.queues:

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from bigclip.config import DataConfig
-from bigclip.data.accounting import DataStats, EpochAccount, combine, gather_counts, no_batch_error, report
+from bigclip.data.accounting import DataStats, EpochAccount, combine, no_batch_error, report
 from bigclip.data.batching import Chunk, Rebatcher, WorkerOrder
 from bigclip.data.device import image_normalizer
 from bigclip.data.jobs import ReaderJob, ReaderSpec, epoch_jobs, reader_specs
@@ -242,7 +242,8 @@ class TrainLoader:
             elif not failed:  # (after a failure the workers may be gone: the error must surface)
                 self.pool.idle(jobs[0].generation)
         if self.steps == 0 and started_empty:
-            self._raise_no_batch()
+            raise no_batch_error(self.stats, epoch=self.start.epoch, batch_size=self.cfg.batch_size,
+                                 pattern=self.cfg.train_data, rank=self.rank)  # fmt: skip
 
     def _all_ranks_have(self, has_batch: bool) -> bool:
         if self.group is None:
@@ -273,10 +274,6 @@ class TrainLoader:
             texts = texts.to(self.device, non_blocking=True)
         return TrainBatch(images=images, texts=texts, keys=chunk.keys)
 
-    def _raise_no_batch(self) -> None:
-        raise no_batch_error(self.stats, epoch=self.start.epoch, batch_size=self.cfg.batch_size,
-                             pattern=self.cfg.train_data, rank=self.rank)  # fmt: skip
-
     def account_epoch(self) -> EpochAccount:
         """Collective, at the epoch's end: what it read against the plan, and what it lost and why;
         rank 0 logs it as one line (a warning when anything was lost)."""
@@ -290,7 +287,7 @@ class TrainLoader:
             resampled=self.start.resampled,
         )
         mine = self.stats.rank_counts(ran_dry=self._ran_dry)
-        account = combine(account, gather_counts(mine, self.group, self.world_size))
+        account = combine(account, self._gather(mine))
         report(account, rank=self.rank)
         return account
 

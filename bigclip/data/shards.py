@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -57,9 +58,7 @@ class ShardList:
     @property
     def total_samples(self) -> int | None:
         """Samples in all shards, or None when sizes.json does not cover every shard."""
-        if any(size is None for size in self.sizes):
-            return None
-        return sum(self.sizes)  # type: ignore[arg-type]
+        return None if None in self.sizes else sum(self.sizes)  # type: ignore[arg-type]
 
     @property
     def fingerprint(self) -> str:
@@ -76,11 +75,7 @@ class ShardList:
 
     def cumulative_weights(self) -> list[float]:
         """Running sums of the draw weights (1 per shard without upsampling factors)."""
-        total, out = 0.0, []
-        for w in self.weights or (1.0,) * len(self.urls):
-            total += w
-            out.append(total)
-        return out
+        return list(itertools.accumulate(self.weights or (1.0,) * len(self.urls)))
 
     def with_weights(self, factors: str) -> ShardList:
         """Per-shard weights from '1::2::0.5' (one factor per '::' source of the pattern)."""

@@ -166,19 +166,11 @@ class EvalTransform:
         image, size = image.convert("RGB"), self.image_size
         if self.resize_mode == "squash":
             return _pixels(image.resize((size, size), self.filter))
-        if self.resize_mode == "longest":
-            resized = image.resize(longest_side_size(*image.size, size), self.filter)
-            return _pixels(center_crop_or_pad(resized, size))
-        image = image.resize(shortest_side_size(*image.size, size), self.filter)
-        top, left, h, w = center_crop_box(*image.size, size)
-        return _pixels(image.crop((left, top, left + w, top + h)))
+        # After a shortest-side resize both sides are >= size: center_crop_or_pad only crops.
+        fit = longest_side_size if self.resize_mode == "longest" else shortest_side_size
+        return _pixels(center_crop_or_pad(image.resize(fit(*image.size, size), self.filter), size))
 
 
-def train_transform(image_size: int, *, aug: Augmentation | None = None, fast: bool = True) -> TrainTransform:
-    return TrainTransform(image_size, aug=aug, fast=fast)
-
-
-def eval_transform(
-    image_size: int, *, resize_mode: str = "shortest", interpolation: str = "bicubic"
-) -> EvalTransform:
-    return EvalTransform(image_size, resize_mode=resize_mode, interpolation=interpolation)
+# The names the data code builds transforms by.
+train_transform = TrainTransform
+eval_transform = EvalTransform

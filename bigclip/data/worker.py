@@ -121,7 +121,7 @@ class ReaderStream(IterableDataset):
         self.tokenizer = tokenizer
         self.keys = keys  # --image-key / --text-key
         self.storage = StorageState.capture()  # restored in the worker: a spawned one starts without it
-        self.board: JobBoard = JobBoard.in_process()  # pool.py gives it the workers' board
+        self.board: JobBoard = JobBoard(0)  # pool.py gives it the workers' board
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.storage.restore()

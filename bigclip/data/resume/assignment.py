@@ -102,21 +102,13 @@ def epoch_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
 def remaining_tasks(shards: ShardList, position: DataPosition, *, seed: int) -> list[ShardTask]:
     """Unfinished shards (or draws below the frontier), partial ones first."""
     if position.resampled:
-        order, shard_of = list(range(position.draws)), draw_shard(shards, seed=seed, epoch=position.epoch)
+        order = list(range(position.draws))
     else:
-        order, shard_of = epoch_order(len(shards), seed=seed, epoch=position.epoch), lambda s: s
+        order = epoch_order(len(shards), seed=seed, epoch=position.epoch)
     partial = [s for s in order if s in position.spans and s not in position.done]
     untouched = [s for s in order if s not in position.spans and s not in position.done]
-    return [
-        ShardTask(s, shards.urls[shard_of(s)], span.start, shards.sizes[shard_of(s)], span.stop)
-        for s in partial + untouched
-        for span in position.left(s)
-    ]
-
-
-def _remaining_samples(task: ShardTask, mean_size: float) -> float:
-    samples = task.samples
-    return max(float(samples) if samples is not None else mean_size - task.start.index, 1.0)
+    pieces = [(s, span.start, span.stop) for s in partial + untouched for span in position.left(s)]
+    return tasks_of(shards, pieces, seed=seed, epoch=position.epoch, resampled=position.resampled)
 
 
 def balanced(tasks: list[ShardTask], *, world_size: int) -> list[list[ShardTask]]:
@@ -161,7 +153,8 @@ def assign(
     mean_size = sum(known) / len(known) if known else 1.0
 
     def weight(task: ShardTask) -> float:
-        return _remaining_samples(task, mean_size)
+        samples = task.samples
+        return max(float(samples) if samples is not None else mean_size - task.start.index, 1.0)
 
     if all(t.samples is not None for t in tasks) and not resampled:
         per_rank = balanced(tasks, world_size=world_size)

@@ -106,29 +106,21 @@ class DataPosition:
 
         The result has no stream state: only the loader knows the settings and origin to add.
         """
-        merged = DataPosition(
-            epoch=self.epoch,
-            num_shards=self.num_shards,
-            fingerprint=self.fingerprint,
-            resampled=self.resampled,
-            samples=self.samples + sum(p.samples for p in progress),
-            done=set(self.done),
-            spans=dict(self.spans),
-            draws=self.draws,
-        )
+        samples = self.samples + sum(p.samples for p in progress)
+        merged = replace(self, samples=samples, done=set(self.done), spans=dict(self.spans), stream=None)
         for p in progress:
             for (shard, first, _), after in p.cursors.items():
-                merged._set_left(shard, subtract(merged.left(shard), first, after.index, after))
+                merged.set_left(shard, subtract(merged.left(shard), first, after.index, after))
         for p in progress:  # once every rank's consumption is in
             for piece, end in p.ends.items():
                 shard, first, stop = piece[0], piece[1], stop_of(piece)
                 if consumed_through(merged.left(shard), first, end.index):
-                    merged._set_left(shard, subtract(merged.left(shard), first, stop, Cursor(-1, -1)))
+                    merged.set_left(shard, subtract(merged.left(shard), first, stop, Cursor(-1, -1)))
         if self.resampled:
             merged.draws = max([merged.draws, *(d + 1 for d in merged.done | set(merged.spans))])
         return merged
 
-    def _set_left(self, shard: int, left: tuple[Span, ...]) -> None:
+    def set_left(self, shard: int, left: tuple[Span, ...]) -> None:
         self.spans.pop(shard, None)
         if not left:
             self.done.add(shard)

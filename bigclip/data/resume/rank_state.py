@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bigclip.data.resume.assignment import ReaderAssignment, ShardTask, Tail, reader_tails, tasks_of
@@ -94,18 +94,13 @@ class RankState:
         """A position right on this rank's pieces (and the draws its readers took), wrong elsewhere."""
         position = self.start()
         for task, spans in self.left.items():
-            position.spans.pop(task, None)
-            if not spans:
-                position.done.add(task)
-            elif spans != (Span(),):
-                position.spans[task] = spans
+            position.set_left(task, spans)
         return position
 
     def assignment(self, shards: ShardList) -> ReaderAssignment:
         """The saved plan and stream, to continue exactly (the caller checked `continues_alone`)."""
         assert self.stream is not None
-        origin = DataPosition(self.epoch, self.num_shards, self.fingerprint, self.resampled, self.origin_samples,
-                              draws=self.origin_draws)  # fmt: skip
+        origin = replace(self.start(), samples=self.origin_samples)
         seed, epoch, resampled = self.settings.seed, self.epoch, self.resampled
         tasks = [tasks_of(shards, plan, seed=seed, epoch=epoch, resampled=resampled) for plan in self.plans]
         tails = reader_tails(origin, self.settings, rank=self.rank)
@@ -115,7 +110,7 @@ class RankState:
         return {
             "format": FORMAT,
             "rank": self.rank,
-            "settings": {f.name: getattr(self.settings, f.name) for f in fields(StreamSettings)},
+            "settings": asdict(self.settings),
             "epoch": self.epoch,
             "mode": "resampled" if self.resampled else "shards",
             "shards": {"count": self.num_shards, "fingerprint": self.fingerprint},
@@ -133,9 +128,7 @@ class RankState:
         if not is_rank_state(state):
             raise DataError(f"not a bigclip data rank state (expected format {FORMAT!r}): {str(state)[:200]}")
         try:
-            settings = StreamSettings(
-                **{f.name: int(state["settings"][f.name]) for f in fields(StreamSettings)}
-            )
+            settings = StreamSettings.from_json(state["settings"])
             plans = [[(int(t), Cursor(int(i), int(b)), None if s == NO_STOP else int(s)) for t, i, b, s in plan]
                      for plan in state["plans"]]  # fmt: skip
             left = {int(t): tuple(Span.from_json(row) for row in rows) for t, rows in state["left"].items()}
@@ -237,11 +230,7 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             listed[task] += spans
     position = first.start()
     for task, spans in listed.items():
-        joined = coalesce(spans)
-        if not joined:
-            position.done.add(task)
-        elif joined != (Span(),):
-            position.spans[task] = joined
+        position.set_left(task, coalesce(spans))
     unplanned = range(first.origin_draws if first.resampled else first.num_shards)
     position.done |= {task for task in unplanned if task not in listed}  # done before the plan was made
     if first.resampled:

@@ -40,6 +40,11 @@ class StreamSettings:
         """Readers per rank (--workers 0 reads in the training process: one reader)."""
         return max(1, self.workers)
 
+    @classmethod
+    def from_json(cls, state: dict[str, Any]) -> StreamSettings:
+        """From `asdict`'s dict (KeyError, TypeError or ValueError when malformed: the caller says where)."""
+        return cls(**{f.name: int(state[f.name]) for f in fields(cls)})
+
     def changes_from(self, saved: StreamSettings) -> list[str]:
         """What differs from `saved`, as 'world_size 2 -> 3'; empty when the stream can continue."""
         return [
@@ -97,9 +102,7 @@ class StreamState:
     @classmethod
     def from_json(cls, state: dict[str, Any]) -> StreamState:
         try:
-            settings = StreamSettings(
-                **{f.name: int(state["settings"][f.name]) for f in fields(StreamSettings)}
-            )
+            settings = StreamSettings.from_json(state["settings"])
             ranks = [RankStream.from_json(r) for r in state["ranks"]]
             if len(ranks) != settings.world_size:
                 raise ValueError(f"{len(ranks)} ranks' states for world size {settings.world_size}")
