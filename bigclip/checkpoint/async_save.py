@@ -35,9 +35,7 @@ class AsyncSave:
         """Block until committed; returns the checkpoint URI, or raises StorageError."""
         try:
             return self.future.result(timeout=timeout)
-        except StorageError:
-            raise
-        except TimeoutError:
+        except (StorageError, TimeoutError):
             raise
         except BaseException as e:  # anything else from the upload thread
             raise StorageError(f"background save of {self.uri} failed: {type(e).__name__}: {e}") from e

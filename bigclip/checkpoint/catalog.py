@@ -47,16 +47,20 @@ def step_of(folder: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _steps(location: Location) -> list[tuple[int, str]]:
+    """(step, folder) of every step folder under the root, newest first (one listing)."""
+    found = [(int(m.group(1)), name) for name in location.list_folders() if (m := _FOLDER.match(name))]
+    return sorted(found, reverse=True)
+
+
 def entries(location: Location) -> list[Entry]:
     """Every step folder under the root, newest first, with its commit state."""
-    found = [(int(m.group(1)), name) for name in location.list_folders() if (m := _FOLDER.match(name))]
-    found.sort(reverse=True)
-    return [Entry(step, name, location.exists(f"{name}/{MANIFEST_NAME}")) for step, name in found]
+    return [Entry(step, name, location.exists(f"{name}/{MANIFEST_NAME}")) for step, name in _steps(location)]
 
 
 def latest_committed(location: Location) -> Entry | None:
-    found = [(int(m.group(1)), name) for name in location.list_folders() if (m := _FOLDER.match(name))]
-    for step, name in sorted(found, reverse=True):
+    # Lazy: the newest folders first, so usually one HEAD, not one per folder.
+    for step, name in _steps(location):
         if location.exists(f"{name}/{MANIFEST_NAME}"):
             return Entry(step, name, True)
     return None

@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from bigclip import errors
+from bigclip.checkpoint.integrity import CheckpointDamaged
 from bigclip.errors import BigclipError, StorageError
 
 
@@ -55,7 +56,9 @@ class CheckpointGroup:
         """Run `fn` on rank 0 only; every rank returns its result or raises its error.
 
         A failure on rank 0 alone must still reach the others, or they would wait in the
-        next collective until the group's timeout.
+        next collective until the group's timeout. Damage stays `CheckpointDamaged` (a load
+        may skip a damaged checkpoint); any other failure is raised as its class in
+        bigclip.errors, else as a StorageError.
         """
         result: Any = None
         if self.rank == 0:
@@ -66,6 +69,8 @@ class CheckpointGroup:
             except Exception as e:
                 result = ("StorageError", f"{type(e).__name__}: {e}")
         kind, value = self.broadcast(result)
+        if kind == CheckpointDamaged.__name__:
+            raise CheckpointDamaged(value)
         if kind != "ok":
             raise getattr(errors, kind, StorageError)(value)
         return value

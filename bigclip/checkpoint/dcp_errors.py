@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from bigclip.checkpoint.safe_load import unwrap_checkpoint_exception
 from bigclip.errors import StorageError
 from bigclip.storage.access_checks import explain_error
 from bigclip.storage.safe_metadata import metadata_failure_of
@@ -45,6 +45,21 @@ def first_line(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if failures:
         rank = min(failures)
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"rank {rank}: {explain_error(inner)}"
+        return f"rank {rank}: {explain_error(_failure_of(failures, rank))}"
     return explain_error(exc)
+
+
+def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
+    """DCP wraps per-rank failures in CheckpointException; surface our own error if one is inside."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank in sorted(failures):
+        inner = _failure_of(failures, rank)
+        if isinstance(inner, StorageError):
+            return inner
+    return exc
+
+
+def _failure_of(failures: dict[int, Any], rank: int) -> BaseException:
+    """Rank `rank`'s exception in a CheckpointException's failures (kept alone or with its traceback)."""
+    failure = failures[rank]
+    return failure[0] if isinstance(failure, tuple) else failure

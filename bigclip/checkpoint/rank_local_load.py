@@ -17,7 +17,6 @@ partitions) is read whole, every saved rank's record, with a warning.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -156,10 +155,7 @@ def load_rank(
     planner and reader, as DCP's loader runs them for a rank-local checkpoint."""
     planner = SafeLoadPlanner(optional_keys=optional_keys)
     planner.set_up_planner(state, meta, rank == 0)
-    if "kwargs" in inspect.signature(reader.set_up_storage_reader).parameters:
-        reader.set_up_storage_reader(meta, rank == 0, rank=rank, use_collectives=False)
-    else:
-        reader.set_up_storage_reader(meta, rank == 0)
+    reader.set_up_storage_reader(meta, rank == 0, rank=rank, use_collectives=False)
     plan = reader.prepare_local_plan(planner.create_local_plan())
     plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
     reader.read_data(planner.finish_plan(plan), planner).wait()
@@ -180,7 +176,7 @@ def load_sharded(
     rank 0's record once for everyone (every rank needs it: the replicated values and the slice
     lengths); each rank then reads the records it overlaps and its chunks, and all ranks learn
     the first failure together (a damaged chunk on one rank fails the load everywhere)."""
-    rank0 = _on_rank0(group, lambda: rank_record.read_metadata(location, folder, record_of(0)))
+    rank0 = group.on_rank0(lambda: rank_record.read_metadata(location, folder, record_of(0)))
     # As dcp.load: Statefuls are loaded through their state dicts, in key order.
     plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in sorted(state.items())}
     error: BaseException | None = None
@@ -198,19 +194,6 @@ def load_sharded(
             state[key].load_state_dict(value)
         else:
             state[key] = value
-
-
-def _on_rank0(group: CheckpointGroup, fn: Callable[[], Any]) -> Any:
-    """`fn` on rank 0, its result (or its failure, damage kept as damage) on every rank."""
-    result: Any = None
-    if group.rank == 0:
-        try:
-            result = (None, fn())
-        except Exception as e:
-            result = (_portable(e), None)
-    failure, value = group.broadcast(result)
-    _raise((0, failure) if failure else None, 1)
-    return value
 
 
 def _raise(failure: tuple[int, tuple[str, str]] | None, world: int) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,6 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from bigclip.checkpoint import metadata_stream, rank_record
@@ -35,10 +33,9 @@ from bigclip.checkpoint import metadata_stream, rank_record
 
 @dataclass
 class RankSave:
-    """What one rank wrote: its own metadata, its piece of `.metadata`, the keys it saw, and on
-    rank 0 the `.metadata` skeleton's head (every key's size and dtype)."""
+    """What one rank wrote: its piece of `.metadata`, the keys it saw, and on rank 0 the
+    `.metadata` skeleton's head (every key's size and dtype). Its own metadata is in its record."""
 
-    local: Metadata
     piece: bytes
     keys_digest: str
     head: bytes | None = None
@@ -76,13 +73,6 @@ def _owned(item: WriteItem, rank: int) -> bool:
     return rank == 0 and math.prod(item.tensor_data.size) == 0
 
 
-def _set_up_writer(writer: Any, rank: int) -> None:
-    if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:
-        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=False)
-    else:
-        writer.set_up_storage_writer(rank == 0)
-
-
 def write_rank(state: dict[str, Any], writer: Any, *, rank: int, train: Any) -> RankSave:
     """Plan, write and record this rank's part of the checkpoint (no collective).
 
@@ -91,7 +81,7 @@ def write_rank(state: dict[str, Any], writer: Any, *, rank: int, train: Any) -> 
     kept in its record."""
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
-    _set_up_writer(writer, rank)
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=False)
     digest, tensor_keys = keys_digest(planner.state_dict)
     plan = planner.create_local_plan()
     head = _head(plan, writer, tensor_keys) if rank == 0 else None
@@ -110,7 +100,7 @@ def write_rank(state: dict[str, Any], writer: Any, *, rank: int, train: Any) -> 
     with writer.fs.create_stream(path, "wb") as stream:
         stream.write(rank_record.encode(train, local, chunks))
     piece = metadata_stream.rank_piece(local, tensor_keys)
-    return RankSave(local=local, piece=piece, keys_digest=digest, head=head)
+    return RankSave(piece=piece, keys_digest=digest, head=head)
 
 
 def _chunk_crcs(fs: Any, infos: Any) -> dict[str, dict[int, int]]:

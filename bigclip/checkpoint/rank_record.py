@@ -23,6 +23,7 @@ import hashlib
 import json
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,13 +103,18 @@ def _checked(part: bytes, sha: bytes, where: str, what: str) -> bytes:
     return part
 
 
+def _train_part(read: Callable[[int, int], bytes], where: str) -> tuple[_Header, bytes]:
+    """A record's header and its JSON part, checked: `read(offset, size)` gives the record's bytes."""
+    header = _Header.parse(read(0, HEADER_BYTES), where)
+    text = _checked(read(HEADER_BYTES, header.text_bytes), header.text_sha, where, "training state")
+    return header, text
+
+
 def read_train(location: Location, folder: str, record: str) -> Any:
     """A saved rank's training state (its record's header and JSON part only: a ranged read)."""
     name = f"{folder}/{record}"
-    where = location.child_uri(name)
-    header = _Header.parse(_read(location, name, 0, HEADER_BYTES), where)
-    text = _read(location, name, HEADER_BYTES, header.text_bytes)
-    return json.loads(_checked(text, header.text_sha, where, "training state"))["train"]
+    _, text = _train_part(lambda offset, size: _read(location, name, offset, size), location.child_uri(name))
+    return json.loads(text)["train"]
 
 
 def read_metadata(location: Location, folder: str, record: str) -> tuple[Metadata, ChunkCrcs]:
@@ -117,35 +123,28 @@ def read_metadata(location: Location, folder: str, record: str) -> tuple[Metadat
     name = f"{folder}/{record}"
     where = location.child_uri(name)
     data = location.read_bytes(name)
-    header = _Header.parse(data[:HEADER_BYTES], where)
-    text = _checked(
-        data[HEADER_BYTES : HEADER_BYTES + header.text_bytes], header.text_sha, where, "training state"
-    )
+    header, text = _train_part(lambda offset, size: data[offset : offset + size], where)
     start = HEADER_BYTES + header.text_bytes
     meta = _checked(data[start : start + header.meta_bytes], header.meta_sha, where, "metadata")
     try:
         metadata = load_metadata(meta)
     except Exception as e:  # the restricted unpickler refused it: damage or tampering
         raise CheckpointDamaged(f"{where}: {e}") from e
-    return metadata, _chunk_crcs(text)
+    return metadata, {
+        (file, offset): crc for file, by_offset in _crcs(text).items() for offset, crc in by_offset.items()
+    }
 
 
 def read_chunk_crcs(blobs: BlobFolder, record: str) -> dict[str, dict[int, int]]:
     """A saved rank's chunks' CRC-32s as written, file -> {offset: CRC-32} (its record's header and
     JSON part: ranged reads), for the readers of a whole checkpoint, which use DCP's .metadata."""
-    where = blobs.uri(record)
-    header = _Header.parse(blobs.read(record, 0, HEADER_BYTES), where)
-    text = _checked(
-        blobs.read(record, HEADER_BYTES, header.text_bytes), header.text_sha, where, "training state"
-    )
+    _, text = _train_part(lambda offset, size: blobs.read(record, offset, size), blobs.uri(record))
+    return _crcs(text)
+
+
+def _crcs(text: bytes) -> dict[str, dict[int, int]]:
+    """The JSON part's chunk CRC-32s, file -> {offset: CRC-32}."""
     chunks = json.loads(text).get("chunks") or {}
     return {
         file: {int(offset): crc for offset, crc in by_offset.items()} for file, by_offset in chunks.items()
-    }
-
-
-def _chunk_crcs(text: bytes) -> ChunkCrcs:
-    chunks = json.loads(text).get("chunks") or {}
-    return {
-        (file, int(offset)): crc for file, by_offset in chunks.items() for offset, crc in by_offset.items()
     }

@@ -54,10 +54,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"checkpoint value {fqn!r} is not plain data (weights_only load refused it: {e}); "
                 "store ints, floats, strings, lists, dicts or tensors in checkpoint state"
             ) from e
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
+        # This planner always flattens (DCP's default, kept by __init__), so values go through the mappings.
+        set_element(self.original_state_dict, self.mappings[fqn], obj)
 
 
 def check_keys_match(flat_state: dict[str, Any], metadata: Metadata, *, max_listed: int = 20) -> None:
@@ -95,13 +93,3 @@ def _listing(title: str, items: list[str], max_listed: int) -> list[str]:
     shown = [f"    {item}" for item in items[:max_listed]]
     more = [f"    ... and {len(items) - max_listed} more"] if len(items) > max_listed else []
     return [f"  {title} ({len(items)}):", *shown, *more]
-
-
-def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
-    """DCP wraps per-rank failures in CheckpointException; surface our own error if one is inside."""
-    failures = getattr(exc, "failures", None) or {}
-    for rank in sorted(failures):
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        if isinstance(inner, StorageError):
-            return inner
-    return exc

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from bigclip.errors import StorageError
 from bigclip.storage.local_location import READ_BUFFER_BYTES
-from bigclip.storage.records import Hasher, ObjectRecord
+from bigclip.storage.records import ObjectRecord
 from bigclip.storage.schemes import OpenOptions, scheme_of
+from bigclip.storage.sinks import HashedSink
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -171,34 +172,30 @@ class FsspecLocation:
         return SafeFsspecReader(self.child_uri(folder))
 
 
-class FsspecSink:
+class FsspecSink(HashedSink):
     """Bytes go to a hidden temporary object beside the target, moved onto it only on commit.
     Without `overwrite`, an existing target is refused at open and again just before the move
     (fsspec offers no atomic exclusive move; registries use `create_exclusive` for names)."""
 
     def __init__(self, location: FsspecLocation, relative: str, *, overwrite: bool) -> None:
-        self.location, self.relative, self.overwrite = location, relative, overwrite
-        self.uri = location.child_uri(relative)
-        if not overwrite and location.exists(relative):
-            raise StorageError(f"{self.uri} exists; pass --overwrite to replace it, or choose another name")
+        super().__init__(
+            location.child_uri(relative), overwrite=overwrite, exists=lambda: location.exists(relative)
+        )
+        self.location, self.relative = location, relative
         folder, _, name = relative.rpartition("/")
         hidden = f".{name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
         self.tmp = f"{folder}/{hidden}" if folder else hidden
         self._stream = location.fs.open(location._path(self.tmp), "wb")
-        self._hash = Hasher()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._hash.update(data)
         self._stream.write(data)
 
-    def record(self) -> ObjectRecord:
-        return self._hash.record()
-
     def commit(self) -> ObjectRecord:
         self._stream.close()
         if not self.overwrite and self.location.exists(self.relative):
             self.abort()
-            raise StorageError(f"{self.uri} appeared while it was written; nothing was replaced")
+            raise self._appeared()
         self.location.move(self.tmp, self.relative)
         return self._hash.record()
 

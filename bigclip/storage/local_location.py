@@ -27,9 +27,9 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from bigclip.errors import StorageError
 from bigclip.storage.full_disk import full_error
-from bigclip.storage.records import Hasher, ObjectRecord
+from bigclip.storage.records import ObjectRecord
+from bigclip.storage.sinks import HashedSink
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -208,18 +208,16 @@ class LocalLocation:
         return SafeFileSystemReader(self.root / folder)
 
 
-class LocalSink:
+class LocalSink(HashedSink):
     """Bytes go to a hidden temporary file beside the target, which is fsynced and renamed (or
     hard-linked, to refuse an existing target atomically) only on commit."""
 
     def __init__(self, target: Path, *, overwrite: bool) -> None:
-        self.target, self.overwrite, self.uri = target, overwrite, str(target)
-        if not overwrite and target.exists():
-            raise StorageError(f"{target} exists; pass --overwrite to replace it, or choose another name")
+        super().__init__(str(target), overwrite=overwrite, exists=target.exists)
+        self.target = target
         target.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = target.with_name(f".{target.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
         self._file = open(self.tmp, "wb")  # noqa: SIM115 (closed by commit or abort)
-        self._hash = Hasher()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._hash.update(data)
@@ -228,9 +226,6 @@ class LocalSink:
         except OSError as e:
             self._fail(e)
             raise
-
-    def record(self) -> ObjectRecord:
-        return self._hash.record()
 
     def commit(self) -> ObjectRecord:
         try:
@@ -248,7 +243,7 @@ class LocalSink:
                 self.tmp.unlink()
         except FileExistsError as e:
             self.abort()
-            raise StorageError(f"{self.target} appeared while it was written; nothing was replaced") from e
+            raise self._appeared() from e
         fsync_dir(self.target.parent)
         return self._hash.record()
 

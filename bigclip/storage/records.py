@@ -8,7 +8,6 @@ Manifests (checkpoints, consolidated files, registry publications) hold an `Inve
 from __future__ import annotations
 
 import hashlib
-import io
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -66,12 +65,15 @@ class Inventory(dict[str, ObjectRecord]):
             if stored_as(name) in seen:
                 continue
             seen.add(stored_as(name))
+            hasher = Hasher()
             try:
                 with open_read(name) as stream:
-                    actual = sha256_of_stream(stream)
+                    while chunk := stream.read(8 << 20):
+                        hasher.update(chunk)
             except Exception as e:  # missing or unreadable: reported with the rest
                 problems.append(f"{label(name)}: cannot read ({e})")
                 continue
+            actual = hasher.record()
             read_bytes(actual.size)
             if actual != record:
                 problems.append(f"{label(name)}: content differs from the manifest (size {actual.size}, "
@@ -92,11 +94,3 @@ class Hasher:
 
     def record(self) -> ObjectRecord:
         return ObjectRecord(size=self.size, sha256=self.digest.hexdigest())
-
-
-def sha256_of_stream(stream: io.IOBase, *, chunk_bytes: int = 8 << 20) -> ObjectRecord:
-    """Size and checksum of everything readable from `stream` (used by explicit verification)."""
-    hasher = Hasher()
-    while chunk := stream.read(chunk_bytes):
-        hasher.update(chunk)
-    return hasher.record()

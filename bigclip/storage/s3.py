@@ -23,13 +23,9 @@ from bigclip.storage.settings import storage_settings
 S3_SCHEME = "s3://"
 
 
-def is_s3(uri: str) -> bool:
-    return uri.startswith(S3_SCHEME)
-
-
 def split_s3_uri(uri: str) -> tuple[str, str]:
     """'s3://bucket/a/b' -> ('bucket', 'a/b')."""
-    if not is_s3(uri):
+    if not uri.startswith(S3_SCHEME):
         raise StorageError(f"not an s3:// URI: {uri!r}")
     bucket, _, key = uri[len(S3_SCHEME) :].partition("/")
     if len(bucket) < 3:

@@ -67,16 +67,10 @@ def back_off_instance_metadata(core: Any) -> bool:
 class BackoffSend:
     """`send(request)` retried, with full-jitter exponential backoff, while the answer is a throttle."""
 
-    def __init__(
-        self,
-        send: Callable[[Any], Any],
-        *,
-        tries: int = IMDS_TRIES,
-        base_s: float = BACKOFF_BASE_S,
-        cap_s: float = BACKOFF_CAP_S,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.send, self.tries, self.base_s, self.cap_s, self.sleep = send, tries, base_s, cap_s, sleep
+    tries = IMDS_TRIES
+
+    def __init__(self, send: Callable[[Any], Any], *, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.send, self.sleep = send, sleep
 
     def __call__(self, request: Any) -> Any:
         from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
@@ -91,5 +85,5 @@ class BackoffSend:
             else:
                 if response.status_code not in THROTTLE_STATUSES or last:
                     return response
-            self.sleep(random.uniform(0.0, min(self.cap_s, self.base_s * 2**attempt)))
+            self.sleep(random.uniform(0.0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)))
         raise AssertionError("unreachable")

@@ -215,13 +215,20 @@ class S3Location:
     def open_sink(self, relative: str, *, overwrite: bool) -> S3Sink:
         from bigclip.storage.s3_sink import S3Sink
 
-        exists = not overwrite and self.exists(relative)
-        return S3Sink(self.child_uri(relative), settings=self.settings, overwrite=overwrite, exists=exists)
+        return S3Sink(self.child_uri(relative), settings=self.settings, overwrite=overwrite,
+                      exists=lambda: self.exists(relative))  # fmt: skip
 
     def create_exclusive(self, relative: str, data: bytes) -> bool:
-        from bigclip.storage.s3_sink import s3_create_exclusive
-
-        return s3_create_exclusive(self.child_uri(relative), data, settings=self.settings)
+        """Write a small object only if it does not exist; False if it does (a conditional PUT)."""
+        try:
+            boto3_client(self.settings).put_object(
+                Bucket=self.bucket, Key=self._key(relative), Body=data, IfNoneMatch="*"
+            )
+        except Exception as e:
+            if "PreconditionFailed" in str(e) or "ConditionalRequestConflict" in str(e):
+                return False
+            raise StorageError(f"writing {self.child_uri(relative)} failed: {e}") from e
+        return True
 
     def put_file(self, relative: str, path: Path) -> None:
         """Upload a local file (multipart above 64 MiB); the object appears whole when complete."""

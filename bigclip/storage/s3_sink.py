@@ -4,36 +4,36 @@ A multipart upload, completed only on commit and aborted on `abort`. s3torchconn
 `S3Writer` cannot be used here: it has no abort, and dropping an unclosed one completes the
 upload (observed with 1.5.0), so an interrupted write would publish a truncated object. An
 output that must not replace another is committed with `If-None-Match: *`, and
-`create_exclusive` is a conditional PUT: the primitive behind immutable names and leases.
+`S3Location.create_exclusive` is a conditional PUT: the primitive behind immutable names and leases.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from bigclip.errors import StorageError
-from bigclip.storage.records import Hasher, ObjectRecord
+from bigclip.storage.records import ObjectRecord
 from bigclip.storage.s3 import S3Settings, boto3_client, split_s3_uri
+from bigclip.storage.sinks import HashedSink
 
 PART_BYTES = 64 << 20  # S3 parts: at least 5 MiB; 64 MiB allows objects up to 640 GB
 PARTS_IN_FLIGHT = 3
 
 
-class S3Sink:
+class S3Sink(HashedSink):
     """A multipart upload: parts of PART_BYTES go up on a few threads while the caller writes."""
 
-    def __init__(self, uri: str, *, settings: S3Settings, overwrite: bool, exists: bool) -> None:
-        """`exists`: whether the object is there now (refused unless `overwrite`)."""
-        self.uri = uri
+    def __init__(
+        self, uri: str, *, settings: S3Settings, overwrite: bool, exists: Callable[[], bool]
+    ) -> None:
+        """`exists`: whether the object is there now (asked, and refused, unless `overwrite`)."""
+        super().__init__(uri, overwrite=overwrite, exists=exists)
         self.bucket, self.key = split_s3_uri(uri)
-        self.overwrite = overwrite
-        if not overwrite and exists:
-            raise StorageError(f"{self.uri} exists; pass --overwrite to replace it, or choose another name")
         self.client = boto3_client(settings)
         self._buffer = bytearray()
-        self._hash = Hasher()
         self._upload_id: str | None = None
         self._parts: list[Future] = []
         self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="bigclip-upload")
@@ -45,9 +45,6 @@ class S3Sink:
             part = bytes(self._buffer[:PART_BYTES])
             del self._buffer[:PART_BYTES]
             self._send(part)
-
-    def record(self) -> ObjectRecord:
-        return self._hash.record()
 
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
@@ -103,17 +100,5 @@ class S3Sink:
             return getattr(self.client, method)(**kwargs)
         except Exception as e:
             if "PreconditionFailed" in str(e):
-                raise StorageError(f"{self.uri} appeared while it was written; nothing was replaced") from e
+                raise self._appeared() from e
             raise StorageError(f"writing {self.uri} failed ({method}): {e}") from e
-
-
-def s3_create_exclusive(uri: str, data: bytes, *, settings: S3Settings) -> bool:
-    """Write a small object only if `uri` does not exist; False if it does (a conditional PUT)."""
-    bucket, key = split_s3_uri(uri)
-    try:
-        boto3_client(settings).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-    except Exception as e:
-        if "PreconditionFailed" in str(e) or "ConditionalRequestConflict" in str(e):
-            return False
-        raise StorageError(f"writing {uri} failed: {e}") from e
-    return True

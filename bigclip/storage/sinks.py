@@ -14,9 +14,11 @@ exists, atomically (the primitive behind immutable names and leases).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
-from bigclip.storage.records import ObjectRecord
+from bigclip.errors import StorageError
+from bigclip.storage.records import Hasher, ObjectRecord
 
 
 class Sink(Protocol):
@@ -26,3 +28,21 @@ class Sink(Protocol):
     def record(self) -> ObjectRecord: ...  # size and SHA-256 of what was written so far
     def commit(self) -> ObjectRecord: ...
     def abort(self) -> None: ...
+
+
+class HashedSink:
+    """What every location's sink shares: an existing target refused unless `overwrite` (`exists`
+    is asked only then), the size and SHA-256 of what was written, and how a target that appeared
+    during the write is reported."""
+
+    def __init__(self, uri: str, *, overwrite: bool, exists: Callable[[], bool]) -> None:
+        self.uri, self.overwrite = uri, overwrite
+        if not overwrite and exists():
+            raise StorageError(f"{uri} exists; pass --overwrite to replace it, or choose another name")
+        self._hash = Hasher()
+
+    def record(self) -> ObjectRecord:
+        return self._hash.record()
+
+    def _appeared(self) -> StorageError:
+        return StorageError(f"{self.uri} appeared while it was written; nothing was replaced")
