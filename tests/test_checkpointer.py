@@ -27,7 +27,7 @@ from bigclip.train import phases
 from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.checkpointer import Checkpointer, SaveFailed
 from bigclip.train.metrics import Scalars
-from bigclip.train.preemption import PreemptionWatcher
+from bigclip.train.signals import SignalFlag, catch_preemption_signals
 
 MINUTE = 60.0
 
@@ -68,7 +68,7 @@ def checkpoint_flags(*flags: str) -> CheckpointConfig:
 
 
 def open_checkpointer(
-    root: str, cfg: CheckpointConfig, clock: Clock, preemption: PreemptionWatcher, **contents: float
+    root: str, cfg: CheckpointConfig, clock: Clock, preemption: SignalFlag, **contents: float
 ) -> Checkpointer:
     return Checkpointer(CheckpointStore(root), SmallContents(clock, **contents), cfg=cfg, preemption=preemption,
                         scalars=Scalars([]), clock=clock)  # fmt: skip
@@ -76,7 +76,7 @@ def open_checkpointer(
 
 @pytest.fixture
 def preemption():
-    watcher = PreemptionWatcher()
+    watcher = catch_preemption_signals()
     yield watcher
     watcher.close()  # this process's signal handlers as they were
 
@@ -120,7 +120,7 @@ def test_any_save_restarts_the_minutes(tmp_path, preemption):
 def _ranks_with_different_clocks(rank: int, world: int, root: str) -> dict:
     clock = Clock()
     cfg = checkpoint_flags("--save-every-n-minutes", "2.5")
-    checkpointer = open_checkpointer(root, cfg, clock, PreemptionWatcher())
+    checkpointer = open_checkpointer(root, cfg, clock, catch_preemption_signals())
     phases.begin("training", on_stop=phases.OnStop.AT_BOUNDARY, base=True)  # past the first step, as the loop
     state, saved, stop = TrainState(), [], 0
     for step in range(1, 20):

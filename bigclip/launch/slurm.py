@@ -33,7 +33,6 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from bigclip.cli_args import ArgumentParser, parse_train_args
 from bigclip.config import TrainConfig
@@ -41,9 +40,6 @@ from bigclip.errors import ConfigError
 from bigclip.launch.recipe_args import train_args_lines, with_absolute_paths
 from bigclip.launch.slurm_job import MIN_REQUEUE_CAP, Job, check_plan, job_plan, requeue_cap, time_seconds
 from bigclip.launch.slurm_template import BODY, DEEPSPEED_LAUNCH, HEADER, SRUN_LAUNCH, TORCHRUN_LAUNCH, fill
-
-if TYPE_CHECKING:
-    pass
 
 LAUNCHERS = {"srun": SRUN_LAUNCH, "torchrun": TORCHRUN_LAUNCH, "deepspeed": DEEPSPEED_LAUNCH}
 # After the requeue marker, how long the script waits for the launcher before it stops waiting (a
@@ -103,8 +99,6 @@ def validate_job(job: Job) -> Job:
         raise ConfigError(
             "--nodes and --cpus-per-gpu must be at least 1, --gpus-per-node and --ranks-per-node 0 or more"
         )
-    if job.launcher not in LAUNCHERS:
-        raise ConfigError(f"--launcher {job.launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     if job.ranks < 1:
         raise ConfigError("--gpus-per-node 0 (a CPU partition) needs --ranks-per-node N")
     if job.max_requeues < 0:
@@ -158,7 +152,7 @@ def resource_lines(job: Job) -> str:
     return "".join(f"#SBATCH {line}\n" for line in lines)
 
 
-def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") -> str:
+def render(job: Job, cfg: TrainConfig, *, command: str = "") -> str:
     name = job.job_name or default_job_name(cfg, job)
     chdir = Path(job.chdir or os.getcwd()).expanduser().absolute()
     if not SBATCH_VALUE.fullmatch(str(chdir)):
@@ -167,12 +161,12 @@ def render(job: Job, cfg: TrainConfig, *, command: str = "", title: str = "") ->
     cfg = with_absolute_paths(requeue_ready(cfg, name), chdir)
     _check_safe_values(cfg)
     plan = job_plan(cfg, job)
-    checkpoint_s = check_plan(cfg, job, plan)
+    checkpoint_s = check_plan(job, plan)
     cap, cap_why = requeue_cap(cfg, job, plan)
     extra = [f"#SBATCH --{flag}={getattr(job, flag)}" for flag in ("partition", "account", "qos", "constraint")
              if getattr(job, flag)]  # fmt: skip
     values = {
-        "TITLE": title or f"{cfg.model.model} on {job.nodes} x {job.gpus_per_node or job.ranks} "
+        "TITLE": f"{cfg.model.model} on {job.nodes} x {job.gpus_per_node or job.ranks} "
         f"{'GPUs' if job.gpus_per_node else 'CPU ranks'}, {name}",
         "COMMAND": command, "JOB_NAME": name, "NODES": str(job.nodes),
         "TASKS_PER_NODE": str(job.ranks if job.launcher == "srun" else 1), "RANKS_PER_NODE": str(job.ranks),

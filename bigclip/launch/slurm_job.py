@@ -90,7 +90,7 @@ def planned_checkpoint_seconds(plan: Plan, job: Job) -> int:
     return max(CHECKPOINT_FLOOR_S, math.ceil(2 * (upload + requests + plan.step_time_s)))
 
 
-def check_plan(cfg: TrainConfig, job: Job, plan: Plan) -> int:
+def check_plan(job: Job, plan: Plan) -> int:
     """Refuse a job that cannot run as planned; returns the planned checkpoint seconds."""
     if job.gpus_per_node and not plan.fits and not job.force:
         from bigclip.plan.advice import advise

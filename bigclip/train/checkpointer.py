@@ -48,10 +48,10 @@ from bigclip.storage.access_checks import explained
 from bigclip.storage.full_disk import says_disk_full
 from bigclip.train.checkpoint_contents import TrainState
 from bigclip.train.metrics import Scalars, get_logger
-from bigclip.train.preemption import PreemptionWatcher
 from bigclip.train.preflight import check_shared_folder
 from bigclip.train.remote_sync import RemoteSync
 from bigclip.train.save_schedule import Boundary, Due, OnFailure, TrainingClock, agree, save_due
+from bigclip.train.signals import SignalFlag
 
 ASKED = Due("asked", on_failure=OnFailure.RAISE)  # a save the caller asked for, outside the cadence
 
@@ -91,7 +91,7 @@ class Checkpointer:
         contents: Contents,
         *,
         cfg: CheckpointConfig,
-        preemption: PreemptionWatcher,
+        preemption: SignalFlag,
         scalars: Scalars,
         sync: RemoteSync | None = None,
         saved_step: int = -1,
@@ -141,7 +141,7 @@ class Checkpointer:
     def _save_if(self, due: Due | None, state: TrainState, data_position: Callable[[], dict | None]) -> None:
         if due is None:
             return
-        self._settle()  # a failed upload of this very step must not make it look saved
+        self.wait()  # a failed upload of this very step must not make it look saved
         if state.step != self.saved_step:
             self.save(state, data_position=data_position(), due=due)
 
@@ -155,7 +155,7 @@ class Checkpointer:
         """Collective. Logs (and sends to the metric sinks) how long training was blocked. A
         failure is handled as `due.on_failure` says (module docstring)."""
         started = time.perf_counter()
-        self._settle()  # the upload in flight first: the store would wait for it anyway
+        self.wait()  # the upload in flight first: the store would wait for it anyway
         waited = time.perf_counter() - started
         if state.step == self.saved_step:
             return  # this step is saved (or was just loaded): never replace a committed checkpoint
@@ -195,8 +195,10 @@ class Checkpointer:
         if pending.error is not None and due.on_failure is OnFailure.CONTINUE:
             self._warn(pending.step, due, pending.error)
 
-    def _settle(self) -> None:
-        """Wait for the async save in flight, if any; its failure is handled as its `due` says."""
+    def wait(self) -> None:
+        """Block until the async save in flight, if any, is committed; its failure is handled as its
+        `due` says (a failed periodic save was said already; a failed stop-request or final one
+        raises SaveFailed)."""
         in_flight, self._in_flight = self._in_flight, None
         try:
             self.store.wait()
@@ -233,18 +235,13 @@ class Checkpointer:
                 f"tries again: {error}"
             )
 
-    def wait(self) -> None:
-        """Block until the save in flight is committed. A failed periodic save was said already;
-        a failed stop-request or final one raises SaveFailed."""
-        self._settle()
-
     def latest(self) -> str | None:
         return self.store.latest()
 
     def close(self, *, strict: bool = True) -> None:
         """Wait for the save in flight, then the final remote sync (`strict`: raise if incomplete)."""
         try:
-            self._settle()
+            self.wait()
         finally:
             self.store.close()
         if self.sync is not None:

@@ -41,11 +41,9 @@ if TYPE_CHECKING:
 EVAL_PROG = "bigclip eval"  # the evaluation-only run by name (cli.py's `eval`)
 
 
-def main(argv: list[str] | None = None, *, prog: str = "bigclip train") -> int:
-    """Train with `argv` (default: sys.argv[1:]); returns the exit code (85: requeue me). Without
-    --train-data and with an evaluation set, the run evaluates its weights and ends (OpenCLIP's
-    evaluation-only run)."""
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str], *, prog: str = "bigclip train") -> int:
+    """Train with `argv`; returns the exit code (85: requeue me). Without --train-data and with an
+    evaluation set, the run evaluates its weights and ends (OpenCLIP's evaluation-only run)."""
     try:
         catch_preemption_signals()  # in the try: a signal pending at the unblock raises here
         return _train(argv, prog=prog)
@@ -78,7 +76,7 @@ def _explained(error: BigclipError) -> str:
     return explained(error)
 
 
-def eval_main(argv: list[str] | None = None) -> int:
+def eval_main(argv: list[str]) -> int:
     """`bigclip eval`: the evaluation-only run by name (`bigclip train` with no --train-data)."""
     return main(argv, prog=EVAL_PROG)
 

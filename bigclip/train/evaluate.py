@@ -14,8 +14,6 @@ every forward. Features are gathered and scored on all ranks (identical results)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -127,34 +125,6 @@ def _gather_in_order(local: torch.Tensor, *, world: int, total: int) -> torch.Te
     return interleaved[:total]
 
 
-def evaluate_retrieval(
-    engine: Engine,
-    my_samples: Sequence[EvalSample],
-    runtime: Runtime,
-    *,
-    normalize: ImageNormalizer,
-    batch_size: int = 64,
-    chunk_size: int = 4096,
-    fp32: bool = True,
-) -> dict[str, float]:
-    """`my_samples`: this rank's share of the held-out set, indices rank, rank + world, ... in order
-    (as `iter_eval_samples(..., rank=, world_size=)` in bigclip.data.eval yields them); `normalize`
-    puts their uint8 images on the device, as the training loader does (`image_normalizer` in
-    bigclip.data.device). `batch_size` (per rank) sets the forwards and clip_val_loss's batches."""
-    share, total = _padded_share(list(my_samples), runtime)
-    was_training = engine.module.training
-    engine.eval()
-    image_local, text_local, scale = _embed(
-        engine, share, batch_size=batch_size, device=runtime.device, normalize=normalize
-    )
-    engine.train(was_training)
-    image = _gather_in_order(image_local, world=runtime.world_size, total=total)
-    text = _gather_in_order(text_local, world=runtime.world_size, total=total)
-    return retrieval_metrics(
-        image, text, logit_scale=scale, batch_size=batch_size, chunk_size=chunk_size, fp32=fp32
-    )
-
-
 def held_out_retrieval(
     engine: Engine,
     cfg: DataConfig,
@@ -164,16 +134,28 @@ def held_out_retrieval(
     normalize: ImageNormalizer,
     image_size: int,
 ) -> dict[str, float]:
-    """evaluate_retrieval on --val-data: this rank's share of the pairs, read with the exact eval
-    transform (resize + center crop, as OpenCLIP)."""
+    """Retrieval metrics on --val-data. This rank reads its share of the pairs, indices rank,
+    rank + world, ... in order, with the exact eval transform (resize + center crop, as OpenCLIP);
+    `normalize` puts their uint8 images on the device, as the training loader does
+    (`image_normalizer` in bigclip.data.device). --batch-size (per rank) sets the forwards and
+    clip_val_loss's batches."""
     mine = iter_eval_samples(
         cfg.val_data, image_size=image_size, tokenizer=tokenizer, limit=cfg.val_num_samples,
         rank=runtime.rank, world_size=runtime.world_size,
         resize_mode=cfg.image_resize_mode, interpolation=cfg.image_interpolation,
         keys=SampleKeys.parse(image_key=cfg.image_key, text_key=cfg.text_key),
     )  # fmt: skip
-    return evaluate_retrieval(
-        engine, list(mine), runtime, normalize=normalize, batch_size=cfg.batch_size,
+    share, total = _padded_share(list(mine), runtime)
+    was_training = engine.module.training
+    engine.eval()
+    image_local, text_local, scale = _embed(
+        engine, share, batch_size=cfg.batch_size, device=runtime.device, normalize=normalize
+    )
+    engine.train(was_training)
+    image = _gather_in_order(image_local, world=runtime.world_size, total=total)
+    text = _gather_in_order(text_local, world=runtime.world_size, total=total)
+    return retrieval_metrics(
+        image, text, logit_scale=scale, batch_size=cfg.batch_size,
         chunk_size=cfg.val_retrieval_chunk_size, fp32=cfg.val_retrieval_precision == "fp32",
     )  # fmt: skip
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import socket
 import sys
@@ -113,14 +114,9 @@ def rank_ranges(ranks: list[int]) -> str:
     """'rank 3', or 'ranks 0-5, 7 (7 ranks)' for sorted `ranks`."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    spans, start, prev = [], ranks[0], ranks[0]
-    for rank in ranks[1:]:
-        if rank != prev + 1:
-            spans.append((start, prev))
-            start = rank
-        prev = rank
-    spans.append((start, prev))
-    text = ", ".join(f"{a}-{b}" if b != a else f"{a}" for a, b in spans)
+    runs = itertools.groupby(enumerate(ranks), lambda pair: pair[1] - pair[0])  # constant along a run
+    spans = [[rank for _, rank in run] for _, run in runs]
+    text = ", ".join(f"{span[0]}-{span[-1]}" if len(span) > 1 else f"{span[0]}" for span in spans)
     return f"ranks {text} ({len(ranks)} ranks)"
 
 

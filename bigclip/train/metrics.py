@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -69,10 +69,9 @@ def peak_memory_gb(device: torch.device) -> float:
 class Average:
     total: float = 0.0
     count: int = 0
-    last: float = 0.0
 
     def add(self, value: float) -> None:
-        self.total, self.count, self.last = self.total + value, self.count + 1, value
+        self.total, self.count = self.total + value, self.count + 1
 
     @property
     def avg(self) -> float:
@@ -100,32 +99,21 @@ class StepTimer:
         self.data, self.batch = Average(), Average()
 
 
-class ScalarSink(Protocol):
-    def scalars(self, values: dict[str, float], *, step: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class TensorBoard:
-    """Scalars for TensorBoard on rank 0; a no-op elsewhere or when disabled."""
+    """Scalars for TensorBoard (rank 0 only: Scalars.open makes no sink elsewhere)."""
 
-    def __init__(self, log_dir: Path | None) -> None:
-        self.writer = None
-        if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def scalars(self, values: dict[str, float], *, step: int) -> None:
-        if self.writer is None:
-            return
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+        self.writer.flush()
+        self.writer.close()
 
 
 class Wandb:
@@ -151,13 +139,15 @@ class Wandb:
 class Scalars:
     """The run's metric sinks (`--report-to`), written together; none on ranks other than 0."""
 
-    def __init__(self, sinks: list[ScalarSink]) -> None:
+    def __init__(self, sinks: list[TensorBoard | Wandb]) -> None:
         self.sinks = sinks
 
     @classmethod
     def open(cls, cfg: TrainConfig, *, run_dir: Path, is_main: bool) -> Scalars:
         names = cfg.log.sinks() if is_main else []
-        sinks: list[ScalarSink] = [TensorBoard(run_dir / "tensorboard")] if "tensorboard" in names else []
+        sinks: list[TensorBoard | Wandb] = []
+        if "tensorboard" in names:
+            sinks.append(TensorBoard(run_dir / "tensorboard"))
         if "wandb" in names:
             resuming = bool(cfg.checkpoint.resume)
             sinks.append(Wandb(cfg.log, config=cfg.to_dict(), run_dir=run_dir, resuming=resuming))

@@ -174,6 +174,16 @@ def launcher_rank() -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Leave from a helper thread while the main one is stuck: flush the logs, skip the interpreter's
+    shutdown (it would wait for the stuck thread); data workers follow by PR_SET_PDEATHSIG."""
+    for handler in logging.getLogger(LOGGER_NAME).handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def say(text: str) -> None:
     """One line through the run's logger; before the logger is set up (the first seconds of
     start-up), on stdout in its format, on rank 0 only."""

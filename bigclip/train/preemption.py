@@ -19,22 +19,18 @@ requeued job resumes with `--resume latest` at the exact step.
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from bigclip.distributed import cpu_group
-from bigclip.train.metrics import get_logger
 from bigclip.train.signals import (
     REQUEUE_EXIT_CODE,
     REQUEUE_MARKER,
-    SignalFlag,
-    catch_preemption_signals,
     write_requeue_marker,
 )
 
-__all__ = ["REQUEUE_EXIT_CODE", "REQUEUE_MARKER", "Preempted", "PreemptionWatcher", "announce_requeue",
+__all__ = ["REQUEUE_EXIT_CODE", "REQUEUE_MARKER", "Preempted", "announce_requeue",
            "write_requeue_marker"]  # fmt: skip
 
 
@@ -43,31 +39,6 @@ class Preempted(Exception):
 
     def __init__(self, step: int, signum: int) -> None:
         super().__init__(f"preempted by {signal.Signals(signum).name} at step {step}: checkpoint committed")
-        self.step = step
-        self.signum = signum
-
-
-class PreemptionWatcher:
-    """Install first thing in a run: a signal during start-up must not kill it (SIGUSR1's default).
-    A signal caught before (by __main__.py, ahead of the torch import) is kept."""
-
-    def __init__(self) -> None:
-        self.flag: SignalFlag = catch_preemption_signals()
-
-    @property
-    def signum(self) -> int:
-        return self.flag.signum
-
-    def announce(self, signum: int) -> None:
-        """Log the stop request the ranks agreed on (`signum`: any rank's signal), and who had it."""
-        mine = self.flag.signum
-        seen = f"{time.monotonic() - self.flag.received_at:.1f} s ago" if mine else "by another rank"
-        get_logger().info(f"preemption: {signal.Signals(signum).name} received {seen}; checkpointing now")
-
-    def close(self) -> None:
-        """Restore the previous handlers and forget the signal (a next run in this process starts clean)."""
-        self.flag.uninstall()
-        self.flag.reset()
 
 
 def announce_requeue(

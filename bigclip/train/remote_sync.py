@@ -95,11 +95,9 @@ class RemoteSync:
         checkpoints: LocalLocation | None = None,
         remote_keep_last: int = 0,
         exclude: tuple[str, ...] = (),
-        on_backed_up: Callable[[], object] | None = None,
     ) -> None:
         """Validates the protocol and target now, so a bad flag fails before training starts.
-        `checkpoints`: the local checkpoint root to mirror to REMOTE/checkpoints (None: logs only).
-        `on_backed_up`: called after a round that copied a checkpoint (local pruning waits for it)."""
+        `checkpoints`: the local checkpoint root to mirror to REMOTE/checkpoints (None: logs only)."""
         if every_s <= 0:
             raise ConfigError(f"--remote-sync-frequency must be a positive number of seconds, got {every_s}")
         self.local_dir, self.every_s = Path(local_dir), every_s
@@ -109,7 +107,8 @@ class RemoteSync:
             remote = open_target(f"{remote_uri.rstrip('/')}/{CHECKPOINTS}", protocol=protocol)
             self.mirror = CheckpointMirror(checkpoints, remote, keep_last=remote_keep_last)
         self.exclude = (*exclude, CHECKPOINTS)  # checkpoints go through the mirror, whole ones only
-        self.on_backed_up = on_backed_up
+        # called after a round that copied a checkpoint (local pruning waits for it; the Checkpointer sets it)
+        self.on_backed_up: Callable[[], object] | None = None
         self.attempt = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         self.upload_counts: dict[str, int] = {}
         self._synced: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) uploaded

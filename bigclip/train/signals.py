@@ -35,7 +35,6 @@ import os
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from types import FrameType
 from typing import Any
 
 from bigclip.train import phases
-from bigclip.train.phases import OnStop, say
+from bigclip.train.phases import OnStop, exit_now, say
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 REQUEUE_EXIT_CODE = 85
@@ -88,19 +87,10 @@ class SignalFlag:
     whether it ends the run at once; with the watcher thread that says so."""
 
     def __init__(self) -> None:
-        self.signum = 0
-        self.received_at = 0.0
-        self.phase = ""  # the phase it came in
-        self.exits_now = False  # it came before the first step completed
-        self.on_stop = OnStop.EXIT_NOW  # what it does, by the phase it came in
-        self.run_dir: Path | None = None  # where the requeue marker goes (once known)
-        self.step: int | None = None  # where the run stands, for the marker
-        self.rank: int | None = None  # who writes it (once known)
+        self._clear()
         self.installed_at = 0.0  # wall clock: a marker older than this is an earlier run's
         self._previous: dict[int, Any] = {}
         self._lock = threading.RLock()  # re-entrant: the main thread's handler may run while it holds it
-        self._said = False
-        self._handled = 0  # handler calls (a second SIGINT stops at once)
         self._pipe: tuple[int, int] | None = None
         self._old_wakeup = -1
         self._watcher: threading.Thread | None = None
@@ -165,6 +155,13 @@ class SignalFlag:
                 return
             self._said = True
         say(f"{signal.Signals(self.signum).name} received during {self.phase}: {CONSEQUENCE[self.on_stop]}")
+
+    def announce(self, signum: int) -> None:
+        """Log the stop request the ranks agreed on (`signum`: any rank's signal), and who had it."""
+        seen = f"{time.monotonic() - self.received_at:.1f} s ago" if self.signum else "by another rank"
+        logging.getLogger(phases.LOGGER_NAME).info(
+            f"preemption: {signal.Signals(signum).name} received {seen}; checkpointing now"
+        )
 
     def requeue_marker(self) -> None:
         """For a stop before the first step: the rank leaves the marker in an existing run folder.
@@ -237,10 +234,7 @@ class SignalFlag:
         try:
             self.requeue_marker()
         finally:
-            for handler in logging.getLogger(phases.LOGGER_NAME).handlers:
-                handler.flush()
-            sys.stdout.flush()
-            os._exit(REQUEUE_EXIT_CODE)
+            exit_now(REQUEUE_EXIT_CODE)
 
     # -- leaving --------------------------------------------------------------------------
 
@@ -258,13 +252,27 @@ class SignalFlag:
                 os.close(fd)
             self._pipe, self._watcher = None, None
 
+    def close(self) -> None:
+        """Restore the previous handlers and forget the signal (a next run in this process starts clean)."""
+        self.uninstall()
+        self.reset()
+
     def reset(self) -> None:
-        self.signum, self.received_at, self.phase, self.exits_now = 0, 0.0, "", False
-        self.on_stop = OnStop.EXIT_NOW
-        self.run_dir, self.step, self.rank = None, None, None
-        self._said = False
-        self._handled = 0
+        self._clear()
         phases.reset()
+
+    def _clear(self) -> None:
+        """No signal received, nothing known of the run."""
+        self.signum = 0
+        self.received_at = 0.0
+        self.phase = ""  # the phase it came in
+        self.exits_now = False  # it came before the first step completed
+        self.on_stop = OnStop.EXIT_NOW  # what it does, by the phase it came in
+        self.run_dir: Path | None = None  # where the requeue marker goes (once known)
+        self.step: int | None = None  # where the run stands, for the marker
+        self.rank: int | None = None  # who writes it (once known)
+        self._said = False
+        self._handled = 0  # handler calls (a second SIGINT stops at once)
 
     def _after_fork_in_child(self) -> None:
         """A forked child (a data worker) must not write into the parent's wakeup pipe."""

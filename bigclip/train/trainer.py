@@ -63,12 +63,12 @@ from bigclip.train.metrics import (
     train_log_line,
 )  # fmt: skip
 from bigclip.train.phases import QUIET_S, OnStop, begin, phase, since_start
-from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatcher, announce_requeue
+from bigclip.train.preemption import REQUEUE_EXIT_CODE, Preempted, announce_requeue
 from bigclip.train.resume import at_epoch_start, check_resume_target, resume
 from bigclip.train.run_dir import open_run_dir, prepare_run_dir, start_logging
 from bigclip.train.run_lock import RunLock
 from bigclip.train.schedule import lr_at, resume_note, run_horizon, schedule_line, warmup_warning
-from bigclip.train.signals import preemption_flag
+from bigclip.train.signals import SignalFlag, catch_preemption_signals, preemption_flag
 from bigclip.train.watchdog import StepWatchdog
 from bigclip.train.zeroshot import ZeroShot
 from bigclip.weights import pretrained
@@ -88,7 +88,7 @@ if TYPE_CHECKING:
 class Guards:
     """What watches the run from outside its steps, released together when it ends."""
 
-    preemption: PreemptionWatcher
+    preemption: SignalFlag
     watchdog: StepWatchdog
     lease: HeldLease | None = None  # on rank 0, with --pretrained registry:NAME
     run_lock: RunLock | None = None  # held on rank 0: the run folder is this run's
@@ -149,14 +149,14 @@ class Run:
 def setup(cfg: TrainConfig) -> Run:
     """Check everything that can fail cheaply (data, storage) before building the model. The flags
     and the machine were checked at the door (entry.py), before torch and the process group."""
-    preemption = PreemptionWatcher()
+    preemption = catch_preemption_signals()  # idempotent: a signal caught since entry.py installed it is kept
     runtime = init_distributed(
         backend=cfg.engine.dist_backend,
         device=requested_device(cfg.engine),
         timeout_s=cfg.engine.dist_timeout,
     )
     run_dir = prepare_run_dir(cfg, runtime)
-    preemption.flag.note(run_dir=run_dir, rank=runtime.rank)  # for a stop before the first step
+    preemption.note(run_dir=run_dir, rank=runtime.rank)  # for a stop before the first step
     log = start_logging(cfg.log, run_dir, runtime)
     seed_everything(cfg.optim.seed, runtime.rank)
     pretrained.apply_preprocess(cfg, log)  # e.g. a --pretrained tag's or hf-hub model's image mean/std
@@ -176,7 +176,7 @@ def setup(cfg: TrainConfig) -> Run:
     store.group.on_rank0(run_lock.take)  # two new runs of one name racing: the second is refused here
     open_run_dir(cfg, run_dir, runtime)  # the checks passed: the folder, config.yaml, out.log
     if not which:
-        preemption.flag.note(step=0)  # for a stop before the first step (else known once resumed)
+        preemption.note(step=0)  # for a stop before the first step (else known once resumed)
     log.info(
         f"run {cfg.log.name}: {runtime.world_size} rank(s), engine {cfg.engine.engine}, model {cfg.model.model}, "
         f"rank 0 on {runtime.device}"

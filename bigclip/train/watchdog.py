@@ -60,6 +60,7 @@ from bigclip.train.heartbeats import (
     main_thread_location,
 )
 from bigclip.train.metrics import get_logger
+from bigclip.train.phases import exit_now
 from bigclip.train.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, write_requeue_marker
 from bigclip.train.signals import preemption_flag
 
@@ -112,7 +113,7 @@ class StepWatchdog:
         self.timeout_s, self.rank, self.run_dir, self.heartbeats = timeout_s, rank, Path(run_dir), heartbeats
         self.interval_s = heartbeats.interval_s if heartbeats else beat_interval(timeout_s)
         self.step = 0
-        self._exit = exit or _exit_now
+        self._exit = exit or exit_now
         self._intervals: deque[float] = deque(maxlen=100)
         self._last_step_at: float | None = None  # not watching before the first step
         self._paused = 0
@@ -288,13 +289,3 @@ class StepWatchdog:
             get_logger().error(f"{what}\n{RESUBMIT}")
             self._depart(call)
         return call
-
-
-def _exit_now(code: int) -> None:
-    """Leave from this thread while the main one is stuck: flush the logs, skip the interpreter's
-    shutdown (it would wait for the stuck thread); data workers follow by PR_SET_PDEATHSIG."""
-    for handler in get_logger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

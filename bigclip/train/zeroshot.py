@@ -99,18 +99,13 @@ class ZeroShot:
         return metrics
 
 
-def _my_slice(count: int, runtime: Runtime) -> range:
-    per = math.ceil(count / runtime.world_size)
-    return range(runtime.rank * per, min(count, (runtime.rank + 1) * per))
-
-
 @torch.no_grad()
 def build_classifier(
     engine: Engine, tokenizer: Tokenizer, data: ClassificationSet, runtime: Runtime
 ) -> torch.Tensor:
     """[embed dim, classes]: each rank embeds ceil(C / world) classes, CLASSES_PER_BATCH at a time."""
     count, per = len(data.classnames), math.ceil(len(data.classnames) / runtime.world_size)
-    mine = [data.classnames[i] for i in _my_slice(count, runtime)]
+    mine = data.classnames[runtime.rank * per : (runtime.rank + 1) * per]
     padded = mine + [data.classnames[0]] * (per - len(mine))  # equal forwards on every rank
     embeddings = []
     for start in range(0, per, CLASSES_PER_BATCH):
