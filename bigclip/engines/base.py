@@ -132,13 +132,7 @@ class Engine(ABC):
         shapes = self.full_param_shapes()
         source = iter(values) if values is not None else None
         for name in names:
-            moments = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                full, failure = self._next_full(source, shapes[name])
-                self._raise_together(failure)
-                if self.runtime.world_size > 1:
-                    dist.broadcast(full, src=0)
-                moments[key] = full
+            moments = {key: self._broadcast_next(source, shapes[name]) for key in ("exp_avg", "exp_avg_sq")}
             self._set_full_moments(name, moments)
         self._after_full_moments(step)
 
@@ -154,12 +148,16 @@ class Engine(ABC):
         shapes = self.full_param_shapes()
         source = iter(values) if values is not None else None
         for name in names:
-            full, failure = self._next_full(source, shapes[name])
-            self._raise_together(failure)
-            if self.runtime.world_size > 1:
-                dist.broadcast(full, src=0)
-            self._set_full_param(name, full)
+            self._set_full_param(name, self._broadcast_next(source, shapes[name]))
         self._after_full_load()
+
+    def _broadcast_next(self, source: Iterator[torch.Tensor] | None, shape: tuple[int, ...]) -> torch.Tensor:
+        """Collective: rank 0's next whole value from `source` (fp32, on the device) on every rank."""
+        full, failure = self._next_full(source, shape)
+        self._raise_together(failure)
+        if self.runtime.world_size > 1:
+            dist.broadcast(full, src=0)
+        return full
 
     def _next_full(
         self, source: Iterator[torch.Tensor] | None, shape: tuple[int, ...]

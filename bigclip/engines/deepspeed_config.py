@@ -152,9 +152,9 @@ def resolve_ds_config(
     _resolve_batch(out, cfg, world_size=world_size, path=path)
     _resolve_precision(out, cfg.engine.precision, path=path)
     _settle(out, "gradient_clipping", cfg.optim.grad_clip_norm, flag="--grad-clip-norm", path=path)
-    zero = _resolve_zero(out, model_width=model_width, path=path)
+    stage, offload_optimizer, offload_param = _resolve_zero(out, model_width=model_width, path=path)
     _resolve_linear(out["zero_optimization"], torchcompile=cfg.model.torchcompile, path=path)
-    ds_optimizer = _resolve_optimizer(out, cfg, offload=zero.offload_optimizer is not None, path=path)
+    ds_optimizer = _resolve_optimizer(out, cfg, offload=offload_optimizer, path=path)
     if "scheduler" in out:
         raise ConfigError(
             f'{path}: remove "scheduler": bigclip sets the learning rate every step from --lr, '
@@ -165,10 +165,10 @@ def resolve_ds_config(
     out.setdefault("steps_per_print", 2**31 - 1)  # bigclip logs progress itself
     return DeepSpeedPlan(
         config=out,
-        stage=zero.stage,
+        stage=stage,
         deepspeed_builds_optimizer=ds_optimizer,
-        offload_optimizer=zero.offload_optimizer is not None,
-        offload_param=zero.offload_param is not None,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
         path=path,
     )
 
@@ -235,14 +235,8 @@ def _resolve_precision(out: dict, precision: str, *, path: str) -> None:
     validate_with_deepspeed(bf16, "bf16", path=path)
 
 
-@dataclass(frozen=True)
-class _Zero:
-    stage: int
-    offload_optimizer: dict | None
-    offload_param: dict | None
-
-
-def _resolve_zero(out: dict, *, model_width: int | None, path: str) -> _Zero:
+def _resolve_zero(out: dict, *, model_width: int | None, path: str) -> tuple[int, bool, bool]:
+    """The ZeRO stage, and whether it offloads the optimizer state and the parameters."""
     zero = out.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (1, 2, 3):
@@ -256,11 +250,10 @@ def _resolve_zero(out: dict, *, model_width: int | None, path: str) -> _Zero:
                 raise ConfigError(f'{path}: "auto" is not understood for "zero_optimization.{key}"')
             if model_width is not None:
                 zero[key] = WIDTH_AUTO[key](model_width)
-    offloads = {
-        name: _offload(zero, name, stage=stage, path=path) for name in ("offload_optimizer", "offload_param")
-    }
+    offload_optimizer = _offloaded(zero, "offload_optimizer", stage=stage, path=path)
+    offload_param = _offloaded(zero, "offload_param", stage=stage, path=path)
     validate_with_deepspeed({k: v for k, v in zero.items() if v != AUTO}, "zero_optimization", path=path)
-    return _Zero(stage, offloads["offload_optimizer"], offloads["offload_param"])
+    return stage, offload_optimizer, offload_param
 
 
 def _resolve_linear(zero: dict, *, torchcompile: bool, path: str) -> None:
@@ -284,10 +277,10 @@ def _resolve_linear(zero: dict, *, torchcompile: bool, path: str) -> None:
     zero["memory_efficient_linear"] = False
 
 
-def _offload(zero: dict, name: str, *, stage: int, path: str) -> dict | None:
+def _offloaded(zero: dict, name: str, *, stage: int, path: str) -> bool:
     section = zero.get(name)
     if not section or section.get("device", "none") == "none":
-        return None
+        return False
     if float(section.get("ratio", 1.0)) != 1.0:
         raise ConfigError(
             f'{path}: partial optimizer offload ("zero_optimization.{name}.ratio") is not supported by '
@@ -300,7 +293,7 @@ def _offload(zero: dict, name: str, *, stage: int, path: str) -> dict | None:
         )
     if name == "offload_param" and stage != 3:
         raise ConfigError(f'{path}: "zero_optimization.offload_param" needs "stage": 3 (got {stage})')
-    return section
+    return True
 
 
 def _resolve_optimizer(out: dict, cfg: TrainConfig, *, offload: bool, path: str) -> bool:

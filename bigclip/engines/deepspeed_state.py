@@ -35,10 +35,10 @@ from bigclip.engines.local_shards import LocalShards
 from bigclip.engines.optimizer import (
     MOMENTS,
     create_optimizer_state,
-    excluded_from_weight_decay,
     get_step,
     read_moments,
     set_step,
+    weight_decay_split,
     write_moments,
 )
 
@@ -146,9 +146,7 @@ class DeepSpeedOptimState(Stateful):
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """bigclip's two groups (no weight decay, weight decay) with the optimizer's hyperparameters."""
-        names: list[list[str]] = [[], []]
-        for name in self.layout.trained:
-            names[0 if excluded_from_weight_decay(name, self.layout.params[name]) else 1].append(name)
+        names = weight_decay_split(self.layout.trained, self.layout.shapes)
         groups = []
         for hyper, params in zip(self.inner.param_groups, names):
             groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": params})

@@ -71,9 +71,15 @@ def init_sharded_weights(model: TrainableModel, *, seed: int, device: torch.devi
     shapes = {name: param.shape for name, param in params.items()}
     for name, full in initial_values(model, shapes, seed=seed, device=device):
         param = params[name]
-        if isinstance(param, DTensor):
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.copy_(full)
+        param.copy_(_placed_like(param, full))
+
+
+def _placed_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """`full` (the same on every rank) as `param` holds it: this rank's cut of it for a DTensor,
+    taken locally (no communication), else itself."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full
 
 
 class FSDPEngine(Engine):
@@ -219,10 +225,8 @@ class FSDPEngine(Engine):
 
     def _set_full_param(self, name: str, full: torch.Tensor) -> None:
         param = self.module.get_parameter(name)
-        if isinstance(param, DTensor):  # a local cut, as in init_sharded_weights: no communication
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         master = self.masters.master(param) if self.masters else None
-        (param if master is None else master).copy_(full)
+        (param if master is None else master).copy_(_placed_like(param, full))
 
     def _after_full_load(self) -> None:
         if self.masters:
@@ -240,8 +244,7 @@ class FSDPEngine(Engine):
         state = self._param_state(param)
         current = read_moments(state)
         for key, full in moments.items():
-            if isinstance(param, DTensor):
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            full = _placed_like(param, full)
             local_tensor(current[key]).copy_(local_tensor(full).reshape(local_tensor(current[key]).shape))
         write_moments(state, current)
 

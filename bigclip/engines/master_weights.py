@@ -28,15 +28,15 @@ class MasterWeights:
 
     @torch.no_grad()
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], compute_dtype: torch.dtype) -> None:
-        self.names, self.params, self.masters = [], [], []
+        self.params, self.masters = [], []
+        self._by_name: dict[str, torch.Tensor] = {}
         for name, param in named_params:
             master = param.detach()
             param.data = master.to(compute_dtype)
-            self.names.append(name)
             self.params.append(param)
             self.masters.append(master)
+            self._by_name[name] = master
         self._of = {id(p): m for p, m in zip(self.params, self.masters)}
-        self._by_name = dict(zip(self.names, self.masters))
 
     def master(self, param: nn.Parameter) -> torch.Tensor | None:
         """The parameter's fp32 master, or None for one kept in its own dtype."""

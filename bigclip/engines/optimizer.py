@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,17 +44,29 @@ class Precision:
         return self.compute_dtype != self.param_dtype
 
 
-def excluded_from_weight_decay(name: str, param: nn.Parameter) -> bool:
+def excluded_from_weight_decay(name: str, shape: Sequence[int]) -> bool:
     """OpenCLIP's rule: gains, biases, 1-d embeddings and the logit scale/bias get no weight decay."""
-    ndim = len(getattr(param, "ds_shape", param.shape))  # ZeRO-3 parameters are empty outside forward
-    return ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+    return len(shape) < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+
+
+def weight_decay_split(
+    names: Iterable[str], shapes: Mapping[str, Sequence[int]]
+) -> tuple[list[str], list[str]]:
+    """`names` in bigclip's (and OpenCLIP's) two optimizer groups, in order:
+    (no weight decay, weight decay)."""
+    no_decay: list[str] = []
+    decay: list[str] = []
+    for name in names:
+        (no_decay if excluded_from_weight_decay(name, shapes[name]) else decay).append(name)
+    return no_decay, decay
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if excluded_from_weight_decay(name, param) else decay).append(param)
+            shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 parameters are empty outside forward
+            (no_decay if excluded_from_weight_decay(name, shape) else decay).append(param)
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 

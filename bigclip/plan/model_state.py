@@ -66,12 +66,5 @@ def weight_decay_groups(params: Sequence[ParamShape]) -> list[list[ParamShape]]:
     """bigclip's two optimizer groups (no decay, decay), in `param_groups` order."""
     no_decay, decay = [], []
     for p in params:
-        (no_decay if _no_decay(p) else decay).append(p)
+        (no_decay if excluded_from_weight_decay(p.name, p.shape) else decay).append(p)
     return [no_decay, decay]
-
-
-def _no_decay(p: ParamShape) -> bool:
-    class _Shape:  # excluded_from_weight_decay reads only .shape (or ZeRO-3's ds_shape)
-        shape = p.shape
-
-    return excluded_from_weight_decay(p.name, _Shape())  # type: ignore[arg-type]

@@ -74,10 +74,6 @@ def list_leases(root: Location, name: str) -> list[Lease]:
     return found
 
 
-def delete_lease(root: Location, lease: Lease) -> None:
-    root.delete(lease_path(lease.name, lease.id))
-
-
 class HeldLease:
     """A lease this process holds: renewed in the background until `release`."""
 
@@ -135,7 +131,7 @@ def break_stale(root: Location, name: str) -> tuple[list[Lease], list[Lease]]:
     broken, live = [], []
     for lease in list_leases(root, name):
         if lease.stale():
-            delete_lease(root, lease)
+            root.delete(lease_path(lease.name, lease.id))
             broken.append(lease)
         else:
             live.append(lease)

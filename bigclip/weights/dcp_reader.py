@@ -180,9 +180,7 @@ class DcpReader:
         crc = 0
         for (info, payload, start, nbytes), (data, piece_crc) in prefetch(tasks, self._fetch, window=window):
             if payload is None:  # assembled in memory: cut into pieces without copying
-                flat, step = data.reshape(-1), max(1, piece_bytes // info.dtype.itemsize)
-                for i in range(0, flat.numel(), step):
-                    yield info, flat[i : i + step]
+                yield from cut_whole(info, data, piece_bytes)
                 continue
             if piece_crc is None:  # a payload in several pieces: its CRC runs across them, in order
                 piece_crc = zlib.crc32(data, payload.seed if start == payload.start else crc)
@@ -233,6 +231,15 @@ class DcpReader:
             raise StorageError(f"{self.blobs.uri(METADATA_NAME)}: {info.name} has chunks for "
                                f"{position} of its {info.numel} elements; the checkpoint is incomplete")  # fmt: skip
         return [payload for _, payload in ranges]
+
+
+def cut_whole(
+    info: TensorInfo, tensor: torch.Tensor, piece_bytes: int
+) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+    """A whole tensor as consecutive 1-D row-major pieces of `piece_bytes` (views where it is contiguous)."""
+    flat, step = tensor.reshape(-1), max(1, piece_bytes // info.dtype.itemsize)
+    for i in range(0, flat.numel(), step):
+        yield info, flat[i : i + step]
 
 
 def _nonempty(chunks: list[Chunk]) -> list[Chunk]:

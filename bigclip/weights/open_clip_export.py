@@ -22,6 +22,8 @@ an export (OpenCLIP's loader needs it).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from bigclip.config.data import channel_values
@@ -29,7 +31,7 @@ from bigclip.data.transforms import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from bigclip.errors import ConfigError, StorageError
 from bigclip.models.families import family_of
 from bigclip.models.shape import ModelOptions, ModelShape
-from bigclip.storage.locations import open_location
+from bigclip.storage.locations import Location, open_location
 from bigclip.weights.dcp_reader import TensorInfo
 from bigclip.weights.hf_tokenizer_files import model_tokenizer_files
 from bigclip.weights.safetensors_writer import WriteResult, plan_output, write_safetensors
@@ -91,6 +93,55 @@ def preprocess_config(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class ExportedWeights:
+    """What a folder export (--open-clip-dir, --transformers-dir) checks and records of the weights."""
+
+    source: WeightSource
+    run: dict[str, Any]  # the resolved config the run saved ({} for other sources)
+    model: str
+    tokenizer: str
+
+    @classmethod
+    def check(cls, source: WeightSource, model: str, *, ids: str) -> ExportedWeights:
+        """Refuse weights trained with another tokenizer than OpenCLIP's, or of an unknown model.
+        `ids`: what the export's tokenizer gives, for the message."""
+        run = saved_run_config(source)
+        # A bigclip file that does not say which tokenizer it was trained with: the default.
+        tokenizer = weights_tokenizer(source) or OPENCLIP_TOKENIZER
+        if tokenizer != OPENCLIP_TOKENIZER:
+            raise ConfigError(
+                f"{source.uri} was trained with --tokenizer {tokenizer}; {ids} this text tower never "
+                "learned. Export weights trained with --tokenizer open_clip"
+            )
+        name = model or source.model or run.get("model", {}).get("model", "")
+        if not name:
+            raise ConfigError(f"{source.uri} does not say which model it holds: pass --model NAME")
+        return cls(source, run, name, tokenizer)
+
+    def record(self) -> dict[str, Any]:
+        """The config file's "bigclip" entry: where the weights came from."""
+        uri, step = self.source.uri, self.source.step
+        return {"source": uri, "step": step, "model": self.model, "tokenizer": self.tokenizer}
+
+    def metadata(self, dtype: str) -> dict[str, str]:
+        return {"format": "pt", "bigclip.source": self.source.uri, "bigclip.dtype": dtype,
+                "bigclip.model": self.model, "bigclip.tokenizer": self.tokenizer}  # fmt: skip
+
+    def manifest(self, dtype: str, tensors: int) -> dict[str, Any]:
+        uri, step = self.source.uri, self.source.step
+        return {"source": uri, "model": self.model, "step": step, "dtype": dtype, "tensors": tensors}
+
+
+def free_folder(folder: str, names: Iterable[str], *, overwrite: bool) -> Location:
+    """`folder`, refusing (StorageError) to replace any of `names` there without --overwrite."""
+    location = open_location(folder)
+    taken = [n for n in names if location.exists(n)]
+    if taken and not overwrite:
+        raise StorageError(f"{folder}: {', '.join(taken)} exist; pass --overwrite, or choose another folder")
+    return location
+
+
 def export_open_clip(
     source: WeightSource,
     pairs: list[tuple[TensorInfo, TensorInfo]],
@@ -104,36 +155,16 @@ def export_open_clip(
 ) -> WriteResult:
     """Write DIR from the consolidation's (source tensor, output tensor) pairs; `pieces_of(pairs)`
     streams their bytes (see consolidate.py)."""
-    run = saved_run_config(source)
-    tokenizer = (
-        weights_tokenizer(source) or OPENCLIP_TOKENIZER
-    )  # a bigclip file that does not say: the default
-    if tokenizer != OPENCLIP_TOKENIZER:
-        raise ConfigError(
-            f"{source.uri} was trained with --tokenizer {tokenizer}; OpenCLIP tokenizes with its BPE "
-            "tokenizer, whose ids this text tower never learned. Export weights trained with --tokenizer open_clip"
-        )
-    name = model or source.model or run.get("model", {}).get("model", "")
-    if not name:
-        raise ConfigError(f"{source.uri} does not say which model it holds: pass --model NAME")
-    model_cfg = model_config(name, run, {o.name: tuple(o.shape) for _, o in pairs})
-    files = model_tokenizer_files(model_cfg["text_cfg"], model=name)
-    config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_config(run)}
-    config["bigclip"] = {"source": source.uri, "step": source.step, "model": name, "tokenizer": tokenizer}
-    location = open_location(folder)
-    taken = [n for n in [*files, CONFIG_NAME] if location.exists(n)]
-    if taken and not overwrite:
-        raise StorageError(f"{folder}: {', '.join(taken)} exist; pass --overwrite, or choose another folder")
+    exported = ExportedWeights.check(
+        source, model, ids="OpenCLIP tokenizes with its BPE tokenizer, whose ids"
+    )
+    model_cfg = model_config(exported.model, exported.run, {o.name: tuple(o.shape) for _, o in pairs})
+    files = model_tokenizer_files(model_cfg["text_cfg"], model=exported.model)
+    preprocess_cfg = preprocess_config(exported.run)
+    config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg, "bigclip": exported.record()}
+    location = free_folder(folder, [*files, CONFIG_NAME], overwrite=overwrite)
     plan = plan_output(f"{folder.rstrip('/')}/{WEIGHTS_NAME}", [o for _, o in pairs])
-    metadata = {"format": "pt", "bigclip.source": source.uri, "bigclip.dtype": dtype, "bigclip.model": name}
-    metadata["bigclip.tokenizer"] = tokenizer
-    manifest = {
-        "source": source.uri,
-        "model": name,
-        "step": source.step,
-        "dtype": dtype,
-        "tensors": len(pairs),
-    }
+    metadata, manifest = exported.metadata(dtype), exported.manifest(dtype, len(pairs))
     result = write_safetensors(
         plan, pieces_of(pairs), metadata=metadata, manifest=manifest, overwrite=overwrite,
         on_bytes=on_bytes,

@@ -25,19 +25,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bigclip.config import TrainConfig
 from bigclip.data.tokenizer import check_tokenizer
 from bigclip.distributed import Runtime
 from bigclip.engines import Engine
-from bigclip.engines.optimizer import MOMENTS, excluded_from_weight_decay
-from bigclip.errors import BigclipError, ConfigError, StorageError
+from bigclip.engines.optimizer import MOMENTS, weight_decay_split
+from bigclip.errors import ConfigError, StorageError
 from bigclip.weights.dcp_reader import prefetch
-from bigclip.weights.pretrained import match_weights
+from bigclip.weights.pretrained import match_weights, rank0_opens
 from bigclip.weights.sources import TORCH_SUFFIXES, WeightSource, open_weights
 
 log = logging.getLogger("bigclip.resume")
@@ -63,31 +61,24 @@ def load_openclip_checkpoint(engine: Engine, cfg: TrainConfig, runtime: Runtime,
     # OpenCLIP's CLIP models all use its BPE tokenizer: --tokenizer hashing would misread them.
     allow, what = cfg.checkpoint.allow_tokenizer_change, f"--resume {uri}"
     check_tokenizer(OPENCLIP_TOKENIZER, cfg.data.tokenizer, allow=allow, what=what)
-    outcome: list[Any] = [None]
-    if runtime.rank == 0:
-        try:
-            source, checkpoint = _open(uri)
-            plan = plan_resume(source, checkpoint, engine, cfg)
-            outcome = [(plan, None)]
-        except BigclipError as e:
-            outcome = [(None, (type(e).__name__, str(e)))]
-    if runtime.world_size > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    plan, error = outcome[0]
-    if error:
-        raise (StorageError if error[0] == "StorageError" else ConfigError)(error[1])
-    main = runtime.rank == 0
-    engine.load_full_weights(_weights(source, plan) if main else None, plan.weights)
-    engine.load_full_moments(_moments(checkpoint, plan) if main else None, plan.moments, step=plan.adam_step)
+    opened, plan = rank0_opens(runtime, lambda: _open(uri, engine, cfg))
+    source, checkpoint = opened if opened is not None else (None, None)
+    weights = moments = None
+    if source is not None:  # rank 0
+        weights = (tensor for _, tensor in prefetch(plan.weights, source.reader.read, window=2))
+        moments = _moments(checkpoint, plan)
+    engine.load_full_weights(weights, plan.weights)
+    engine.load_full_moments(moments, plan.moments, step=plan.adam_step)
     return plan
 
 
-def _open(uri: str) -> tuple[WeightSource, dict]:
+def _open(uri: str, engine: Engine, cfg: TrainConfig) -> tuple[tuple[WeightSource, dict], OpenClipPlan]:
     source = open_weights(uri)  # a local file (remote ones are downloaded once)
     if source.kind != "torch":
         raise StorageError(f"--resume {uri}: not an OpenCLIP checkpoint (a torch .pt file)")
     checkpoint = torch.load(source.reader.path, map_location="cpu", weights_only=True, mmap=True)
-    return source, checkpoint if isinstance(checkpoint, dict) else {}
+    checkpoint = checkpoint if isinstance(checkpoint, dict) else {}
+    return (source, checkpoint), plan_resume(source, checkpoint, engine, cfg)
 
 
 def plan_resume(source: WeightSource, checkpoint: dict, engine: Engine, cfg: TrainConfig) -> OpenClipPlan:
@@ -120,10 +111,7 @@ def plan_resume(source: WeightSource, checkpoint: dict, engine: Engine, cfg: Tra
 def _positions(saved: list[str], trained: list[str], shapes: dict) -> tuple[list[str], list[str]]:
     """OpenCLIP's two AdamW groups as parameter names: (no weight decay, weight decay)."""
     trainable = set(trained)
-    order = [n for n in saved if n in trainable]  # OpenCLIP's named_parameters() order
-    meta = {n: torch.empty(shapes[n], device="meta") for n in order}
-    no_decay = [n for n in order if excluded_from_weight_decay(n, meta[n])]
-    return no_decay, [n for n in order if not excluded_from_weight_decay(n, meta[n])]
+    return weight_decay_split([n for n in saved if n in trainable], shapes)  # in named_parameters() order
 
 
 def _check_groups(optimizer: dict, positions: tuple[list[str], list[str]], *, uri: str) -> None:
@@ -171,11 +159,6 @@ def _not_carried(checkpoint: dict, optimizer: dict, cfg: TrainConfig) -> list[st
             if saved is not None and saved != value:
                 notes.append(f"optimizer {key} {saved} (this run uses {value}, from its flags)")
     return sorted(set(notes), key=notes.index)
-
-
-def _weights(source: WeightSource, plan: OpenClipPlan) -> Iterator[torch.Tensor]:
-    for _, tensor in prefetch(plan.weights, source.reader.read, window=2):
-        yield tensor
 
 
 def _moments(checkpoint: dict, plan: OpenClipPlan) -> Iterator[torch.Tensor]:

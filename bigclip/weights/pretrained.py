@@ -19,12 +19,11 @@ import atexit
 import importlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from bigclip.checkpoint import LATEST, CheckpointStore
@@ -44,6 +43,8 @@ if TYPE_CHECKING:
 
 KEPT_WHEN_ABSENT = ("logit_bias",)
 NOT_WEIGHTS = ("optim.", "train.")  # a consolidated file written --with-optimizer
+Opened = TypeVar("Opened")
+Shared = TypeVar("Shared")
 
 
 @dataclass
@@ -110,7 +111,9 @@ def applies(cfg: TrainConfig, store: CheckpointStore) -> bool:
     return not resume or (resume == LATEST and store.latest() is None)
 
 
-def _open_on_rank0(cfg: TrainConfig, shapes: dict) -> tuple[WeightSource, WeightPlan, HeldLease | None]:
+def _open_on_rank0(
+    cfg: TrainConfig, shapes: dict
+) -> tuple[tuple[WeightSource, HeldLease | None], WeightPlan]:
     uri, lease = cfg.model.pretrained, None
     module = named_weights(cfg)  # CLIP's: a tag's or an hf-hub model's file, from the Hugging Face cache
     named = module.weights_of(cfg.model) if module is not None else None
@@ -132,38 +135,45 @@ def _open_on_rank0(cfg: TrainConfig, shapes: dict) -> tuple[WeightSource, Weight
             )
         check_tokenizer(weights_tokenizer(source), cfg.data.tokenizer,
                         allow=cfg.checkpoint.allow_tokenizer_change, what=f"--pretrained {uri}")  # fmt: skip
-        return source, match_weights(source, shapes, model=cfg.model.model), lease
+        return (source, lease), match_weights(source, shapes, model=cfg.model.model)
     except BaseException:
         if lease is not None:
             lease.release()
         raise
 
 
+def rank0_opens(runtime: Runtime, open_: Callable[[], tuple[Opened, Shared]]) -> tuple[Opened | None, Shared]:
+    """Collective: rank 0 runs `open_`, keeping its first value (the other ranks get None) and
+    broadcasting its second; a BigclipError there is raised on every rank (a StorageError as
+    itself, any other as a ConfigError)."""
+    outcome: list[Any] = [None]
+    opened = None
+    if runtime.rank == 0:
+        try:
+            opened, shared = open_()
+            outcome = [(shared, None)]
+        except BigclipError as e:
+            outcome = [(None, (type(e).__name__, str(e)))]
+    if runtime.world_size > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    shared, error = outcome[0]
+    if error:
+        raise (StorageError if error[0] == "StorageError" else ConfigError)(error[1])
+    return opened, shared
+
+
 def load_pretrained(engine: Engine, cfg: TrainConfig, runtime: Runtime) -> HeldLease | None:
     """Collective. Replace the engine's initial weights with `--pretrained`; returns rank 0's lease
     (for registry:NAME), which the caller releases when the run ends."""
-    outcome: list = [None]
-    if runtime.rank == 0:
-        try:
-            source, plan, lease = _open_on_rank0(cfg, engine.full_param_shapes())
-            outcome = [(plan.names, plan.kept, None)]
-        except BigclipError as e:
-            outcome = [(None, None, (type(e).__name__, str(e)))]
-    if runtime.world_size > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    names, kept, error = outcome[0]
-    if error:
-        raise (StorageError if error[0] == "StorageError" else ConfigError)(error[1])
-    values = _read_all(source, plan) if runtime.rank == 0 else None
-    engine.load_full_weights(values, names)
-    if runtime.rank != 0:
+    opened, plan = rank0_opens(runtime, lambda: _open_on_rank0(cfg, engine.full_param_shapes()))
+    source, lease = opened if opened is not None else (None, None)
+    values = None
+    if source is not None:  # rank 0
+        values = (tensor for _, tensor in source.reader.read_each(plan.source_names, window=2))
+    engine.load_full_weights(values, plan.names)
+    if source is None:
         return None
-    extra = f"; kept initial {', '.join(kept)}" if kept else ""
+    extra = f"; kept initial {', '.join(plan.kept)}" if plan.kept else ""
     step = f" (step {source.step})" if source.step is not None else ""
-    log.info(f"loaded {len(names)} tensors from --pretrained {source.uri}{step}{extra}")
+    log.info(f"loaded {len(plan.names)} tensors from --pretrained {source.uri}{step}{extra}")
     return lease
-
-
-def _read_all(source: WeightSource, plan: WeightPlan) -> Iterator[torch.Tensor]:
-    for _, tensor in source.reader.read_each(plan.source_names, window=2):
-        yield tensor

@@ -108,6 +108,10 @@ class Checked:
     where: str  # the object, as the user knows it
     advice: str  # what to do about damage
 
+    def digest(self) -> StreamDigest:
+        """A new hash of the file's bytes, checked against the record once all were fed."""
+        return StreamDigest(self.record, where=self.where, advice=self.advice)
+
 
 class SafetensorsReader:
     """One safetensors file, or the shards of an index, read tensor by tensor.
@@ -184,8 +188,7 @@ class SafetensorsReader:
                 yield _settled(held)
 
     def _digest(self, file: str) -> StreamDigest:
-        checked = self.checked[file]
-        digest = StreamDigest(checked.record, where=checked.where, advice=checked.advice)
+        digest = self.checked[file].digest()
         digest.update(self._headers[file])
         return digest
 

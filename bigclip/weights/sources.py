@@ -43,7 +43,7 @@ from bigclip.errors import StorageError
 from bigclip.storage.locations import LocalLocation, Location, open_location, open_parent
 from bigclip.storage.ranged_reads import BlobFolder
 from bigclip.storage.redact import redact_text
-from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo
+from bigclip.weights.dcp_reader import METADATA_NAME, PIECE_BYTES, DcpReader, TensorInfo, cut_whole
 from bigclip.weights.output_manifest import checked_files
 from bigclip.weights.safetensors_format import INDEX_SUFFIX, Checked, SafetensorsReader
 
@@ -191,7 +191,7 @@ class TorchFileReader:
         self.path = path
         if checked is not None:
             with open(path, "rb") as stream:
-                read_checked(stream, StreamDigest(checked.record, where=checked.where, advice=checked.advice))
+                read_checked(stream, checked.digest())
         try:
             loaded = _torch_load(path)
         except Exception as e:
@@ -219,10 +219,7 @@ class TorchFileReader:
         self, infos: list[TensorInfo], *, piece_bytes: int = PIECE_BYTES, window: int = 0
     ) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
         for info in infos:
-            flat = self.read(info.name).contiguous().reshape(-1)
-            step = max(1, piece_bytes // info.dtype.itemsize)
-            for i in range(0, flat.numel(), step):
-                yield info, flat[i : i + step]
+            yield from cut_whole(info, self.read(info.name), piece_bytes)
 
 
 def _torch_load(path: Path) -> Any:
@@ -281,7 +278,7 @@ def download(
     `checked`: its record, checked as it downloads (a cached copy: as it is read again here)."""
     leaf = uri.rstrip("/").rpartition("/")[2].split("?")[0] or "download"
     target = cache_dir(cache) / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{leaf}{suffix}"
-    digest = StreamDigest(checked.record, where=checked.where, advice=checked.advice) if checked else None
+    digest = checked.digest() if checked else None
     if target.exists():
         if checked is not None:
             _check_cached(target, checked)

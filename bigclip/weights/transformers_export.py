@@ -40,14 +40,9 @@ from bigclip.models.families import family_of
 from bigclip.storage.locations import open_location
 from bigclip.weights.dcp_reader import TensorInfo
 from bigclip.weights.hf_tokenizer_files import tokenizer_files
-from bigclip.weights.open_clip_export import (
-    OPENCLIP_TOKENIZER,
-    model_config,
-    preprocess_config,
-    saved_run_config,
-)
+from bigclip.weights.open_clip_export import ExportedWeights, free_folder, model_config, preprocess_config
 from bigclip.weights.safetensors_writer import OutputPlan, WriteResult, plan_output, write_safetensors
-from bigclip.weights.sources import WeightSource, weights_tokenizer
+from bigclip.weights.sources import WeightSource
 
 CONFIG_NAME = "config.json"
 PREPROCESSOR_NAME = "preprocessor_config.json"
@@ -236,15 +231,10 @@ def prepare(
 ) -> TransformersExport:  # fmt: skip
     """Check that CLIPModel can hold the consolidation's (source tensor, OpenCLIP-named output) pairs
     and plan DIR; a ConfigError or StorageError, and nothing written, otherwise."""
-    run = saved_run_config(source)
-    tokenizer = weights_tokenizer(source) or OPENCLIP_TOKENIZER
-    if tokenizer != OPENCLIP_TOKENIZER:
-        raise ConfigError(f"{source.uri} was trained with --tokenizer {tokenizer}; transformers' CLIPTokenizer "
-                          "gives OpenCLIP's BPE ids, which this text tower never learned. Export weights "
-                          "trained with --tokenizer open_clip")  # fmt: skip
-    name = model or source.model or run.get("model", {}).get("model", "")
-    if not name:
-        raise ConfigError(f"{source.uri} does not say which model it holds: pass --model NAME")
+    exported = ExportedWeights.check(
+        source, model, ids="transformers' CLIPTokenizer gives OpenCLIP's BPE ids, which"
+    )
+    run, name = exported.run, exported.model
     family = family_of(name)
     if family.name != "clip":
         raise ConfigError(f"model {name} ({family.name} family) is not CLIP's layout, which is all transformers' "
@@ -257,19 +247,14 @@ def prepare(
         raise ConfigError(f"model {name} has OpenCLIP options transformers' CLIPModel does not: {', '.join(options)}; "
                           "export it with --open-clip-dir or to a .safetensors file instead")  # fmt: skip
     config = hf_config(model_cfg, weights, dtype=dtype)
-    config["bigclip"] = {"source": source.uri, "step": source.step, "model": name, "tokenizer": tokenizer}
+    config["bigclip"] = exported.record()
     files = tokenizer_files(context_length=model_cfg["text_cfg"]["context_length"])
     processor = image_processor_config(run, model_cfg["vision_cfg"]["image_size"])
     if processor is not None:
         files[PREPROCESSOR_NAME] = json.dumps(processor, indent=2).encode()
     files[CONFIG_NAME] = json.dumps(config, indent=2).encode()
-    location = open_location(folder)
-    taken = [n for n in files if location.exists(n)]
-    if taken and not overwrite:
-        raise StorageError(f"{folder}: {', '.join(taken)} exist; pass --overwrite, or choose another folder")
+    free_folder(folder, files, overwrite=overwrite)
     plan = plan_output(folder, [t for _, _, outs in groups for t in outs], max_shard_bytes=max_shard_bytes)
-    metadata = {"format": "pt", "bigclip.source": source.uri, "bigclip.dtype": dtype, "bigclip.model": name,
-                "bigclip.tokenizer": tokenizer}  # fmt: skip
-    manifest = {"source": source.uri, "model": name, "step": source.step, "dtype": dtype,
-                "tensors": sum(len(outs) for _, _, outs in groups), "layout": "transformers CLIPModel"}  # fmt: skip
-    return TransformersExport(folder, plan, groups, files, metadata, manifest, overwrite)
+    tensors = sum(len(outs) for _, _, outs in groups)
+    manifest = {**exported.manifest(dtype, tensors), "layout": "transformers CLIPModel"}
+    return TransformersExport(folder, plan, groups, files, exported.metadata(dtype), manifest, overwrite)
