@@ -24,6 +24,7 @@ from bigclip.cli_args import parse_train_args
 from bigclip.distributed import free_port
 from bigclip.launch.deepspeed_node import runner_argv
 from bigclip.launch.slurm import main as slurm_main
+from bigclip.train.signals import requeue_marker_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCONTROL = '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a17\\ngpu-b03\\n"\n'
@@ -125,7 +126,7 @@ def test_sigusr1_to_every_process_leaves_the_launchers_and_the_ranks_checkpoint_
         proc.send_signal(signal.SIGUSR1)
     code, text = node.wait(timeout=300), log.read_text()
     assert code == 85, text[-4000:]  # the ranks' requeue code, passed on by both launchers
-    marker = json.loads((tmp_path / "ds" / "requeue.json").read_text())
+    marker = json.loads(requeue_marker_path(tmp_path / "ds").read_text())  # the ranks' env is this one's
     assert marker["signal"] == "SIGUSR1" and marker["step"] < 40, marker
     assert (tmp_path / "ds" / "checkpoints" / f"step_{marker['step']:08d}").is_dir()
     assert "DataLoader worker" not in text and "Traceback" not in text, text[-4000:]

@@ -34,10 +34,16 @@ for sig in (signal.SIGUSR1, signal.SIGTERM):
 pathlib.Path(os.environ["SRUN_PID_FILE"]).write_text(str(os.getpid()))
 while not got:
     time.sleep(0.02)
-(run_dir / "requeue.json").write_text(json.dumps({{"step": 7, "signal": got[0], "reason": "preempted"}}))
+marker = run_dir / f"requeue-{{os.environ['SLURM_JOB_ID']}}.json"
+marker.write_text(json.dumps({{"step": 7, "signal": got[0], "reason": "preempted"}}))
 pathlib.Path(os.environ["SRUN_SIGNALS"]).write_text(",".join(got))
 time.sleep(float(os.environ.get("SRUN_LINGERS_S", 0)))  # srun waiting for the step's teardown
 sys.exit(85)
+"""
+REFUSED_RANKS = """#!/bin/bash
+# The launcher's part in a job the run's lock refuses (another job holds LOGS/NAME): exit 1, no marker.
+echo "bigclip: LOGS/NAME is in use by another job" >&2
+exit 1
 """
 REAL_SRUN = """#!{python}
 # srun's part: start SLURM_NTASKS copies of the command with SLURM_PROCID/LOCALID set and forward
@@ -107,8 +113,8 @@ def _job_env(tmp_path: Path, restart: int, job_line: str = "") -> dict[str, str]
             "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "JOB_LINE_FILE": str(tmp_path / "job_line")}  # fmt: skip
 
 
-def _fake_job(tmp_path: Path, *extra: str) -> Path:
-    _stand_ins(tmp_path / "bin", FAKE_RANKS)
+def _fake_job(tmp_path: Path, *extra: str, ranks: str = FAKE_RANKS) -> Path:
+    _stand_ins(tmp_path / "bin", ranks)
     return render(tmp_path, "--nodes", "1", "--gpus-per-node", "2", "--model", "tiny", "--train-data",
                   "/data/{0..3}.tar", "--logs", str(tmp_path / "logs"), "--name", "job", *extra)  # fmt: skip
 
@@ -172,6 +178,27 @@ def test_the_script_requeues_only_when_nobody_else_did_and_never_a_cancelled_job
     out = _run_signalled(script, env, tmp_path, signal.SIGTERM)
     assert f"bigclip sbatch: {expected}" in out, out
     assert _requeues(tmp_path) == (["requeue", env["SLURM_JOB_ID"]] if requeued else [])
+
+
+@pytest.mark.parametrize(("whose", "kept"), [("another job's", True), ("this job's earlier run's", False)])
+def test_a_job_leaves_and_ignores_the_requeue_marker_of_another_job_of_the_same_name(
+    tmp_path: Path, whose: str, kept: bool
+) -> None:
+    """Two jobs given one --name: the second's ranks are refused by the run's lock. The first job's
+    marker (its stop, which its own script is about to read) stays, and the second job does not
+    requeue itself on it; a marker left by this job's earlier run (a requeue keeps the job id) is
+    cleared before the launch."""
+    script = _fake_job(tmp_path, ranks=REFUSED_RANKS)
+    env = _job_env(tmp_path, 0)
+    job = int(env["SLURM_JOB_ID"]) + (1 if kept else 0)
+    marker = tmp_path / "logs" / "job" / f"requeue-{job}.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"step": 7, "signal": "SIGUSR1", "reason": "preempted"}))
+    job_run = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert job_run.returncode == 1, job_run.stdout + job_run.stderr
+    assert marker.exists() == kept, whose
+    assert "asked for a requeue" not in job_run.stdout and _requeues(tmp_path) == [], job_run.stdout
 
 
 def test_a_cancelled_job_says_so_while_srun_still_waits_for_its_step(tmp_path: Path) -> None:
@@ -259,13 +286,14 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes(tmp_path: Path, d
     os.kill(int((tmp_path / "srun.pid").read_text()), signal.SIGUSR1)
     out1, _ = first.communicate(timeout=300)
     assert first.returncode == 0, out1[-3000:]
-    marker = json.loads((tmp_path / "logs/tiny-fsdp-2gpu/requeue.json").read_text())
+    marker = json.loads((tmp_path / f"logs/tiny-fsdp-2gpu/requeue-{env['SLURM_JOB_ID']}.json").read_text())
     assert marker["signal"] == "SIGUSR1" and marker["step"] >= 3
     assert _requeues(tmp_path) == ["requeue", env["SLURM_JOB_ID"]]
-    second = subprocess.run(["bash", str(script)], env=_job_env(tmp_path, 1), cwd=tmp_path,
+    rerun = _job_env(tmp_path, 1) | {"SLURM_JOB_ID": env["SLURM_JOB_ID"]}  # a requeued job keeps its id
+    second = subprocess.run(["bash", str(script)], env=rerun, cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert second.returncode == 0, second.stdout[-3000:]
     resumed = re.search(r"resumed \S+ at step (\d+)", second.stdout)
     assert resumed and int(resumed.group(1)) == marker["step"], second.stdout[-3000:]
-    assert not (tmp_path / "logs/tiny-fsdp-2gpu/requeue.json").exists()  # finished: nothing to requeue
+    assert not list((tmp_path / "logs/tiny-fsdp-2gpu").glob("requeue*"))  # finished: nothing to requeue
     assert len(_requeues(tmp_path)) == 2  # still the one requeue

@@ -32,9 +32,9 @@ set -uo pipefail
 # Preemption. SLURM sends SIGUSR1 to every task {{SIGNAL_SECONDS}} s before the time limit (--signal
 # above), SIGTERM to the tasks when it preempts the job (then waits the partition's GraceTime), and
 # SIGTERM to every process of the job when it requeues or cancels it (then waits KillWait). The
-# ranks finish their step, commit a checkpoint (the async upload included), rank 0 writes
-# $RUN_DIR/requeue.json, and they exit with 85; this script then requeues the job, once, and the
-# rerun resumes with --resume latest at that step. After {{MAX_REQUEUES}} requeues (SLURM_RESTART_COUNT)
+# ranks finish their step, commit a checkpoint (the async upload included), rank 0 writes the
+# requeue marker ($REQUEUE_MARKER below), and they exit with 85; this script then requeues the job,
+# once, and the rerun resumes with --resume latest at that step. After {{MAX_REQUEUES}} requeues (SLURM_RESTART_COUNT)
 # it stops requeueing and says so: a job that asks again at every run would otherwise cycle for ever.
 # Planned checkpoint time: {{CHECKPOINT_SECONDS}} s; GraceTime and KillWait must leave at least that.
 # This shell gets signals too (a B: signal, scancel --batch or --full, a requeue, a cancel). It must
@@ -119,7 +119,9 @@ MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 export MASTER_ADDR MASTER_PORT
 
 RUN_DIR="{{LOGS}}/{{NAME}}"
-REQUEUE_MARKER="$RUN_DIR/requeue.json"
+# This job's marker (a requeued job keeps its id): a second job given the same --name, which the
+# run's lock refuses, neither removes the first's marker nor requeues itself on it.
+REQUEUE_MARKER="$RUN_DIR/requeue-$SLURM_JOB_ID.json"
 mkdir -p "$RUN_DIR/flight_recorder"
 rm -f "$REQUEUE_MARKER"
 

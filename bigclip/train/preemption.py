@@ -11,7 +11,7 @@ Before the first step completes there is nothing to checkpoint, and the rank exi
 once (signals.py). From then on, at the next step boundary the ranks agree (the Checkpointer's one
 tiny all-reduce over a CPU group, since signals reach ranks at different moments; an epoch's end
 is such a boundary too), checkpoint, wait for the upload, and exit with REQUEUE_EXIT_CODE. Rank 0
-also writes RUN_DIR/requeue.json (`write_requeue_marker`): torchrun exits 1 when its workers exit
+also writes the requeue marker, RUN_DIR/requeue-JOBID.json (`write_requeue_marker`): torchrun exits 1 when its workers exit
 85, so the sbatch scripts in slurm/ requeue the job on the marker (or on 85 from srun). The
 requeued job resumes with `--resume latest` at the exact step.
 """
@@ -27,10 +27,11 @@ from bigclip.distributed import cpu_group
 from bigclip.train.signals import (
     REQUEUE_EXIT_CODE,
     REQUEUE_MARKER,
+    requeue_marker_path,
     write_requeue_marker,
 )
 
-__all__ = ["REQUEUE_EXIT_CODE", "REQUEUE_MARKER", "Preempted", "announce_requeue",
+__all__ = ["REQUEUE_EXIT_CODE", "REQUEUE_MARKER", "Preempted", "announce_requeue", "requeue_marker_path",
            "write_requeue_marker"]  # fmt: skip
 
 

@@ -46,7 +46,7 @@ from bigclip.train.phases import OnStop, exit_now, say
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 REQUEUE_EXIT_CODE = 85
-REQUEUE_MARKER = "requeue.json"  # in the run directory; read by the sbatch scripts
+REQUEUE_MARKER = "requeue.json"  # in the run directory, outside a Slurm job (requeue_marker_path)
 GRACE_ENV = "BIGCLIP_STOP_GRACE_S"
 DEFAULT_GRACE_S = 30.0
 POLL_S = 0.5  # the watcher's longest sleep: heartbeats and the flag are checked this often
@@ -71,11 +71,20 @@ class StopRequested(BaseException):
         return f"{signal.Signals(self.signum).name} received during {self.phase}: nothing to checkpoint"
 
 
+def requeue_marker_path(run_dir: Path) -> Path:
+    """This job's requeue marker in RUN_DIR, read by the sbatch script: requeue-JOBID.json in a Slurm
+    job (a requeued job keeps its id), so that a second job given the same --name, which the run's
+    lock refuses, neither removes the first's marker nor requeues itself on it; requeue.json
+    elsewhere."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    return Path(run_dir) / (f"requeue-{job}.json" if job else REQUEUE_MARKER)
+
+
 def write_requeue_marker(run_dir: Path, record: dict[str, Any], *, writer: int) -> Path:
-    """Atomically write RUN_DIR/requeue.json ("requeue this job"; the batch script may read it at
-    any moment). Several ranks may write it at once (the watchdog's survivors): each through its
+    """Atomically write this job's requeue marker ("requeue this job"; the batch script may read it
+    at any moment). Several ranks may write it at once (the watchdog's survivors): each through its
     own temporary file."""
-    marker = Path(run_dir) / REQUEUE_MARKER
+    marker = requeue_marker_path(run_dir)
     tmp = marker.with_name(f".{marker.name}.{writer}.tmp")
     tmp.write_text(json.dumps(record) + "\n")
     os.replace(tmp, marker)
@@ -179,7 +188,7 @@ class SignalFlag:
         none): why this rank's set-up failed, when its collective found that peer gone."""
         if self.run_dir is None:
             return ""
-        marker = self.run_dir / REQUEUE_MARKER
+        marker = requeue_marker_path(self.run_dir)
         try:
             if marker.stat().st_mtime < self.installed_at:
                 return ""  # an earlier run's (the sbatch script removes it; torchrun does not)

@@ -61,7 +61,7 @@ from bigclip.train.heartbeats import (
 )
 from bigclip.train.metrics import get_logger
 from bigclip.train.phases import exit_now
-from bigclip.train.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, write_requeue_marker
+from bigclip.train.preemption import REQUEUE_EXIT_CODE, requeue_marker_path, write_requeue_marker
 from bigclip.train.signals import preemption_flag
 
 AUTO_FACTOR = 10.0
@@ -251,9 +251,9 @@ class StepWatchdog:
         if call is None or not call.store_error:
             return
         deadline = time.monotonic() + UNINFORMED_INTERVALS * self.interval_s
-        while time.monotonic() < deadline and not (self.run_dir / REQUEUE_MARKER).exists():
+        while time.monotonic() < deadline and not requeue_marker_path(self.run_dir).exists():
             time.sleep(min(self.interval_s, max(0.0, deadline - time.monotonic())))
-        if (self.run_dir / REQUEUE_MARKER).exists():  # theirs: their reports are out, they are leaving
+        if requeue_marker_path(self.run_dir).exists():  # theirs: their reports are out, they are leaving
             time.sleep(DEPART_INTERVALS * self.interval_s)
 
     def _depart(self, call: RollCall | None) -> None:
@@ -263,7 +263,7 @@ class StepWatchdog:
     def _write_marker(self, record: dict) -> None:
         try:  # every survivor writes it (under srun the first to exit ends the others); the first stays
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            if (self.run_dir / REQUEUE_MARKER).exists():
+            if requeue_marker_path(self.run_dir).exists():
                 return  # a peer's report, made while this rank was the stuck one (SIGCONT by the launcher)
             write_requeue_marker(self.run_dir, record, writer=self.rank)
         except OSError as e:

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bigclip.train.preemption import REQUEUE_MARKER
 from support.launch_harness import read_keys
 from support.slurm_two_nodes import TwoNodeCluster
 from support.slurm_waits import Patience, file_size
@@ -65,8 +64,8 @@ def resumed_at(root: Path, name: str) -> list[int]:
     return [int(s) for s in re.findall(r"resumed \S+ at step (\d+)", output(root, name))]
 
 
-def _marked(root: Path, name: str) -> bool:
-    return (root / name / "logs" / name / REQUEUE_MARKER).exists()
+def _marked(root: Path, job: Job) -> bool:
+    return (root / job.name / "logs" / job.name / f"requeue-{job.job_id}.json").exists()
 
 
 def _tend(cluster: TwoNodeCluster, root: Path, job: Job) -> None:
@@ -74,7 +73,7 @@ def _tend(cluster: TwoNodeCluster, root: Path, job: Job) -> None:
     if fault and not job.fault_at and step >= fault.at_step:
         fault.inject(cluster, job.job_id)
         job.fault_at = time.monotonic()
-    if fault and fault.recover and job.fault_at and not job.recovered and _marked(root, job.name):
+    if fault and fault.recover and job.fault_at and not job.recovered and _marked(root, job):
         fault.recover(cluster, job.job_id)
         job.recovered = True
     timing = fault and fault.recover and job.fault_at and job.requeue_s is None
