@@ -146,7 +146,7 @@ class DeepSpeedOptimState(Stateful):
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """bigclip's two groups (no weight decay, weight decay) with the optimizer's hyperparameters."""
-        names = weight_decay_split(self.layout.trained, self.layout.shapes)
+        names = weight_decay_split((n, self.layout.shapes[n], n) for n in self.layout.trained)
         groups = []
         for hyper, params in zip(self.inner.param_groups, names):
             groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": params})

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -44,29 +44,30 @@ class Precision:
         return self.compute_dtype != self.param_dtype
 
 
+T = TypeVar("T")
+
+
 def excluded_from_weight_decay(name: str, shape: Sequence[int]) -> bool:
     """OpenCLIP's rule: gains, biases, 1-d embeddings and the logit scale/bias get no weight decay."""
     return len(shape) < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
 
 
-def weight_decay_split(
-    names: Iterable[str], shapes: Mapping[str, Sequence[int]]
-) -> tuple[list[str], list[str]]:
-    """`names` in bigclip's (and OpenCLIP's) two optimizer groups, in order:
-    (no weight decay, weight decay)."""
-    no_decay: list[str] = []
-    decay: list[str] = []
-    for name in names:
-        (no_decay if excluded_from_weight_decay(name, shapes[name]) else decay).append(name)
+def weight_decay_split(items: Iterable[tuple[str, Sequence[int], T]]) -> tuple[list[T], list[T]]:
+    """Each (name, shape, value)'s value in bigclip's (and OpenCLIP's) two optimizer groups, in
+    order: (no weight decay, weight decay)."""
+    no_decay: list[T] = []
+    decay: list[T] = []
+    for name, shape, value in items:
+        (no_decay if excluded_from_weight_decay(name, shape) else decay).append(value)
     return no_decay, decay
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 parameters are empty outside forward
-            (no_decay if excluded_from_weight_decay(name, shape) else decay).append(param)
+    no_decay, decay = weight_decay_split(
+        (name, getattr(param, "ds_shape", param.shape), param)  # ZeRO-3 parameters are empty outside forward
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    )
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from bigclip.engines.optimizer import excluded_from_weight_decay
+from bigclip.engines.optimizer import weight_decay_split
 from bigclip.models.shape import ParamShape
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer2State's default min_8bit_size
@@ -64,7 +64,4 @@ def block_numels(params: Sequence[ParamShape]) -> dict[int, int]:
 
 def weight_decay_groups(params: Sequence[ParamShape]) -> list[list[ParamShape]]:
     """bigclip's two optimizer groups (no decay, decay), in `param_groups` order."""
-    no_decay, decay = [], []
-    for p in params:
-        (no_decay if excluded_from_weight_decay(p.name, p.shape) else decay).append(p)
-    return [no_decay, decay]
+    return list(weight_decay_split((p.name, p.shape, p) for p in params))

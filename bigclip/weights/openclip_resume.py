@@ -111,7 +111,9 @@ def plan_resume(source: WeightSource, checkpoint: dict, engine: Engine, cfg: Tra
 def _positions(saved: list[str], trained: list[str], shapes: dict) -> tuple[list[str], list[str]]:
     """OpenCLIP's two AdamW groups as parameter names: (no weight decay, weight decay)."""
     trainable = set(trained)
-    return weight_decay_split([n for n in saved if n in trainable], shapes)  # in named_parameters() order
+    return weight_decay_split(
+        (n, shapes[n], n) for n in saved if n in trainable
+    )  # in named_parameters() order
 
 
 def _check_groups(optimizer: dict, positions: tuple[list[str], list[str]], *, uri: str) -> None:
